@@ -1,0 +1,44 @@
+from rest_framework import authentication, exceptions, permissions
+
+from .models import ApiToken
+from .services import token_authenticate
+
+
+class BearerTokenAuthentication(authentication.BaseAuthentication):
+    """`Authorization: Bearer gpp_...`. Tokens in query strings are never read."""
+
+    keyword = "Bearer"
+
+    def authenticate(self, request):
+        header = authentication.get_authorization_header(request).decode("latin-1")
+        if not header:
+            return None
+        parts = header.split()
+        if parts[0].lower() != "bearer":
+            return None
+        if len(parts) != 2:
+            raise exceptions.AuthenticationFailed("Malformed Authorization header; use 'Bearer <token>'.")
+        token = token_authenticate(parts[1])
+        if token is None:
+            raise exceptions.AuthenticationFailed("Invalid, expired or revoked token.")
+        return token.user, token
+
+    def authenticate_header(self, request):
+        return self.keyword
+
+
+class TokenScopePermission(permissions.BasePermission):
+    """A token may do only what its scopes allow; session users are limited by role alone."""
+
+    def has_permission(self, request, view):
+        token = request.auth
+        if not isinstance(token, ApiToken):
+            return True
+        if hasattr(view, "required_scope"):
+            scope = view.required_scope()
+        else:
+            scope = "read" if request.method in permissions.SAFE_METHODS else "admin"
+        if not token.has_scope(scope):
+            self.message = f"This token lacks the '{scope}' scope."
+            return False
+        return True

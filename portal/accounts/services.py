@@ -1,0 +1,73 @@
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from portal.core.context import Actor
+from portal.core.errors import Conflict, Forbidden, InvalidInput
+from portal.core.services import audit_record
+
+from . import tokens
+from .models import ApiToken, Scope
+
+
+def token_issue(*, actor: Actor, user, name: str, scopes: list[str], project=None,
+                expires_days: int | None = None) -> tuple[ApiToken, str]:
+    """Create a token for `user`; returns the row and the secret, which is never stored.
+
+    A token cannot mint a token wider than itself: same or fewer scopes, and the
+    same project restriction.
+    """
+    scopes = sorted(set(scopes))
+    if not scopes:
+        raise InvalidInput("Choose at least one scope.", field="scopes")
+    unknown = [s for s in scopes if s not in Scope.values]
+    if unknown:
+        raise InvalidInput(f"Unknown scope {unknown[0]!r}; use {', '.join(Scope.values)}.", field="scopes")
+    days = settings.TOKEN_DEFAULT_EXPIRY_DAYS if expires_days is None else expires_days
+    if not 1 <= days <= settings.TOKEN_MAX_EXPIRY_DAYS:
+        raise InvalidInput(f"expires_days must be between 1 and {settings.TOKEN_MAX_EXPIRY_DAYS}.",
+                           field="expires_days")
+    parent = actor.token
+    if parent is not None:
+        wider = [s for s in scopes if not parent.has_scope(s)]
+        if wider:
+            raise Forbidden(f"This token cannot grant the {wider[0]!r} scope it does not hold itself.",
+                            field="scopes")
+        if parent.project_id is not None and (project is None or project.pk != parent.project_id):
+            raise Forbidden("A project-restricted token can only create tokens for the same project.",
+                            field="project")
+    secret = tokens.generate()
+    with transaction.atomic():
+        token = ApiToken.objects.create(
+            user=user, name=name, prefix=secret[: tokens.PREFIX_LEN], digest=tokens.digest(secret),
+            scopes=scopes, project=project, expires_at=timezone.now() + timedelta(days=days),
+        )
+        audit_record(actor=actor, action="token.create", obj=token, project=project,
+                     scopes=scopes, expires_at=token.expires_at.isoformat())
+    return token, secret
+
+
+def token_revoke(*, actor: Actor, token: ApiToken) -> ApiToken:
+    with transaction.atomic():
+        updated = ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
+        if not updated:
+            raise Conflict("This token is already revoked.")
+        token.refresh_from_db()
+        audit_record(actor=actor, action="token.revoke", obj=token, project=token.project)
+    return token
+
+
+def token_authenticate(secret: str) -> ApiToken | None:
+    """The usable token for `secret`, or None. Records the last use at most once a minute."""
+    if not tokens.looks_valid(secret):
+        return None
+    token = ApiToken.objects.usable().select_related("user", "project").filter(digest=tokens.digest(secret)).first()
+    if token is None or not token.user.is_active:
+        return None
+    now = timezone.now()
+    if token.last_used_at is None or now - token.last_used_at > timedelta(minutes=1):
+        ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
+        token.last_used_at = now
+    return token

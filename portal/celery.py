@@ -1,0 +1,30 @@
+"""The portal's Celery app and its queues (DESIGN.md section 1).
+
+- `scheduler`: schedule_pass, reap_nodes, meter_usage, rollup_metrics, autoscale.
+  Run by the portal's own workers; one scheduling pass at a time (advisory lock).
+- `default`: everything else the portal queues (notifications, housekeeping).
+- `node.<name>`: one queue per GPU node, consumed only by that node's agent
+  (`agent.launch`, `agent.stop`). The portal only publishes there.
+"""
+import os
+
+from celery import Celery
+from kombu import Queue
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+
+app = Celery("portal")
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.conf.task_queues = (Queue("default"), Queue("scheduler"))
+app.conf.task_routes = {
+    "scheduler.*": {"queue": "scheduler"},
+    "nodes.reap_nodes": {"queue": "scheduler"},
+    "billing.*": {"queue": "scheduler"},
+    "metrics.*": {"queue": "scheduler"},
+}
+app.autodiscover_tasks(["portal.core", "portal.accounts", "portal.tenancy"])
+
+
+def node_queue(node_name: str) -> str:
+    """The queue a node's agent consumes; the only place the naming rule lives."""
+    return f"node.{node_name}"

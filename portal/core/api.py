@@ -1,0 +1,132 @@
+"""Shared API machinery: one error shape, strict input, scoped base viewset."""
+from collections.abc import Mapping
+
+from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.core.exceptions import RequestDataTooBig
+from django.http import Http404
+from rest_framework import exceptions, serializers, viewsets
+from rest_framework.response import Response
+from rest_framework.views import exception_handler as drf_exception_handler
+
+from .context import Actor, actor_from_request
+from .errors import ServiceError
+from .rest import PayloadTooLarge
+
+
+def _flatten(detail, prefix="") -> dict[str, list[str]]:
+    """DRF's nested error detail -> {"field.sub": ["message", ...]}."""
+    out: dict[str, list[str]] = {}
+    if isinstance(detail, Mapping):
+        for key, value in detail.items():
+            name = f"{prefix}.{key}" if prefix else str(key)
+            for k, v in _flatten(value, name).items():
+                out.setdefault(k, []).extend(v)
+    elif isinstance(detail, list):
+        if all(not isinstance(item, (Mapping, list)) for item in detail):
+            out[prefix or "non_field_errors"] = [str(item) for item in detail]
+        else:
+            for index, item in enumerate(detail):
+                for k, v in _flatten(item, f"{prefix}[{index}]" if prefix else str(index)).items():
+                    out.setdefault(k, []).extend(v)
+    else:
+        out[prefix or "non_field_errors"] = [str(detail)]
+    return out
+
+
+def error_body(status_code: int, code: str, message: str, fields: dict | None = None) -> dict:
+    return {"error": {"status": status_code, "code": code, "message": message, "fields": fields or {}}}
+
+
+def exception_handler(exc, context):
+    """Every API error has one JSON shape: {"error": {status, code, message, fields}}."""
+    if isinstance(exc, ServiceError):
+        return Response(error_body(exc.status, exc.code, exc.message, exc.as_fields()), status=exc.status)
+    if isinstance(exc, Http404):
+        exc = exceptions.NotFound()
+    elif isinstance(exc, RequestDataTooBig):
+        exc = PayloadTooLarge()
+    elif isinstance(exc, DjangoPermissionDenied):
+        exc = exceptions.PermissionDenied()
+    response = drf_exception_handler(exc, context)
+    if response is None:
+        return None  # a real bug: let Django report the 500
+    if isinstance(exc, exceptions.ValidationError):
+        fields = _flatten(exc.detail)
+        general = fields.pop("non_field_errors", None)
+        message = general[0] if general else "Invalid input: " + "; ".join(
+            f"{name}: {msgs[0]}" for name, msgs in list(fields.items())[:5]
+        )
+        if general and len(general) > 1:
+            fields["non_field_errors"] = general
+        response.data = error_body(response.status_code, "invalid", message, fields)
+    else:
+        detail = exc.detail if isinstance(exc, exceptions.APIException) else str(exc)
+        code = getattr(exc, "default_code", "error")
+        if isinstance(detail, (list, dict)):
+            fields = _flatten(detail)
+            response.data = error_body(response.status_code, code, "Request refused.", fields)
+        else:
+            code = getattr(detail, "code", code) or code
+            response.data = error_body(response.status_code, code, str(detail))
+    return response
+
+
+class StrictSerializerMixin:
+    """Refuse unknown and read-only keys instead of silently dropping them (mass assignment)."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, Mapping):
+            writable = {name for name, f in self.fields.items() if not f.read_only}
+            readonly = {name for name, f in self.fields.items() if f.read_only}
+            errors = {}
+            for key, value in data.items():
+                if key in writable:
+                    # DRF would turn 5 into "5"; a wrong type is a client bug worth naming.
+                    if isinstance(self.fields[key], serializers.CharField) and not (
+                        isinstance(value, str) or (value is None and self.fields[key].allow_null)
+                    ):
+                        errors[key] = ["Expected a string."]
+                    continue
+                errors[key] = ["This field is read-only."] if key in readonly else ["Unknown field."]
+            if errors:
+                raise serializers.ValidationError(errors)
+        return super().to_internal_value(data)
+
+
+class StrictSerializer(StrictSerializerMixin, serializers.Serializer):
+    pass
+
+
+class StrictModelSerializer(StrictSerializerMixin, serializers.ModelSerializer):
+    pass
+
+
+class ActorMixin:
+    @property
+    def actor(self) -> Actor:
+        return actor_from_request(self.request)
+
+
+class TenantViewSet(ActorMixin, viewsets.GenericViewSet):
+    """Base viewset: the queryset is restricted to what the caller may see before any handler runs.
+
+    Subclasses set `scoped_model` (a model whose manager has `for_user`). Objects the
+    caller may not see do not exist for them (404). Token scopes: safe methods need
+    `read`; other actions need `scope_for_action[action]` or `write_scope`.
+    """
+
+    scoped_model = None
+    write_scope = "admin"
+    scope_for_action: dict[str, str] = {}
+
+    def get_queryset(self):
+        if getattr(self, "swagger_fake_view", False):  # schema generation: no request user
+            return self.scoped_model.objects.none()
+        return self.scoped_model.objects.for_user(
+            self.request.user, "view", project_id=self.actor.restricted_project_id
+        )
+
+    def required_scope(self) -> str:
+        if self.action in self.scope_for_action:
+            return self.scope_for_action[self.action]
+        return "read" if self.request.method in ("GET", "HEAD", "OPTIONS") else self.write_scope

@@ -1,0 +1,36 @@
+"""Who is acting: passed to every service that changes state, for checks and the audit log."""
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Actor:
+    user: Any  # django.contrib.auth User, or None for the system itself
+    token: Any = None  # accounts.ApiToken when the request came with a Bearer token
+    ip: str | None = None
+    label: str = ""  # what acts when there is no user: "system", "scheduler", "node:gpu-01"
+
+    @property
+    def is_staff(self) -> bool:
+        return bool(self.user is not None and self.user.is_staff)
+
+    @property
+    def restricted_project_id(self) -> int | None:
+        return getattr(self.token, "project_id", None)
+
+
+SYSTEM = Actor(user=None, label="system")
+
+
+def client_ip(request) -> str | None:
+    # REMOTE_ADDR only: X-Forwarded-For is client-controlled unless a trusted proxy rewrites it.
+    return request.META.get("REMOTE_ADDR") or None
+
+
+def actor_from_request(request) -> Actor:
+    from portal.accounts.models import ApiToken
+
+    auth = getattr(request, "auth", None)
+    token = auth if isinstance(auth, ApiToken) else None
+    user = request.user if request.user.is_authenticated else None
+    return Actor(user=user, token=token, ip=client_ip(request))

@@ -1,0 +1,63 @@
+"""Personas used across the suite (DESIGN.md / STYLE.md habit 9):
+
+admin (staff); acme/vision: alice owner, bob member, dave viewer;
+globex/nlp: charlie owner, the outsider to everything of acme.
+"""
+import pytest
+from django.core.management import call_command
+from rest_framework.test import APIClient
+
+from portal.accounts.services import token_issue
+from portal.core.context import Actor
+
+
+@pytest.fixture(autouse=True)
+def _fast_passwords(settings):
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@pytest.fixture
+def demo(db):
+    call_command("seed_demo", stdout=open("/dev/null", "w"))
+    from django.contrib.auth import get_user_model
+
+    from portal.tenancy.models import Project
+
+    users = {u.username: u for u in get_user_model().objects.all()}
+    return type("Demo", (), {
+        "users": users,
+        "vision": Project.objects.get(slug="vision"),
+        "nlp": Project.objects.get(slug="nlp"),
+    })
+
+
+def make_token(user, scopes=("read", "submit", "admin"), project=None, **kwargs) -> str:
+    _, secret = token_issue(actor=Actor(user=user), user=user, name="test", scopes=list(scopes),
+                            project=project, **kwargs)
+    return secret
+
+
+@pytest.fixture
+def api():
+    """APIClient factory: api("alice") logs in by session; api(token="gpp_...") uses a Bearer token."""
+
+    def make(username=None, token=None):
+        client = APIClient()
+        if username:
+            from django.contrib.auth import get_user_model
+
+            client.force_login(get_user_model().objects.get(username=username))
+        if token:
+            client.credentials(HTTP_AUTHORIZATION=f"Bearer {token}")
+        return client
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _clear_cache():
+    """Throttle counters live in the cache (Redis in CI): each test starts from zero."""
+    from django.core.cache import cache
+
+    cache.clear()
+    yield

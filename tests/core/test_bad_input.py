@@ -1,0 +1,225 @@
+"""Bad input gets a 4xx with a field-level message, never a 500, never a partial record."""
+import json
+
+import pytest
+
+from portal.accounts.models import ApiToken
+from portal.core.models import AuditEvent
+from portal.tenancy.models import Membership, Organization, Project, Quota
+
+
+def counts():
+    return (Organization.objects.count(), Project.objects.count(), Quota.objects.count(),
+            Membership.objects.count(), ApiToken.objects.count())
+
+
+def error(response):
+    body = response.json()["error"]
+    assert set(body) == {"status", "code", "message", "fields"}
+    assert body["status"] == response.status_code
+    return body
+
+
+@pytest.fixture
+def admin(demo, api):
+    return api("admin")
+
+
+def test_malformed_json(admin, demo):
+    before = counts()
+    r = admin.post("/api/v1/projects/", data='{"organization": "acme", "slug": ', content_type="application/json")
+    assert r.status_code == 400
+    assert "Malformed JSON" in error(r)["message"]
+    assert counts() == before
+
+
+def test_nan_is_not_json(admin):
+    r = admin.patch("/api/v1/projects/vision/quota/", data='{"max_gpus": NaN}', content_type="application/json")
+    assert r.status_code == 400
+
+
+def test_non_json_content_type_is_refused(admin):
+    r = admin.post("/api/v1/organizations/", data="slug=x&name=y", content_type="application/x-www-form-urlencoded")
+    assert r.status_code == 415
+    assert error(r)["code"] == "unsupported_media_type"
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"slug": 5, "name": "x"}, "slug"),
+    ({"slug": ["a"], "name": "x"}, "slug"),
+    ({"slug": "ok-org", "name": "x", "max_gpus": "many"}, "max_gpus"),
+    ({"slug": "ok-org", "name": "x", "max_gpus": -1}, "max_gpus"),
+    ({"slug": "ok-org", "name": "x", "colour": "red"}, "colour"),
+    ({"slug": "ok-org", "name": "x", "created_at": "2020-01-01T00:00:00Z"}, "created_at"),
+    ({"slug": "a" * 10000, "name": "x"}, "slug"),
+    ({"slug": "ok-org", "name": "n" * 10000}, "name"),
+    ({"slug": "ok-org", "name": "nul\x00byte"}, "name"),
+    ({"slug": "Ünïcode", "name": "x"}, "slug"),
+    ({"slug": "acme", "name": "dup"}, "slug"),
+    ({"slug": "-bad-", "name": "x"}, "slug"),
+])
+def test_organization_create_rejects_with_field_message(admin, body, field):
+    before = counts()
+    r = admin.post("/api/v1/organizations/", data=body, format="json")
+    assert r.status_code == 400, r.content
+    body = error(r)
+    assert field in body["fields"], body
+    assert counts() == before
+
+
+def test_top_level_must_be_an_object(admin):
+    r = admin.post("/api/v1/organizations/", data=json.dumps([1, 2]), content_type="application/json")
+    assert r.status_code == 400
+
+
+def test_oversized_body(admin, settings):
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 10_000
+    before = counts()
+    r = admin.post("/api/v1/organizations/", data={"slug": "big", "name": "x" * 20_000}, format="json")
+    assert r.status_code == 413
+    assert error(r)["code"] == "payload_too_large"
+    assert counts() == before
+
+
+def test_odd_unicode_in_free_text_is_kept(admin):
+    name = "Проект 🚀 \u202e עברית"
+    r = admin.patch("/api/v1/projects/vision/", data={"name": name}, format="json")
+    assert r.status_code == 200
+    assert Project.objects.get(slug="vision").name == name
+
+
+def test_duplicate_project_slug_leaves_nothing(admin):
+    before = counts()
+    r = admin.post("/api/v1/projects/", data={"organization": "globex", "slug": "vision", "name": "dup"}, format="json")
+    assert r.status_code == 400
+    assert "slug" in error(r)["fields"]
+    assert counts() == before
+
+
+def test_project_create_with_bad_quota_leaves_nothing(admin):
+    before = counts()
+    r = admin.post("/api/v1/projects/", data={"organization": "acme", "slug": "newp", "name": "N",
+                                              "quota": {"max_gpus": "lots"}}, format="json")
+    assert r.status_code == 400
+    assert "quota.max_gpus" in error(r)["fields"]
+    assert counts() == before
+
+
+def test_project_create_unknown_organization(admin):
+    r = admin.post("/api/v1/projects/", data={"organization": "nope", "slug": "newp", "name": "N"}, format="json")
+    assert r.status_code == 400
+    assert "organization" in error(r)["fields"]
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"organization": "globex"}, "organization"),
+    ({"id": 99}, "id"),
+    ({"slug": "stolen"}, "slug"),
+    ({"quota": {"max_gpus": 1000}}, "quota"),
+    ({"role": "owner"}, "role"),
+])
+def test_mass_assignment_is_refused(demo, api, body, field):
+    r = api("alice").patch("/api/v1/projects/vision/", data=body, format="json")
+    assert r.status_code == 400
+    assert field in error(r)["fields"]
+    project = Project.objects.get(pk=demo.vision.pk)
+    assert project.organization.slug == "acme" and project.slug == "vision"
+    assert project.quota.max_gpus == 16
+
+
+def test_member_cannot_make_itself_owner(demo, api):
+    r = api("bob").patch("/api/v1/projects/vision/members/bob/", data={"role": "owner"}, format="json")
+    assert r.status_code == 403
+    assert Membership.objects.get(project=demo.vision, user__username="bob").role == "member"
+
+
+def test_admin_cannot_grant_owner(demo, api):
+    from portal.core.context import Actor
+    from portal.tenancy.services import membership_change_role
+
+    bob = Membership.objects.get(project=demo.vision, user__username="bob")
+    membership_change_role(actor=Actor(user=demo.users["alice"]), membership=bob, role="admin")
+    r = api("bob").patch("/api/v1/projects/vision/members/bob/", data={"role": "owner"}, format="json")
+    assert r.status_code == 403
+    assert error(r)["fields"] == {"role": ["Only an owner can grant or change the owner role."]}
+    r = api("bob").patch("/api/v1/projects/vision/members/alice/", data={"role": "viewer"}, format="json")
+    assert r.status_code == 403
+    r = api("bob").post("/api/v1/projects/vision/members/", data={"username": "charlie", "role": "owner"}, format="json")
+    assert r.status_code == 403
+    assert not Membership.objects.filter(project=demo.vision, user__username="charlie").exists()
+    # An admin does manage non-owner roles.
+    r = api("bob").patch("/api/v1/projects/vision/members/dave/", data={"role": "member"}, format="json")
+    assert r.status_code == 200
+
+
+def test_last_owner_cannot_leave_or_be_demoted(demo, api):
+    r = api("alice").patch("/api/v1/projects/vision/members/alice/", data={"role": "member"}, format="json")
+    assert r.status_code == 409
+    r = api("alice").delete("/api/v1/projects/vision/members/alice/")
+    assert r.status_code == 409
+    assert Membership.objects.get(project=demo.vision, user__username="alice").role == "owner"
+
+
+@pytest.mark.parametrize("body,field,status", [
+    ({"username": "nobody", "role": "member"}, "username", 400),
+    ({"username": "charlie", "role": "god"}, "role", 400),
+    ({"username": "bob", "role": "member"}, "username", 409),
+    ({"username": "charlie"}, "role", 400),
+])
+def test_member_add_errors(demo, api, body, field, status):
+    before = counts()
+    r = api("alice").post("/api/v1/projects/vision/members/", data=body, format="json")
+    assert r.status_code == status
+    assert field in error(r)["fields"]
+    assert counts() == before
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"name": "t", "scopes": ["root"]}, "scopes.0"),
+    ({"name": "t", "scopes": []}, "scopes"),
+    ({"name": "t", "expires_days": 0}, "expires_days"),
+    ({"name": "t", "expires_days": 400}, "expires_days"),
+    ({"name": "t", "project": "nlp"}, "project"),
+    ({"name": "t", "digest": "abc"}, "digest"),
+    ({"name": "t", "user": 1}, "user"),
+    ({}, "name"),
+])
+def test_token_create_errors(demo, api, body, field):
+    before = counts()
+    r = api("alice").post("/api/v1/tokens/", data=body, format="json")
+    assert r.status_code == 400, r.content
+    assert field in error(r)["fields"], error(r)
+    assert counts() == before
+
+
+def test_quota_max_below_guaranteed(admin):
+    r = admin.patch("/api/v1/projects/vision/quota/", data={"max_gpus": 2}, format="json")
+    assert r.status_code == 400
+    assert "max_gpus" in error(r)["fields"]
+    assert Quota.objects.get(project__slug="vision").max_gpus == 16
+
+
+def test_audit_records_every_change(demo, api):
+    client = api("alice")
+    start = AuditEvent.objects.latest("id").id
+    assert client.patch("/api/v1/projects/vision/", data={"description": "d"}, format="json").status_code == 200
+    assert client.patch("/api/v1/projects/vision/members/dave/", data={"role": "member"}, format="json").status_code == 200
+    r = client.post("/api/v1/tokens/", data={"name": "t"}, format="json", REMOTE_ADDR="10.1.2.3")
+    assert client.delete(f"/api/v1/tokens/{r.json()['id']}/").status_code == 204
+    events = list(AuditEvent.objects.filter(id__gt=start).order_by("id"))
+    assert [ev.action for ev in events] == ["project.update", "membership.update", "token.create", "token.revoke"]
+    assert all(ev.actor_label == "alice" for ev in events)
+    assert events[2].source_ip == "10.1.2.3"
+    # A failed change writes no audit row.
+    assert client.patch("/api/v1/projects/vision/members/alice/", data={"role": "viewer"}, format="json").status_code == 409
+    assert AuditEvent.objects.filter(id__gt=start).count() == 4
+
+
+def test_audit_names_the_token(demo, api):
+    from tests.conftest import make_token
+
+    token = make_token(demo.users["alice"], ["read", "admin"])
+    r = api(token=token).patch("/api/v1/projects/vision/", data={"description": "via token"}, format="json")
+    assert r.status_code == 200
+    event = AuditEvent.objects.filter(action="project.update").latest("id")
+    assert event.token_prefix == token[:12]

@@ -1,0 +1,185 @@
+"""Tenant-isolation matrix generated from the URL patterns.
+
+Every named URL must have an entry in MATRIX (a new endpoint without one fails
+`test_every_url_has_an_entry`). Each entry gives, per session persona, the
+status the request must get; token personas are derived: a token acts as its
+user, limited by its scopes (403 when the scope is missing) and its project.
+"""
+import pytest
+from django.urls import URLPattern, URLResolver, get_resolver
+
+from tests.conftest import make_token
+
+SESSION_PERSONAS = ["anonymous", "alice", "bob", "dave", "charlie", "admin"]
+# name -> (user, scopes, restricted to vision?)
+TOKEN_PERSONAS = {
+    "alice_read": ("alice", ["read"], False),
+    "alice_submit": ("alice", ["submit"], False),
+    "alice_all": ("alice", ["read", "submit", "admin"], False),
+    "alice_vision_read": ("alice", ["read"], True),
+    "bob_all": ("bob", ["read", "submit", "admin"], False),
+    "charlie_all": ("charlie", ["read", "submit", "admin"], False),
+}
+
+# Prefixes whose URLs are covered by a representative entry (Django admin has hundreds).
+COVERED_BY_PREFIX = {"admin:": "admin:index"}
+
+
+def e(method, url, expect, *, scope=None, body=None, api=True):
+    """One matrix row. expect: {persona: status}; a missing insider persona uses 'default'."""
+    return {"method": method, "url": url, "expect": expect, "scope": scope or ("read" if method == "GET" else "admin"),
+            "body": body, "api": api}
+
+
+def roles(anonymous, alice, bob, dave, charlie, admin):
+    return dict(anonymous=anonymous, alice=alice, bob=bob, dave=dave, charlie=charlie, admin=admin)
+
+
+ALL_200 = roles(401, 200, 200, 200, 200, 200)
+VISION_READ = roles(401, 200, 200, 200, 404, 200)
+
+MATRIX = {
+    "api:me": [e("GET", "/api/v1/me/", ALL_200)],
+    "api:organization-list": [
+        e("GET", "/api/v1/organizations/", ALL_200),
+        e("POST", "/api/v1/organizations/", roles(401, 403, 403, 403, 403, 201), body={"slug": "initech", "name": "Initech"}),
+    ],
+    "api:organization-detail": [e("GET", "/api/v1/organizations/acme/", VISION_READ)],
+    "api:project-list": [
+        e("GET", "/api/v1/projects/", ALL_200),
+        e("POST", "/api/v1/projects/", roles(401, 403, 403, 403, 403, 201),
+          body={"organization": "acme", "slug": "robotics", "name": "Robotics"}),
+    ],
+    "api:project-detail": [
+        e("GET", "/api/v1/projects/vision/", VISION_READ),
+        e("PATCH", "/api/v1/projects/vision/", roles(401, 200, 403, 403, 404, 200), body={"description": "x"}),
+    ],
+    "api:project-quota": [
+        e("GET", "/api/v1/projects/vision/quota/", VISION_READ),
+        e("PATCH", "/api/v1/projects/vision/quota/", roles(401, 403, 403, 403, 404, 200), body={"max_running_jobs": 3}),
+    ],
+    "api:project-members": [
+        e("GET", "/api/v1/projects/vision/members/", VISION_READ),
+        e("POST", "/api/v1/projects/vision/members/", roles(401, 201, 403, 403, 404, 201),
+          body={"username": "charlie", "role": "viewer"}),
+    ],
+    "api:project-member": [
+        e("GET", "/api/v1/projects/vision/members/bob/", VISION_READ),
+        e("PATCH", "/api/v1/projects/vision/members/dave/", roles(401, 200, 403, 403, 404, 200), body={"role": "member"}),
+        # bob may leave on his own; dave (viewer) may not remove him.
+        e("DELETE", "/api/v1/projects/vision/members/bob/", roles(401, 204, 204, 403, 404, 204)),
+    ],
+    "api:token-list": [
+        e("GET", "/api/v1/tokens/", ALL_200),
+        e("POST", "/api/v1/tokens/", roles(401, 201, 201, 201, 201, 201), body={"name": "ci", "scopes": ["read"]}),
+    ],
+    # {alice_token} is a token of alice's: tokens are personal, even staff get 404.
+    "api:token-detail": [
+        # A project-restricted token sees only tokens restricted to the same project.
+        e("GET", "/api/v1/tokens/{alice_token}/", {**roles(401, 200, 404, 404, 404, 404), "alice_vision_read": 404}),
+        e("DELETE", "/api/v1/tokens/{alice_token}/", roles(401, 204, 404, 404, 404, 404)),
+    ],
+    "schema": [e("GET", "/api/schema/", roles(200, 200, 200, 200, 200, 200), api=False)],
+    "api-docs": [e("GET", "/api/docs/", roles(200, 200, 200, 200, 200, 200), api=False)],
+    "login": [e("GET", "/login/", roles(200, 302, 302, 302, 302, 302), api=False)],
+    "logout": [e("POST", "/logout/", roles(302, 302, 302, 302, 302, 302), api=False)],
+    "home": [e("GET", "/", roles(302, 200, 200, 200, 200, 200), api=False)],
+    "admin:index": [e("GET", "/admin/", roles(302, 302, 302, 302, 302, 200), api=False)],
+}
+
+
+def _names(resolver=None, namespace=""):
+    resolver = resolver or get_resolver()
+    for item in resolver.url_patterns:
+        if isinstance(item, URLResolver):
+            ns = f"{namespace}{item.namespace}:" if item.namespace else namespace
+            yield from _names(item, ns)
+        elif isinstance(item, URLPattern) and item.name:
+            yield f"{namespace}{item.name}"
+
+
+def test_every_url_has_an_entry():
+    missing = []
+    for name in set(_names()):
+        if name in MATRIX:
+            continue
+        if any(name.startswith(prefix) for prefix in COVERED_BY_PREFIX):
+            continue
+        missing.append(name)
+    assert not missing, f"URL names without an isolation-matrix entry: {sorted(missing)}"
+
+
+def _cases():
+    for name, rows in MATRIX.items():
+        for i, row in enumerate(rows):
+            for persona in SESSION_PERSONAS + list(TOKEN_PERSONAS):
+                yield pytest.param(name, i, persona, id=f"{name}[{row['method']}]-{persona}")
+
+
+def _expected(row, persona):
+    if persona in row["expect"]:
+        return row["expect"][persona]
+    if persona in TOKEN_PERSONAS:
+        user, scopes, _ = TOKEN_PERSONAS[persona]
+        if not row["api"]:
+            # Pages ignore Bearer tokens: the request is anonymous there.
+            return row["expect"]["anonymous"]
+        if row["scope"] not in scopes:
+            return 403
+        return row["expect"][user]
+    return row["expect"][persona]
+
+
+@pytest.mark.parametrize("name,index,persona", list(_cases()))
+def test_matrix(demo, api, name, index, persona):
+    row = MATRIX[name][index]
+    alice_token_id = _alice_token(demo.users["alice"]).pk
+    if persona == "anonymous":
+        client = api()
+    elif persona in TOKEN_PERSONAS:
+        user, scopes, restricted = TOKEN_PERSONAS[persona]
+        client = api(token=make_token(demo.users[user], scopes, project=demo.vision if restricted else None))
+    else:
+        client = api(persona)
+    url = row["url"].format(alice_token=alice_token_id)
+    response = getattr(client, row["method"].lower())(url, data=row["body"], format="json")
+    assert response.status_code == _expected(row, persona), getattr(response, "data", response.content[:300])
+    if row["api"] and response.status_code >= 400:
+        assert set(response.json()["error"]) >= {"status", "code", "message", "fields"}
+
+
+def _alice_token(alice):
+    from portal.accounts.models import ApiToken
+
+    make_token(alice, ["read"])
+    return ApiToken.objects.filter(user=alice).latest("id")
+
+
+@pytest.mark.parametrize("username,visible", [
+    ("alice", {"vision"}), ("bob", {"vision"}), ("dave", {"vision"}), ("charlie", {"nlp"}), ("admin", {"vision", "nlp"}),
+])
+def test_lists_show_only_own_tenant(demo, api, username, visible):
+    client = api(username)
+    projects = {p["slug"] for p in client.get("/api/v1/projects/").json()["results"]}
+    assert projects == visible
+    orgs = {o["slug"] for o in client.get("/api/v1/organizations/").json()["results"]}
+    assert orgs == {{"vision": "acme", "nlp": "globex"}[p] for p in visible}
+
+
+def test_project_restricted_token_sees_only_its_project(demo, api):
+    from portal.tenancy.models import Organization, Project
+    from portal.tenancy.services import membership_add, project_create
+    from portal.core.context import Actor
+
+    staff = Actor(user=demo.users["admin"])
+    other = project_create(actor=staff, organization=Organization.objects.get(slug="acme"), slug="audio", name="Audio")
+    membership_add(actor=staff, project=other, username="alice", role="owner")
+    token = make_token(demo.users["alice"], ["read"], project=demo.vision)
+    client = api(token=token)
+    assert {p["slug"] for p in client.get("/api/v1/projects/").json()["results"]} == {"vision"}
+    assert client.get("/api/v1/projects/audio/").status_code == 404
+    assert client.get("/api/v1/projects/audio/members/").status_code == 404
+    assert [m["project"] for m in client.get("/api/v1/me/").json()["memberships"]] == ["vision"]
+    # Without the restriction alice sees both.
+    assert {p["slug"] for p in api("alice").get("/api/v1/projects/").json()["results"]} == {"vision", "audio"}
+    assert Project.objects.count() == 3
