@@ -22,7 +22,13 @@ app.conf.task_routes = {
     "billing.*": {"queue": "scheduler"},
     "metrics.*": {"queue": "scheduler"},
 }
-app.autodiscover_tasks(["portal.core", "portal.accounts", "portal.tenancy"])
+app.autodiscover_tasks(["portal.core", "portal.accounts", "portal.tenancy", "portal.nodes", "portal.jobs"])
+app.autodiscover_tasks(["scheduler"], related_name="tasks")
+app.conf.beat_schedule = {
+    # Passes also run on submit, job end and node change; this catches everything else.
+    "schedule-pass": {"task": "scheduler.schedule_pass", "schedule": 5.0, "options": {"queue": "scheduler"}},
+    "reap-nodes": {"task": "nodes.reap_nodes", "schedule": 10.0, "options": {"queue": "scheduler"}},
+}
 
 
 def node_queue(node_name: str) -> str:

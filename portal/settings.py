@@ -118,6 +118,8 @@ INSTALLED_APPS = [
     "portal.core",
     "portal.accounts",
     "portal.tenancy",
+    "portal.nodes",
+    "portal.jobs",
 ]
 
 MIDDLEWARE = [
@@ -307,6 +309,31 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "default"
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 CELERY_TIMEZONE = "UTC"
+
+# Jobs and scheduling.
+JOB_ARRAY_MAX_TASKS = env_int("JOB_ARRAY_MAX_TASKS", 1000, minimum=1)
+JOB_DEFAULT_TIME_LIMIT_S = env_int("JOB_DEFAULT_TIME_LIMIT_S", 3600, minimum=1)
+SCHEDULER_POLICY = env_str("SCHEDULER_POLICY", "multifactor")
+SCHEDULER_PLACEMENT = env_str("SCHEDULER_PLACEMENT", "bestfit")
+SCHEDULER_INTERVAL_S = env_float("SCHEDULER_INTERVAL_S", 5.0)
+SCHEDULER_MIN_RUNTIME_S = env_int("SCHEDULER_MIN_RUNTIME_S", 600, minimum=0)
+SCHEDULER_FAIRSHARE_HALF_LIFE_S = env_int("SCHEDULER_FAIRSHARE_HALF_LIFE_S", 7 * 86400, minimum=60)
+LAUNCH_RESEND_S = env_int("LAUNCH_RESEND_S", 60, minimum=1)
+TESTING_CRASHPOINTS = env_bool("GPUPORTAL_CRASHPOINTS", False)
+# Nodes and agents (seconds). The portal re-places a silent node's jobs only after the agent's
+# lease plus a margin, so an agent cut off from the portal has stopped them first.
+NODE_HEARTBEAT_INTERVAL_S = env_float("NODE_HEARTBEAT_INTERVAL_S", 5.0)
+AGENT_LEASE_S = env_float("AGENT_LEASE_S", 30.0)
+NODE_TIMEOUT_S = env_float("NODE_TIMEOUT_S", 45.0)
+NODE_MASS_FAILURE_FRACTION = env_float("NODE_MASS_FAILURE_FRACTION", 0.5)
+JOB_MAX_ATTEMPTS = env_int("JOB_MAX_ATTEMPTS", 3, minimum=1)
+if NODE_TIMEOUT_S <= AGENT_LEASE_S:
+    raise ImproperlyConfigured("NODE_TIMEOUT_S: must be longer than AGENT_LEASE_S so agents fence themselves first")
+PREEMPT_GRACE_S = env_int("PREEMPT_GRACE_S", 30, minimum=0)
+if SCHEDULER_POLICY not in ("fifo", "multifactor", "las"):
+    raise ImproperlyConfigured(f"SCHEDULER_POLICY: use fifo, multifactor or las, got {SCHEDULER_POLICY!r}")
+if SCHEDULER_PLACEMENT not in ("bestfit", "spread"):
+    raise ImproperlyConfigured(f"SCHEDULER_PLACEMENT: use bestfit or spread, got {SCHEDULER_PLACEMENT!r}")
 
 DEMO_PASSWORD = env_str("DEMO_PASSWORD", "demo-pass-123")
 

@@ -5,11 +5,14 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 api_v1 = [
     path("", include("portal.accounts.urls_api")),
     path("", include("portal.tenancy.urls_api")),
+    path("", include("portal.jobs.urls_api")),
+    path("", include("portal.nodes.urls_api")),
 ]
 
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/v1/", include((api_v1, "api"))),
+    path("api/agent/v1/", include("portal.nodes.urls_agent")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("", include("portal.accounts.urls")),

@@ -93,6 +93,15 @@ class StrictSerializerMixin:
         return super().to_internal_value(data)
 
 
+class StrictCharField(serializers.CharField):
+    """A CharField that takes only strings (DRF's would turn 5 into "5")."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, str):
+            raise serializers.ValidationError("Expected a string.")
+        return super().to_internal_value(data)
+
+
 class StrictSerializer(StrictSerializerMixin, serializers.Serializer):
     pass
 

@@ -62,4 +62,6 @@ def user_can(user, action: str, project) -> bool:
         return False
     if staff_bypass(user, action):
         return True
-    return user.has_perm(f"tenancy.{ACTION_PERMS[action]}", project)
+    # The same query as for_user (not user.has_perm, which lets superusers do anything):
+    # staff submit jobs only where they are members.
+    return allowed_project_ids(user, action).filter(pk=project.pk).exists()

@@ -36,6 +36,7 @@ def roles(anonymous, alice, bob, dave, charlie, admin):
 
 
 ALL_200 = roles(401, 200, 200, 200, 200, 200)
+NOBODY = {**roles(401, 401, 401, 401, 401, 401), **{t: 401 for t in TOKEN_PERSONAS}}
 VISION_READ = roles(401, 200, 200, 200, 404, 200)
 
 MATRIX = {
@@ -79,6 +80,38 @@ MATRIX = {
         e("GET", "/api/v1/tokens/{alice_token}/", {**roles(401, 200, 404, 404, 404, 404), "alice_vision_read": 404}),
         e("DELETE", "/api/v1/tokens/{alice_token}/", roles(401, 204, 404, 404, 404, 404)),
     ],
+    "api:job-list": [
+        e("GET", "/api/v1/jobs/", ALL_200),
+        e("POST", "/api/v1/jobs/", roles(401, 201, 201, 403, 400, 403), scope="submit", body={
+            "project": "vision", "name": "m", "image": "gpuportal/busybox:latest", "command": ["true"]}),
+    ],
+    "api:job-detail": [e("GET", "/api/v1/jobs/{vision_job}/", VISION_READ)],
+    # The fixture job is alice's: bob (member) may cancel only his own jobs.
+    "api:job-cancel": [e("POST", "/api/v1/jobs/{vision_job}/cancel/", roles(401, 202, 403, 403, 404, 202),
+                         scope="submit")],
+    "api:job-resubmit": [e("POST", "/api/v1/jobs/{vision_job}/resubmit/", roles(401, 201, 201, 403, 404, 403),
+                           scope="submit")],
+    "api:job-logs": [e("GET", "/api/v1/jobs/{vision_job}/logs/", VISION_READ)],
+    "api:jobtemplate-list": [
+        e("GET", "/api/v1/job-templates/", ALL_200),
+        e("POST", "/api/v1/job-templates/", roles(401, 201, 403, 403, 400, 201),
+          body={"project": "vision", "name": "t2", "spec": {"image": "gpuportal/busybox:latest"}}),
+    ],
+    "api:jobtemplate-detail": [
+        e("GET", "/api/v1/job-templates/{vision_template}/", VISION_READ),
+        e("PATCH", "/api/v1/job-templates/{vision_template}/", roles(401, 200, 403, 403, 404, 200),
+          body={"description": "d"}),
+        e("DELETE", "/api/v1/job-templates/{vision_template}/", roles(401, 204, 403, 403, 404, 204)),
+    ],
+    # Nodes are operator business: every tenant persona gets 403, staff 200.
+    "api:node-list": [e("GET", "/api/v1/nodes/", roles(401, 403, 403, 403, 403, 200))],
+    "api:node-detail": [e("GET", "/api/v1/nodes/gpu-01/", roles(401, 403, 403, 403, 403, 200))],
+    "api:node-drain": [e("POST", "/api/v1/nodes/gpu-01/drain/", roles(401, 403, 403, 403, 403, 200))],
+    "api:node-undrain": [e("POST", "/api/v1/nodes/gpu-01/undrain/", roles(401, 403, 403, 403, 403, 409))],
+    # The agent API takes node tokens only: people and their tokens are strangers there.
+    **{f"agent:{name}": [e("POST", f"/api/agent/v1/{path}", NOBODY, body={"attempt": 1})] for name, path in [
+        ("register", "register"), ("heartbeat", "heartbeat"), ("confirm", "jobs/{vision_job}/confirm"),
+        ("events", "jobs/{vision_job}/events"), ("logs", "jobs/{vision_job}/logs")]},
     "schema": [e("GET", "/api/schema/", roles(200, 200, 200, 200, 200, 200), api=False)],
     "api-docs": [e("GET", "/api/docs/", roles(200, 200, 200, 200, 200, 200), api=False)],
     "login": [e("GET", "/login/", roles(200, 302, 302, 302, 302, 302), api=False)],
@@ -134,6 +167,7 @@ def _expected(row, persona):
 def test_matrix(demo, api, name, index, persona):
     row = MATRIX[name][index]
     alice_token_id = _alice_token(demo.users["alice"]).pk
+    fixtures = _tenant_objects(demo)
     if persona == "anonymous":
         client = api()
     elif persona in TOKEN_PERSONAS:
@@ -141,11 +175,26 @@ def test_matrix(demo, api, name, index, persona):
         client = api(token=make_token(demo.users[user], scopes, project=demo.vision if restricted else None))
     else:
         client = api(persona)
-    url = row["url"].format(alice_token=alice_token_id)
+    url = row["url"].format(alice_token=alice_token_id, **fixtures)
     response = getattr(client, row["method"].lower())(url, data=row["body"], format="json")
     assert response.status_code == _expected(row, persona), getattr(response, "data", response.content[:300])
     if row["api"] and response.status_code >= 400:
         assert set(response.json()["error"]) >= {"status", "code", "message", "fields"}
+
+
+def _tenant_objects(demo):
+    """A job and a template in vision, and a node, for the rows that need them."""
+    from portal.core.context import Actor
+    from portal.jobs.services import job_submit, template_save
+    from portal.nodes.services import node_add
+
+    alice = Actor(user=demo.users["alice"])
+    job, _ = job_submit(actor=alice, data={"project": "vision", "name": "fixture", "image": "gpuportal/busybox:latest",
+                                           "command": ["true"]})
+    template = template_save(actor=alice, project=demo.vision, name="t1", spec={"image": "gpuportal/busybox:latest"},
+                             locked=[])
+    node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="2xH100-80GB")
+    return {"vision_job": job.pk, "vision_template": template.pk}
 
 
 def _alice_token(alice):

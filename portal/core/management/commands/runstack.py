@@ -61,7 +61,8 @@ class Command(BaseCommand):
             time.sleep(0.5)
         for proc in children.values():
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
+                # The main process only: Celery stops its own pool children in a warm shutdown.
+                proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 15
         for name, proc in children.items():
             try:

@@ -1,0 +1,229 @@
+from collections import Counter, defaultdict
+
+import django_filters
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import mixins, serializers, status
+from rest_framework.decorators import action
+from rest_framework.response import Response
+
+from portal.core.api import StrictModelSerializer, TenantViewSet
+from portal.tenancy.models import Project
+
+from .models import TERMINAL, Job, JobEvent, JobLogChunk, JobTemplate
+from .services import job_cancel, job_resubmit, job_submit, template_delete, template_save
+from .spec import JobSpecSerializer
+
+
+class JobEventSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = JobEvent
+        fields = ["state", "attempt", "message", "at"]
+
+
+class JobSerializer(serializers.ModelSerializer):
+    project = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    user = serializers.SlugRelatedField(slug_field="username", read_only=True)
+    node = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    template = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    resources = serializers.SerializerMethodField()
+    reason = serializers.SerializerMethodField()
+    depends_on = serializers.PrimaryKeyRelatedField(many=True, read_only=True)
+    time_limit = serializers.IntegerField(source="time_limit_s", read_only=True)
+    slurm_code = serializers.CharField(read_only=True)
+    tasks = serializers.SerializerMethodField(help_text="Array parents: count of tasks per state.")
+
+    class Meta:
+        model = Job
+        fields = ["id", "project", "user", "name", "image", "command", "env", "resources", "time_limit", "priority",
+                  "preemptible", "sandbox", "network", "array", "is_array_parent", "array_parent", "array_index",
+                  "array_limit", "depends_on", "template", "resubmit_of", "state", "slurm_code", "attempt", "reason",
+                  "queue_position", "node", "exit_code", "submitted_at", "started_at", "ended_at", "tasks"]
+
+    def get_resources(self, job) -> dict:
+        return {"gpus": float(job.gpus), "gpu_type": job.gpu_type, "gpu_memory_mb": job.gpu_memory_mb,
+                "cpus": float(job.cpus), "memory_mb": job.memory_mb}
+
+    def get_reason(self, job) -> dict | None:
+        if not job.reason_code:
+            return None
+        return {"code": job.reason_code, "message": job.reason_message}
+
+    def get_tasks(self, job) -> dict | None:
+        if not job.is_array_parent:
+            return None
+        histograms = self.context.get("histograms")
+        if histograms is None:
+            return dict(Counter(job.tasks.values_list("state", flat=True)))
+        return histograms.get(job.pk, {})
+
+
+class JobDetailSerializer(JobSerializer):
+    events = JobEventSerializer(many=True, read_only=True)
+
+    class Meta(JobSerializer.Meta):
+        fields = JobSerializer.Meta.fields + ["events"]
+
+
+class JobFilter(django_filters.FilterSet):
+    project = django_filters.CharFilter(field_name="project__slug")
+    state = django_filters.BaseInFilter(field_name="state")
+    user = django_filters.CharFilter(field_name="user__username")
+    array_parent = django_filters.NumberFilter(field_name="array_parent_id")
+    submitted_after = django_filters.IsoDateTimeFilter(field_name="submitted_at", lookup_expr="gte")
+    submitted_before = django_filters.IsoDateTimeFilter(field_name="submitted_at", lookup_expr="lt")
+    active = django_filters.BooleanFilter(method="filter_active")
+    tasks = django_filters.BooleanFilter(method="filter_tasks", help_text="false: hide array tasks (default shows all)")
+
+    class Meta:
+        model = Job
+        fields = []
+
+    def filter_active(self, queryset, name, value):
+        return queryset.exclude(state__in=TERMINAL) if value else queryset.filter(state__in=TERMINAL)
+
+    def filter_tasks(self, queryset, name, value):
+        return queryset if value else queryset.filter(array_parent__isnull=True)
+
+
+class LogsSerializer(serializers.Serializer):
+    attempt = serializers.IntegerField()
+    offset = serializers.IntegerField()
+    next_offset = serializers.IntegerField()
+    data = serializers.CharField()
+    complete = serializers.BooleanField(help_text="True once the job has ended and the tail is shipped.")
+
+
+class JobViewSet(mixins.ListModelMixin, TenantViewSet):
+    """Jobs of the projects you may see. Submit with `submit` scope; cancel returns 202."""
+
+    scoped_model = Job
+    serializer_class = JobSerializer
+    filterset_class = JobFilter
+    scope_for_action = {"create": "submit", "cancel": "submit", "resubmit": "submit"}
+
+    def get_queryset(self):
+        qs = super().get_queryset().select_related("project", "user", "node", "template")
+        qs = qs.prefetch_related("depends_on").order_by("-submitted_at", "-id")
+        if self.action == "retrieve":
+            qs = qs.prefetch_related("events")
+        return qs
+
+    def get_serializer_context(self):
+        return {**super().get_serializer_context(), **getattr(self, "_extra_context", {})}
+
+    def list(self, request, *args, **kwargs):
+        page = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
+        parents = [j.pk for j in page if j.is_array_parent]
+        histograms: dict[int, dict] = defaultdict(dict)
+        if parents:
+            from django.db.models import Count
+
+            for parent, state, n in Job.objects.filter(array_parent_id__in=parents).values_list(
+                    "array_parent_id", "state").annotate(n=Count("id")):
+                histograms[parent][state] = n
+        self._extra_context = {"histograms": histograms}
+        return self.get_paginated_response(self.get_serializer(page, many=True).data)
+
+    @extend_schema(responses=JobDetailSerializer)
+    def retrieve(self, request, pk=None):
+        return Response(JobDetailSerializer(self.get_object(), context=self.get_serializer_context()).data)
+
+    @extend_schema(request=JobSpecSerializer, responses={201: JobSerializer, 200: JobSerializer},
+                   parameters=[OpenApiParameter("Idempotency-Key", str, OpenApiParameter.HEADER, required=False)])
+    def create(self, request):
+        key = request.headers.get("Idempotency-Key", "")
+        if len(key) > 128:
+            raise serializers.ValidationError({"Idempotency-Key": ["At most 128 characters."]})
+        job, created = job_submit(actor=self.actor, data=request.data, idempotency_key=key)
+        job = self.get_queryset().get(pk=job.pk)
+        return Response(JobSerializer(job, context=self.get_serializer_context()).data,
+                        status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+
+    @extend_schema(request=None, responses={202: JobSerializer})
+    @action(detail=True, methods=["post"])
+    def cancel(self, request, pk=None):
+        job = job_cancel(actor=self.actor, job=self.get_object())
+        return Response(JobSerializer(job, context=self.get_serializer_context()).data,
+                        status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=None, responses={201: JobSerializer})
+    @action(detail=True, methods=["post"])
+    def resubmit(self, request, pk=None):
+        job = job_resubmit(actor=self.actor, job=self.get_object())
+        return Response(JobSerializer(self.get_queryset().get(pk=job.pk), context=self.get_serializer_context()).data,
+                        status=status.HTTP_201_CREATED)
+
+    @extend_schema(responses=LogsSerializer, parameters=[
+        OpenApiParameter("offset", int, description="byte offset to read from (default 0)"),
+        OpenApiParameter("attempt", int, description="attempt (default: the latest)")])
+    @action(detail=True, methods=["get"])
+    def logs(self, request, pk=None):
+        job = self.get_object()
+        try:
+            offset = max(0, int(request.query_params.get("offset", 0)))
+            attempt = int(request.query_params.get("attempt", job.attempt))
+        except ValueError:
+            raise serializers.ValidationError({"offset": ["Expected an integer."]}) from None
+        chunks = JobLogChunk.objects.filter(job=job, attempt=attempt).order_by("offset").values_list("offset", "data")
+        text, end = [], offset
+        for start, data in chunks:
+            stop = start + len(data.encode())
+            if stop <= offset:
+                continue
+            raw = data.encode()[max(0, offset - start):]
+            text.append(raw.decode(errors="replace"))
+            end = stop
+        return Response({"attempt": attempt, "offset": offset, "next_offset": max(end, offset), "data": "".join(text),
+                         "complete": job.state in TERMINAL})
+
+
+class JobTemplateSerializer(StrictModelSerializer):
+    project = serializers.SlugRelatedField(slug_field="slug", queryset=Project.objects.none())
+    spec = serializers.DictField()
+    locked = serializers.ListField(child=serializers.CharField(max_length=32), required=False, default=list)
+
+    class Meta:
+        model = JobTemplate
+        fields = ["id", "project", "name", "description", "spec", "locked", "created_at"]
+        read_only_fields = ["id", "created_at"]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        request = self.context.get("request")
+        if request is not None and request.user.is_authenticated:
+            self.fields["project"].queryset = Project.objects.for_user(request.user, "view")
+
+
+class JobTemplateViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenantViewSet):
+    """Reusable job specs of a project: everyone in it reads, owners and admins write."""
+
+    scoped_model = JobTemplate
+    serializer_class = JobTemplateSerializer
+    filterset_fields = {"project__slug": ["exact"]}
+
+    def get_queryset(self):
+        return super().get_queryset().select_related("project")
+
+    def create(self, request):
+        data = JobTemplateSerializer(data=request.data, context=self.get_serializer_context())
+        data.is_valid(raise_exception=True)
+        v = data.validated_data
+        template = template_save(actor=self.actor, project=v["project"], name=v["name"], spec=v["spec"],
+                                 locked=v["locked"], description=v.get("description", ""))
+        return Response(JobTemplateSerializer(template).data, status=status.HTTP_201_CREATED)
+
+    def partial_update(self, request, pk=None):
+        template = self.get_object()
+        if "project" in request.data:
+            raise serializers.ValidationError({"project": ["A template cannot move to another project."]})
+        data = JobTemplateSerializer(template, data=request.data, partial=True, context=self.get_serializer_context())
+        data.is_valid(raise_exception=True)
+        v = {"name": template.name, "spec": template.spec, "locked": template.locked,
+             "description": template.description, **data.validated_data}
+        v.pop("project", None)
+        template = template_save(actor=self.actor, project=template.project, template=template, **v)
+        return Response(JobTemplateSerializer(template).data)
+
+    def destroy(self, request, pk=None):
+        template_delete(actor=self.actor, template=self.get_object())
+        return Response(status=status.HTTP_204_NO_CONTENT)

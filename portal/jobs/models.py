@@ -1,0 +1,184 @@
+from django.conf import settings
+from django.db import models
+
+from portal.core.querysets import TenantQuerySet
+
+
+class JobState(models.TextChoices):
+    """A job's lifecycle (Slurm's code in brackets). Groups below are the only lists of states."""
+
+    QUEUED = "queued", "Queued"  # [PD] waiting for admission and GPUs; `reason` says why
+    ASSIGNED = "assigned", "Assigned"  # [CF] GPUs allocated, launch sent to the node's agent
+    STARTING = "starting", "Starting"  # agent confirmed the attempt and is creating the sandbox
+    RUNNING = "running", "Running"  # [R] the command runs in its sandbox
+    PREEMPTED = "preempted", "Preempted"  # [PR] stopped for higher-priority work; goes back to queued
+    SUCCEEDED = "succeeded", "Succeeded"  # [CD] exit code 0
+    FAILED = "failed", "Failed"  # [F] non-zero exit code or a sandbox error
+    CANCELLED = "cancelled", "Cancelled"  # [CA] by a user, or a dependency failed
+    TIMEOUT = "timeout", "Timed out"  # [TO] ran past its time limit
+    NODE_FAIL = "node_fail", "Node failed"  # [NF] its node went silent and requeue was not allowed
+    OOM = "oom", "Out of memory"  # [OOM] killed by the memory limit
+
+
+ACTIVE = frozenset({JobState.QUEUED, JobState.ASSIGNED, JobState.STARTING, JobState.RUNNING, JobState.PREEMPTED})
+TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.TIMEOUT,
+                      JobState.NODE_FAIL, JobState.OOM})
+CANCELLABLE = frozenset({JobState.QUEUED, JobState.ASSIGNED, JobState.STARTING, JobState.RUNNING})
+# States in which a job holds GPUs (an open Allocation).
+HOLDING = frozenset({JobState.ASSIGNED, JobState.STARTING, JobState.RUNNING})
+
+SLURM_CODES = {
+    "queued": "PD", "assigned": "CF", "starting": "CF", "running": "R", "preempted": "PR", "succeeded": "CD",
+    "failed": "F", "cancelled": "CA", "timeout": "TO", "node_fail": "NF", "oom": "OOM",
+}
+
+
+class Priority(models.TextChoices):
+    """QoS classes: the scheduler's qos factor and what preemption compares."""
+
+    LOW = "low", "Low"
+    NORMAL = "normal", "Normal"
+    HIGH = "high", "High"
+
+
+QOS_VALUE = {Priority.LOW: 0, Priority.NORMAL: 1, Priority.HIGH: 2}
+
+
+class JobQuerySet(TenantQuerySet):
+    project_path = "project"
+
+
+class Job(models.Model):
+    """One submitted job, or the parent of an array (whose tasks are Jobs with array_parent set)."""
+
+    project = models.ForeignKey("tenancy.Project", on_delete=models.PROTECT, related_name="jobs")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs")
+    name = models.CharField(max_length=200)
+    # The spec (DESIGN.md section 4)
+    image = models.CharField(max_length=255)
+    command = models.JSONField(default=list)
+    env = models.JSONField(default=dict, blank=True)
+    gpus = models.DecimalField(max_digits=6, decimal_places=3, default=0)
+    gpu_type = models.CharField(max_length=64, blank=True)
+    gpu_memory_mb = models.PositiveIntegerField(default=0)
+    cpus = models.DecimalField(max_digits=6, decimal_places=2, default=1)
+    memory_mb = models.PositiveIntegerField(default=4096)
+    time_limit_s = models.PositiveIntegerField()
+    priority = models.CharField(max_length=8, choices=Priority.choices, default=Priority.NORMAL)
+    preemptible = models.BooleanField(default=False)
+    sandbox = models.CharField(max_length=8, default="docker")
+    network = models.BooleanField(default=False)
+    # Arrays: the parent keeps the spec and `array`; each task has array_parent and array_index.
+    array = models.CharField(max_length=32, blank=True)
+    is_array_parent = models.BooleanField(default=False)
+    array_parent = models.ForeignKey("self", null=True, blank=True, on_delete=models.CASCADE, related_name="tasks")
+    array_index = models.PositiveIntegerField(null=True, blank=True)
+    array_limit = models.PositiveIntegerField(null=True, blank=True)
+    depends_on = models.ManyToManyField("self", symmetrical=False, blank=True, related_name="dependents")
+    template = models.ForeignKey("jobs.JobTemplate", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    resubmit_of = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="resubmits")
+    idempotency_key = models.CharField(max_length=128, blank=True)
+    # State
+    state = models.CharField(max_length=10, choices=JobState.choices, default=JobState.QUEUED, db_index=True)
+    attempt = models.PositiveIntegerField(default=1)
+    reason_code = models.CharField(max_length=32, blank=True)
+    reason_message = models.CharField(max_length=300, blank=True)
+    queue_position = models.PositiveIntegerField(null=True, blank=True)
+    node = models.ForeignKey("nodes.Node", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
+    exit_code = models.IntegerField(null=True, blank=True)
+    submitted_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+    state_changed_at = models.DateTimeField(auto_now_add=True)
+
+    objects = JobQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-submitted_at", "-id"]
+        indexes = [models.Index(fields=["project", "state"]), models.Index(fields=["state", "submitted_at"])]
+        constraints = [
+            models.UniqueConstraint(fields=["user", "idempotency_key"], condition=~models.Q(idempotency_key=""),
+                                    name="job_unique_idempotency_key"),
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.pk} {self.name}"
+
+    @property
+    def slurm_code(self) -> str:
+        return SLURM_CODES.get(self.state, "")
+
+
+class JobEvent(models.Model):
+    """The timeline: one row per transition. At most one terminal row per job (exactly-once end)."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="events")
+    attempt = models.PositiveIntegerField()
+    state = models.CharField(max_length=10, choices=JobState.choices)
+    terminal = models.BooleanField(default=False)
+    message = models.CharField(max_length=300, blank=True)
+    at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["at", "id"]
+        constraints = [models.UniqueConstraint(fields=["job"], condition=models.Q(terminal=True),
+                                               name="jobevent_one_terminal_per_job")]
+
+
+class Allocation(models.Model):
+    """GPUs held by one attempt of a job, from assignment to release (billing meters these)."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="allocations")
+    attempt = models.PositiveIntegerField()
+    gpu = models.ForeignKey("nodes.GPU", on_delete=models.PROTECT, related_name="allocations")
+    fraction = models.DecimalField(max_digits=4, decimal_places=3, default=1)
+    shared = models.BooleanField(default=False)
+    borrowed = models.BooleanField(default=False)
+    started_at = models.DateTimeField()
+    released_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            # A whole GPU never holds two open allocations; the database refuses it.
+            models.UniqueConstraint(fields=["gpu"], condition=models.Q(released_at__isnull=True, shared=False),
+                                    name="allocation_one_open_per_whole_gpu"),
+        ]
+        indexes = [models.Index(fields=["released_at"])]
+
+
+class JobLogChunk(models.Model):
+    """Log text shipped by the agent, keyed by byte offset so a retried chunk is a no-op."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="log_chunks")
+    attempt = models.PositiveIntegerField()
+    offset = models.BigIntegerField()
+    data = models.TextField()
+
+    class Meta:
+        ordering = ["attempt", "offset"]
+        constraints = [models.UniqueConstraint(fields=["job", "attempt", "offset"], name="joblog_unique_offset")]
+
+
+class JobTemplateQuerySet(TenantQuerySet):
+    project_path = "project"
+
+
+class JobTemplate(models.Model):
+    """A project's reusable job spec; `locked` fields cannot be overridden at submit."""
+
+    project = models.ForeignKey("tenancy.Project", on_delete=models.CASCADE, related_name="job_templates")
+    name = models.CharField(max_length=100)
+    description = models.CharField(max_length=500, blank=True)
+    spec = models.JSONField(default=dict)
+    locked = models.JSONField(default=list, blank=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.SET_NULL, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = JobTemplateQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["project__slug", "name"]
+        constraints = [models.UniqueConstraint(fields=["project", "name"], name="jobtemplate_unique_name")]
+
+    def __str__(self) -> str:
+        return f"{self.project.slug}/{self.name}"

@@ -1,0 +1,129 @@
+"""Services for what node agents report about jobs: confirm (fencing), state events, log chunks.
+
+Every report carries (job_id, attempt) and comes from one node. A report for an attempt the
+portal has moved past, or for a job that does not hold GPUs on that node, is stale: the
+caller answers 409 and the agent stops that sandbox. Retries of a report already applied
+are no-ops, so agents may retry freely.
+"""
+import logging
+
+from django.db import IntegrityError, transaction
+
+from portal.core.errors import Conflict
+
+from .models import HOLDING, TERMINAL, Allocation, Job, JobLogChunk, JobState
+
+log = logging.getLogger(__name__)
+
+AGENT_TERMINAL = {JobState.SUCCEEDED, JobState.FAILED, JobState.TIMEOUT, JobState.OOM, JobState.CANCELLED}
+
+
+def job_nodes(job: Job) -> set[str]:
+    names = set(Allocation.objects.filter(job=job, released_at__isnull=True).values_list("gpu__node__name", flat=True))
+    if not names and job.node_id:
+        names = {job.node.name}  # a CPU-only job has no allocation, only its node
+    return names
+
+
+def _load(job_id, attempt: int, node) -> Job:
+    job = Job.objects.select_related("node").filter(pk=job_id).first() if str(job_id).isdigit() else None
+    if job is None:
+        raise Conflict(f"No job {job_id}: stop it.", code="stale")
+    if job.attempt != attempt:
+        raise Conflict(f"Job {job_id} is at attempt {job.attempt}, not {attempt}: stop it.", code="stale")
+    return job
+
+
+def job_confirm(*, node, job_id, attempt: int) -> dict:
+    """The agent asks before starting anything. Returns the launch spec, or raises Conflict (409)."""
+    from .selectors import launch_spec
+
+    job = _load(job_id, attempt, node)
+    if job.state not in HOLDING or node.name not in job_nodes(job):
+        raise Conflict(f"Job {job_id} attempt {attempt} is {job.state} and not placed on {node.name}.", code="stale")
+    from .states import transition
+
+    transition(job.pk, to=JobState.STARTING, from_states={JobState.ASSIGNED}, attempt=attempt,
+               message=f"Confirmed by {node.name}")
+    return launch_spec(job.pk, node.name)
+
+
+def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None = None, message: str = "") -> str:
+    """Apply a state the agent reports. Returns what happened: applied, duplicate."""
+    from .states import transition
+
+    job = _load(job_id, attempt, node)
+    if job.state in TERMINAL:
+        if job.state == state or state in AGENT_TERMINAL:
+            return "duplicate"  # a retry, or the agent finishing a job the portal already ended
+        raise Conflict(f"Job {job_id} already ended {job.state}.", code="stale")
+    if job.state not in HOLDING or node.name not in job_nodes(job):
+        raise Conflict(f"Job {job_id} attempt {attempt} is not running on {node.name}.", code="stale")
+    if state == JobState.STARTING:
+        transition(job.pk, to=JobState.STARTING, from_states={JobState.ASSIGNED}, attempt=attempt)
+        return "applied"
+    if state == JobState.RUNNING:
+        if job.state == JobState.RUNNING:
+            return "duplicate"
+        transition(job.pk, to=JobState.RUNNING, from_states={JobState.ASSIGNED, JobState.STARTING}, attempt=attempt,
+                   message=message or f"Running on {node.name}")
+        return "applied"
+    if state in AGENT_TERMINAL:
+        text = message or (f"Exit code {exit_code}" if exit_code is not None else state)
+        done = transition(job.pk, to=state, from_states=HOLDING, attempt=attempt, exit_code=exit_code,
+                          message=text, reason_code="" if state == JobState.SUCCEEDED else state,
+                          reason_message="" if state == JobState.SUCCEEDED else text[:300])
+        if done:
+            _after_end(job)
+        return "applied" if done else "duplicate"
+    raise Conflict(f"Unknown state {state!r}.", code="invalid_state")
+
+
+def _after_end(job: Job) -> None:
+    from portal.nodes.services import node_settle_drain
+
+    from .services import request_schedule_pass
+
+    for node_id in {job.node_id} - {None}:
+        node_settle_drain(node_id)
+    request_schedule_pass()
+
+
+def job_append_log(*, node, job_id, attempt: int, offset: int, data: str) -> bool:
+    """Store a chunk keyed by offset; a retried chunk is a no-op. Returns True when stored."""
+    job = _load(job_id, attempt, node)
+    if node.name not in job_nodes(job) and job.node_id != node.pk:
+        raise Conflict(f"Job {job_id} does not run on {node.name}.", code="stale")
+    try:
+        with transaction.atomic():
+            JobLogChunk.objects.create(job=job, attempt=attempt, offset=offset, data=data)
+    except IntegrityError:
+        return False
+    return True
+
+
+def stale_reports(*, node, reported: list[dict]) -> list[dict]:
+    """Of the jobs an agent says it runs, those it must stop (cancelled, requeued, moved)."""
+    keys = [(str(r.get("job_id")), int(r.get("attempt") or 0)) for r in reported
+            if r.get("state") not in AGENT_TERMINAL]
+    ids = [int(j) for j, _ in keys if j.isdigit()]
+    current = {str(pk): (state, attempt) for pk, state, attempt in
+               Job.objects.filter(pk__in=ids).values_list("pk", "state", "attempt")}
+    placed = {str(j) for j in Allocation.objects.filter(job_id__in=ids, released_at__isnull=True,
+                                                       gpu__node=node).values_list("job_id", flat=True)}
+    placed |= {str(j) for j in Job.objects.filter(pk__in=ids, node=node).values_list("pk", flat=True)}
+    stops = []
+    for job_id, attempt in keys:
+        state, current_attempt = current.get(job_id, (None, None))
+        if state is None:
+            reason = "unknown job"
+        elif current_attempt != attempt:
+            reason = f"stale attempt (now {current_attempt})"
+        elif state not in HOLDING:
+            reason = f"job is {state}"
+        elif job_id not in placed:
+            reason = "not placed on this node"
+        else:
+            continue
+        stops.append({"job_id": job_id, "attempt": attempt, "reason": reason})
+    return stops

@@ -1,0 +1,228 @@
+"""Writes for jobs: submit, cancel, resubmit, templates. Views, the API and the CLI call these."""
+import logging
+
+from django.db import IntegrityError, transaction
+from rest_framework import serializers
+
+from portal.core.context import Actor
+from portal.core.errors import Conflict, Forbidden, InvalidInput
+from portal.core.querysets import user_can
+from portal.core.services import audit_record
+from portal.tenancy.models import Project
+
+from .models import CANCELLABLE, HOLDING, TERMINAL, Job, JobState, JobTemplate
+from .selectors import gpu_hours_used_this_month
+from .spec import JobSpecSerializer, parse_array
+from .states import transition
+
+log = logging.getLogger(__name__)
+
+SPEC_FIELDS = ("name", "image", "command", "env", "resources", "time_limit", "priority", "preemptible", "sandbox",
+               "network", "array", "depends_on")
+
+
+def _submit_project(actor: Actor, slug) -> Project:
+    if not isinstance(slug, str) or not slug:
+        raise InvalidInput("This field is required.", field="project")
+    project = Project.objects.for_user(actor.user, "view", project_id=actor.restricted_project_id) \
+        .select_related("quota").filter(slug=slug).first()
+    if project is None:
+        raise InvalidInput(f"No project named {slug!r}.", field="project")
+    if not user_can(actor.user, "submit", project):
+        raise Forbidden(f"Your role in {slug} does not allow submitting jobs.", field="project")
+    return project
+
+
+def merge_template(project: Project, data: dict) -> tuple[dict, JobTemplate | None]:
+    """The template's spec under the submitted fields; locked fields may not differ."""
+    name = data.get("template")
+    if not name:
+        return data, None
+    template = JobTemplate.objects.filter(project=project, name=name).first()
+    if template is None:
+        raise InvalidInput(f"No template named {name!r} in {project.slug}.", field="template")
+    merged = {**template.spec, **data}
+    for field in template.locked:
+        if field in data and data[field] != template.spec.get(field):
+            raise InvalidInput(f"Locked by template {name}; it cannot be overridden.", field=field)
+    return merged, template
+
+
+def job_submit(*, actor: Actor, data: dict, idempotency_key: str = "") -> tuple[Job, bool]:
+    """Validate a spec and store the job (or an array parent and its tasks) in one transaction.
+
+    Returns (job, created). With an idempotency key already used by this user, returns the
+    job it created and created=False, storing nothing. A refused submit stores nothing.
+    """
+    if not isinstance(data, dict):
+        raise InvalidInput("Expected a JSON object.")
+    if idempotency_key:
+        existing = Job.objects.filter(user=actor.user, idempotency_key=idempotency_key).first()
+        if existing is not None:
+            return existing, False
+    project = _submit_project(actor, data.get("project"))
+    merged, template = merge_template(project, data)
+    spec = JobSpecSerializer(data=merged, context={"project": project})
+    spec.is_valid(raise_exception=True)
+    v = spec.validated_data
+    res = v["resources"]
+    quota = project.quota
+    if res["gpus"] > 0 and quota.gpu_hours_budget is not None:
+        used = gpu_hours_used_this_month([project.pk]).get(project.pk, 0.0)
+        if used >= float(quota.gpu_hours_budget):
+            raise Conflict(f"The project's GPU-hour budget is spent: {used:.1f} of {quota.gpu_hours_budget} "
+                           "GPU-hours this month. Ask an owner to raise it.", code="budget_exhausted")
+    try:
+        with transaction.atomic():
+            deps = _dependencies(project, v["depends_on"])
+            common = dict(
+                project=project, user=actor.user, name=v["name"], image=v["image"], command=v["command"],
+                env=v["env"], gpus=res["gpus"], gpu_type=res["gpu_type"], gpu_memory_mb=res["gpu_memory_mb"],
+                cpus=res["cpus"], memory_mb=res["memory_mb"], time_limit_s=v["time_limit"], priority=v["priority"],
+                preemptible=v["preemptible"], sandbox=v["sandbox"], network=v["network"], template=template,
+            )
+            # An array parent is never scheduled itself: its tasks carry the reasons.
+            job = Job.objects.create(**common, array=v["array"], is_array_parent=bool(v["array"]),
+                                     idempotency_key=idempotency_key,
+                                     reason_code="" if v["array"] else "new",
+                                     reason_message="" if v["array"] else "Waiting for the scheduler's next pass.")
+            job.depends_on.set(deps)
+            if v["array"]:
+                indexes, limit = parse_array(v["array"])
+                job.array_limit = limit
+                job.save(update_fields=["array_limit"])
+                tasks = Job.objects.bulk_create([
+                    Job(**common, array_parent=job, array_index=i, array_limit=limit, reason_code="new",
+                        reason_message="Waiting for the scheduler's next pass.")
+                    for i in indexes
+                ])
+                through = Job.depends_on.through
+                through.objects.bulk_create([through(from_job_id=t.pk, to_job_id=d.pk) for t in tasks for d in deps])
+            audit_record(actor=actor, action="job.submit", obj=job, project=project,
+                         gpus=str(res["gpus"]), array=v["array"])
+    except IntegrityError:
+        # The same idempotency key raced us: return the winner's job.
+        existing = Job.objects.filter(user=actor.user, idempotency_key=idempotency_key).first()
+        if idempotency_key and existing is not None:
+            return existing, False
+        raise
+    request_schedule_pass()
+    return job, True
+
+
+def _dependencies(project: Project, ids: list[int]) -> list[Job]:
+    if not ids:
+        return []
+    found = {j.pk: j for j in Job.objects.filter(pk__in=ids, project=project)}
+    missing = [i for i in ids if i not in found]
+    if missing:
+        raise InvalidInput(f"No job {missing[0]} in project {project.slug}.", field="depends_on")
+    for job in found.values():
+        if job.state in TERMINAL and job.state != JobState.SUCCEEDED:
+            raise InvalidInput(f"Job {job.pk} already ended {job.state}; this job could never start.",
+                               field="depends_on")
+    # A new job cannot close a cycle (it has no dependents yet); an existing graph is acyclic by induction.
+    return list(found.values())
+
+
+def job_cancel(*, actor: Actor, job: Job, reason: str = "") -> Job:
+    """Cancel a job (or every unfinished task of an array). Holders get a stop command."""
+    own = job.user_id == getattr(actor.user, "pk", None) and user_can(actor.user, "submit", job.project)
+    if not own and not user_can(actor.user, "manage", job.project):
+        raise Forbidden("You can cancel your own jobs; project owners and admins can cancel any.")
+    targets = list(job.tasks.filter(state__in=CANCELLABLE)) if job.is_array_parent else [job]
+    if not job.is_array_parent and job.state not in CANCELLABLE:
+        raise Conflict(f"Job {job.pk} is {job.state} and cannot be cancelled.", code="not_cancellable")
+    if job.is_array_parent and not targets and job.state in TERMINAL:
+        raise Conflict(f"Array job {job.pk} has already ended.", code="not_cancellable")
+    message = reason or f"Cancelled by {actor.user.get_username() if actor.user else actor.label}."
+    stops = []
+    with transaction.atomic():
+        for target in targets:
+            held = Job.objects.filter(pk=target.pk).values("state", "attempt", "node__name").first()
+            if transition(target.pk, to=JobState.CANCELLED, from_states=CANCELLABLE, message=message,
+                          reason_code="cancelled", reason_message=message):
+                if held["state"] in HOLDING and held["node__name"]:
+                    stops.append((held["node__name"], target.pk, held["attempt"]))
+        if job.is_array_parent:
+            transition(job.pk, to=JobState.CANCELLED, from_states=set(JobState.values) - TERMINAL, message=message)
+        audit_record(actor=actor, action="job.cancel", obj=job, project=job.project)
+        _send_stops_on_commit(stops, "cancelled")
+    request_schedule_pass()
+    job.refresh_from_db()
+    return job
+
+
+def _send_stops_on_commit(stops, reason: str, grace_s: int | None = None):
+    from scheduler.dispatch import send_stop
+
+    for node_name, job_id, attempt in stops:
+        transaction.on_commit(lambda n=node_name, j=job_id, a=attempt: send_stop(n, j, a, reason, grace_s))
+
+
+def job_resubmit(*, actor: Actor, job: Job) -> Job:
+    """A new job with the original's spec, linked to it (the original is left as it ended)."""
+    data = {
+        "project": job.project.slug, "name": job.name, "image": job.image, "command": job.command, "env": job.env,
+        "resources": {"gpus": str(job.gpus), "gpu_type": job.gpu_type, "gpu_memory_mb": job.gpu_memory_mb,
+                      "cpus": str(job.cpus), "memory_mb": job.memory_mb},
+        "time_limit": job.time_limit_s, "priority": job.priority, "preemptible": job.preemptible,
+        "sandbox": job.sandbox, "network": job.network, "array": job.array,
+    }
+    if job.array_parent_id:
+        raise InvalidInput("Resubmit the array job, not one of its tasks.", code="array_task")
+    new, _ = job_submit(actor=actor, data=data)
+    Job.objects.filter(pk=new.pk).update(resubmit_of=job)
+    new.resubmit_of = job
+    return new
+
+
+def template_save(*, actor: Actor, project: Project, name: str, spec: dict, locked: list[str],
+                  description: str = "", template: JobTemplate | None = None) -> JobTemplate:
+    if not user_can(actor.user, "manage", project):
+        raise Forbidden(f"You need the owner or admin role in {project.slug} to manage templates.")
+    unknown = [f for f in list(spec) + list(locked) if f not in SPEC_FIELDS]
+    if unknown:
+        raise InvalidInput(f"{unknown[0]!r} is not a job spec field.", field="spec" if unknown[0] in spec else "locked")
+    # A template must itself be a valid spec fragment: check it with a placeholder name/command.
+    probe = {"project": project.slug, "name": "template-check", "image": "x", "command": ["true"], **spec}
+    check = JobSpecSerializer(data=probe, context={"project": project})
+    if not check.is_valid():
+        errors = {f"spec.{k}": v for k, v in check.errors.items() if k.split(".")[0] in spec}
+        if errors:
+            raise serializers.ValidationError(errors)
+    with transaction.atomic():
+        if template is None:
+            if JobTemplate.objects.filter(project=project, name=name).exists():
+                raise InvalidInput(f"A template named {name!r} already exists.", field="name")
+            template = JobTemplate.objects.create(project=project, name=name, spec=spec, locked=locked,
+                                                  description=description, created_by=actor.user)
+        else:
+            template.name, template.spec, template.locked, template.description = name, spec, locked, description
+            template.save()
+        audit_record(actor=actor, action="jobtemplate.save", obj=template, project=project)
+    return template
+
+
+def template_delete(*, actor: Actor, template: JobTemplate) -> None:
+    if not user_can(actor.user, "manage", template.project):
+        raise Forbidden(f"You need the owner or admin role in {template.project.slug} to manage templates.")
+    with transaction.atomic():
+        audit_record(actor=actor, action="jobtemplate.delete", obj=template, project=template.project)
+        template.delete()
+
+
+def request_schedule_pass() -> None:
+    """Ask for a scheduling pass once the current transaction commits (beat also runs one)."""
+    transaction.on_commit(_publish_schedule_pass)
+
+
+def _publish_schedule_pass() -> None:
+    from scheduler.tasks import schedule_pass
+
+    try:
+        # No retries: a broker hiccup must not fail the user's request; beat runs a pass anyway.
+        schedule_pass.apply_async(queue="scheduler", retry=False)
+    except Exception as exc:  # kombu raises several types for an unreachable broker
+        log.warning("could not request a scheduling pass (beat will run one): %s", exc)
+

@@ -1,0 +1,175 @@
+"""The job spec (DESIGN.md section 4): parsing and every rule a submit is checked against.
+
+Field-level rules live in the serializers; rules that need the project's quota are in
+`JobSpecSerializer.validate`, so every message names its field and the limit.
+"""
+import re
+from decimal import Decimal
+
+from django.conf import settings
+from rest_framework import serializers
+
+from portal.core.api import StrictCharField, StrictSerializer
+
+from .models import Priority
+
+# Fractions a shared GPU is cut into; anything else would fragment it.
+SHARED_GPU_FRACTIONS = (Decimal("0.125"), Decimal("0.25"), Decimal("0.5"))
+RESERVED_ENV_PREFIXES = ("CUDA_", "NVIDIA_", "LD_", "GPUPORTAL_")
+RESERVED_ENV_NAMES = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "LOCAL_WORLD_SIZE", "RANK"}
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+IMAGE = re.compile(r"^[a-z0-9][a-z0-9._/-]{0,200}(:[A-Za-z0-9._-]{1,128})?(@sha256:[0-9a-f]{64})?$")
+ARRAY = re.compile(r"^(?P<items>\d{1,7}(-\d{1,7})?(,\d{1,7}(-\d{1,7})?)*)(%(?P<limit>\d{1,6}))?$")
+DURATION = re.compile(r"^(?:(?P<d>\d+)-)?(?:(?P<h>\d+):)?(?P<m>\d+):(?P<s>\d+)$")
+UNIT_DURATION = re.compile(r"^(?P<n>\d+)(?P<u>[smhd])$")
+
+
+def parse_array(text: str) -> tuple[list[int], int | None]:
+    """'0-99%10' -> ([0..99], 10). Raises ValueError with a message for people."""
+    match = ARRAY.match(text.replace(" ", ""))
+    if not match:
+        raise ValueError("Use ranges like '0-99', lists like '1,3,5', and an optional '%N' limit.")
+    indexes: list[int] = []
+    max_tasks = settings.JOB_ARRAY_MAX_TASKS
+    for part in match["items"].split(","):
+        lo, _, hi = part.partition("-")
+        lo_i, hi_i = int(lo), int(hi or lo)
+        if hi_i < lo_i:
+            raise ValueError(f"Range {part} runs backwards.")
+        if hi_i - lo_i + 1 + len(indexes) > max_tasks:
+            raise ValueError(f"An array has at most {max_tasks} tasks.")
+        indexes.extend(range(lo_i, hi_i + 1))
+    if len(set(indexes)) != len(indexes):
+        raise ValueError("Array indexes repeat.")
+    limit = int(match["limit"]) if match["limit"] else None
+    if limit == 0:
+        raise ValueError("The '%N' limit must be at least 1.")
+    return sorted(indexes), limit
+
+
+def parse_duration(value) -> int:
+    """Seconds from 3600, '3600', '90m', '2h', '1d', 'HH:MM:SS' or Slurm's 'D-HH:MM:SS'."""
+    if isinstance(value, bool):
+        raise ValueError("Expected seconds or a duration like '2h' or '1-00:00:00'.")
+    if isinstance(value, int):
+        seconds = value
+    elif isinstance(value, str) and value.isdigit():
+        seconds = int(value)
+    elif isinstance(value, str) and (m := UNIT_DURATION.match(value.strip())):
+        seconds = int(m["n"]) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m["u"]]
+    elif isinstance(value, str) and (m := DURATION.match(value.strip())):
+        seconds = int(m["d"] or 0) * 86400 + int(m["h"] or 0) * 3600 + int(m["m"]) * 60 + int(m["s"])
+    else:
+        raise ValueError("Expected seconds or a duration like '2h' or '1-00:00:00'.")
+    if seconds <= 0:
+        raise ValueError("Must be longer than 0 seconds.")
+    return seconds
+
+
+class DurationField(serializers.Field):
+    def to_internal_value(self, data):
+        try:
+            return parse_duration(data)
+        except ValueError as exc:
+            raise serializers.ValidationError(str(exc)) from None
+
+    def to_representation(self, value):
+        return value
+
+
+class ResourcesSerializer(StrictSerializer):
+    gpus = serializers.DecimalField(max_digits=6, decimal_places=3, min_value=Decimal(0), default=Decimal(0))
+    gpu_type = serializers.CharField(max_length=64, required=False, allow_blank=True, default="")
+    gpu_memory_mb = serializers.IntegerField(min_value=0, max_value=10_000_000, default=0)
+    cpus = serializers.DecimalField(max_digits=6, decimal_places=2, min_value=Decimal("0.1"),
+                                    max_value=Decimal(1024), default=Decimal(1))
+    memory_mb = serializers.IntegerField(min_value=64, max_value=16 * 1024 * 1024, default=4096)
+
+    def validate_gpus(self, value):
+        if value >= 1 and value != value.to_integral_value():
+            raise serializers.ValidationError("Whole GPUs are counted in integers; use 1, 2, ... or a fraction.")
+        if 0 < value < 1 and value not in SHARED_GPU_FRACTIONS:
+            sizes = ", ".join(str(f.normalize()) for f in SHARED_GPU_FRACTIONS)
+            raise serializers.ValidationError(f"A fraction of a GPU must be one of the shared sizes {sizes}.")
+        return value
+
+    def validate(self, data):
+        if data["gpus"] == 0 and data["gpu_type"]:
+            raise serializers.ValidationError({"gpu_type": ["A GPU type needs gpus of at least a fraction."]})
+        if data["gpu_memory_mb"] and not 0 < data["gpus"] < 1:
+            raise serializers.ValidationError({"gpu_memory_mb": ["gpu_memory_mb applies to fractional GPUs only."]})
+        return data
+
+
+class JobSpecSerializer(StrictSerializer):
+    """A submit after any template is merged in. context: project (with quota)."""
+
+    project = serializers.CharField(max_length=50)
+    template = serializers.CharField(max_length=100, required=False, allow_blank=True)
+    name = serializers.CharField(max_length=200)
+    image = serializers.CharField(max_length=400)
+    command = serializers.ListField(child=StrictCharField(max_length=8192, allow_blank=True, trim_whitespace=False),
+                                    min_length=1, max_length=1024)
+    env = serializers.DictField(child=StrictCharField(max_length=32768, allow_blank=True, trim_whitespace=False),
+                                required=False, default=dict)
+    resources = ResourcesSerializer(required=False)
+    time_limit = DurationField(required=False)
+    priority = serializers.ChoiceField(choices=Priority.choices, default=Priority.NORMAL)
+    preemptible = serializers.BooleanField(default=False)
+    sandbox = serializers.ChoiceField(choices=[("docker", "docker"), ("kvm", "kvm")], default="docker")
+    network = serializers.BooleanField(default=False)
+    array = serializers.CharField(max_length=64, required=False, allow_blank=True, default="")
+    depends_on = serializers.ListField(child=serializers.IntegerField(min_value=1), required=False, default=list,
+                                       max_length=100)
+
+    def validate_image(self, value):
+        if not IMAGE.match(value):
+            raise serializers.ValidationError("Not an image reference like 'registry/name:tag'.")
+        return value
+
+    def validate_env(self, value):
+        if len(value) > 256:
+            raise serializers.ValidationError("At most 256 variables.")
+        for name in value:
+            if not ENV_NAME.match(name):
+                raise serializers.ValidationError(f"{name!r} is not a valid variable name.")
+            if name.startswith(RESERVED_ENV_PREFIXES) or name in RESERVED_ENV_NAMES:
+                raise serializers.ValidationError(
+                    f"{name} is reserved: the portal sets {', '.join(p + '*' for p in RESERVED_ENV_PREFIXES)} "
+                    "and the rendezvous variables itself.")
+        return value
+
+    def validate_array(self, value):
+        if not value:
+            return value
+        try:
+            parse_array(value)
+        except ValueError as exc:
+            raise serializers.ValidationError(str(exc)) from None
+        return value
+
+    def validate(self, data):
+        """Rules that need the project's quota."""
+        quota = self.context["project"].quota
+        if "resources" not in data:
+            data["resources"] = ResourcesSerializer().run_validation({})
+        res = data["resources"]
+        errors: dict[str, list[str]] = {}
+        if quota.allowed_images and data["image"] not in quota.allowed_images:
+            errors["image"] = [f"{data['image']} is not an allowed image for this project; allowed: "
+                               f"{', '.join(quota.allowed_images)}."]
+        if res["gpus"] > quota.max_gpus:
+            errors["resources.gpus"] = [f"{res['gpus'].normalize()} exceeds the project limit of "
+                                        f"{quota.max_gpus.normalize()}."]
+        if res["gpu_type"] and quota.allowed_gpu_types and res["gpu_type"] not in quota.allowed_gpu_types:
+            errors["resources.gpu_type"] = [f"{res['gpu_type']} is not allowed here; allowed: "
+                                            f"{', '.join(quota.allowed_gpu_types)}."]
+        limit = data.get("time_limit") or min(settings.JOB_DEFAULT_TIME_LIMIT_S, quota.max_time_limit_s)
+        if limit > quota.max_time_limit_s:
+            errors["time_limit"] = [f"{limit} s exceeds the project maximum of {quota.max_time_limit_s} s."]
+        data["time_limit"] = limit
+        if data["network"] and not quota.network_allowed:
+            errors["network"] = ["This project does not allow network access for jobs."]
+        if errors:
+            raise serializers.ValidationError(errors)
+        return data

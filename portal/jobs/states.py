@@ -1,0 +1,61 @@
+"""The single way a job changes state: a conditional UPDATE whose row count says who won."""
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from .models import HOLDING, TERMINAL, Allocation, Job, JobEvent, JobState
+
+
+def transition(job_id: int, *, to: str, from_states, attempt: int | None = None, message: str = "",
+               **fields) -> bool:
+    """Move job `job_id` to `to` if it is in one of `from_states` (and at `attempt`, when given).
+
+    One `UPDATE ... WHERE id=%s AND state IN (...) [AND attempt=%s]`; a row count of 0 means
+    another actor moved the job first, and nothing else is written. On success the timeline
+    gets its event, and GPUs are released when the job leaves the holding states. A terminal
+    event is unique per job in the database, so a job can end only once.
+    """
+    now = timezone.now()
+    with transaction.atomic():
+        qs = Job.objects.filter(pk=job_id, state__in=list(from_states))
+        if attempt is not None:
+            qs = qs.filter(attempt=attempt)
+        values = {"state": to, "state_changed_at": now, **fields}
+        if to in TERMINAL:
+            values.setdefault("ended_at", now)
+            values.setdefault("queue_position", None)
+        if qs.update(**values) != 1:
+            return False
+        if to == JobState.RUNNING:
+            # First start only: a requeued job keeps its original start for wait-time metrics.
+            Job.objects.filter(pk=job_id, started_at__isnull=True).update(started_at=now)
+        row = Job.objects.values("attempt", "array_parent_id").get(pk=job_id)
+        JobEvent.objects.create(job_id=job_id, attempt=row["attempt"], state=to, terminal=to in TERMINAL,
+                                message=message[:300])
+        if to not in HOLDING:
+            Allocation.objects.filter(job_id=job_id, released_at__isnull=True).update(released_at=now)
+        if to in TERMINAL and row["array_parent_id"]:
+            refresh_array_parent(row["array_parent_id"])
+    return True
+
+
+def refresh_array_parent(parent_id: int) -> None:
+    """An array parent mirrors its tasks: running while any runs, terminal when all are."""
+    tasks = Job.objects.filter(array_parent_id=parent_id)
+    states = set(tasks.values_list("state", flat=True))
+    if not states:
+        return
+    if states <= TERMINAL:
+        if states == {JobState.SUCCEEDED}:
+            final = JobState.SUCCEEDED
+        elif JobState.CANCELLED in states and not states & {JobState.FAILED, JobState.TIMEOUT, JobState.OOM,
+                                                             JobState.NODE_FAIL}:
+            final = JobState.CANCELLED
+        else:
+            final = JobState.FAILED
+        done = tasks.filter(state=JobState.SUCCEEDED).count()
+        transition(parent_id, to=final, from_states=set(JobState.values) - TERMINAL,
+                   message=f"{done} of {tasks.count()} tasks succeeded")
+    elif states & {JobState.ASSIGNED, JobState.STARTING, JobState.RUNNING}:
+        Job.objects.filter(Q(pk=parent_id), state=JobState.QUEUED).update(state=JobState.RUNNING,
+                                                                        state_changed_at=timezone.now())

@@ -1,0 +1,60 @@
+from django.db import models
+
+
+class NodeState(models.TextChoices):
+    READY = "ready", "Ready"  # takes new jobs
+    DRAINING = "draining", "Draining"  # no new jobs; running ones finish, then drained
+    DRAINED = "drained", "Drained"  # empty and out of service until an operator undrains it
+    DOWN = "down", "Down"  # silent past the heartbeat timeout; its jobs ended node_fail
+
+
+class Node(models.Model):
+    """A GPU machine running one agent. Staff-only: tenants never see node rows directly."""
+
+    name = models.CharField(max_length=63, unique=True)
+    state = models.CharField(max_length=10, choices=NodeState.choices, default=NodeState.READY)
+    state_reason = models.CharField(max_length=200, blank=True)
+    pool = models.CharField(max_length=63, default="default")
+    labels = models.JSONField(default=dict, blank=True)
+    cpus = models.PositiveIntegerField(default=0)
+    memory_mb = models.PositiveIntegerField(default=0)
+    sandbox = models.CharField(max_length=16, blank=True)  # what the agent reported: docker, kvm, process
+    last_heartbeat_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    # sha256 of the node's agent token (gpn_...); the secret is shown once by add_node.
+    token_digest = models.CharField(max_length=64, blank=True, db_index=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class GPUMode(models.TextChoices):
+    WHOLE = "whole", "Whole GPU per job"
+    SHARED = "shared", "Shared by fractional jobs"
+
+
+class GPUHealth(models.TextChoices):
+    HEALTHY = "healthy", "Healthy"
+    UNHEALTHY = "unhealthy", "Unhealthy"  # hot, Xid or ECC errors: no new placements
+
+
+class GPU(models.Model):
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="gpus")
+    index = models.PositiveSmallIntegerField()
+    uuid = models.CharField(max_length=64, unique=True)
+    model = models.CharField(max_length=64)  # e.g. H100-80GB
+    memory_mb = models.PositiveIntegerField()
+    pci_bus_id = models.CharField(max_length=32, blank=True)
+    mode = models.CharField(max_length=8, choices=GPUMode.choices, default=GPUMode.WHOLE)
+    health = models.CharField(max_length=10, choices=GPUHealth.choices, default=GPUHealth.HEALTHY)
+    health_reason = models.CharField(max_length=200, blank=True)
+
+    class Meta:
+        ordering = ["node__name", "index"]
+        constraints = [models.UniqueConstraint(fields=["node", "index"], name="gpu_unique_index_per_node")]
+
+    def __str__(self) -> str:
+        return f"{self.node.name}/gpu{self.index} ({self.model})"

@@ -1,0 +1,233 @@
+"""Writes for nodes and GPUs: registration by operators, drain and undrain."""
+import re
+import uuid
+
+from django.db import transaction
+
+from portal.accounts import tokens
+from portal.core.context import Actor
+from portal.core.errors import Conflict, Forbidden, InvalidInput
+from portal.core.services import audit_record
+
+from .models import GPU, GPUMode, Node, NodeState
+
+GPU_SPEC = re.compile(r"^(?P<count>\d{1,3})x(?P<model>[A-Za-z0-9][A-Za-z0-9._-]*?)(?:-(?P<mem>\d{1,4})GB)?$")
+NODE_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+MEMORY_BY_MODEL = {"H100": 80, "H200": 141, "A100": 80, "V100": 32, "P100": 16, "T4": 16, "L4": 24, "A10": 24}
+
+
+def parse_gpu_spec(text: str) -> tuple[int, str, int]:
+    """'8xH100-80GB' -> (8, 'H100-80GB', 81920). The model name keeps its memory suffix."""
+    match = GPU_SPEC.match(text.strip())
+    if not match:
+        raise InvalidInput(f"{text!r} is not like '8xH100-80GB'.", field="gpus")
+    count = int(match["count"])
+    mem_gb = int(match["mem"]) if match["mem"] else MEMORY_BY_MODEL.get(match["model"], 16)
+    model = f"{match['model']}-{mem_gb}GB" if match["mem"] or match["model"] in MEMORY_BY_MODEL else match["model"]
+    return count, model, mem_gb * 1024
+
+
+def _require_staff(actor: Actor) -> None:
+    if not actor.is_staff and actor.label != "manage.py":
+        raise Forbidden("Only site staff operate nodes.")
+
+
+def node_add(*, actor: Actor, name: str, gpus: str = "", pool: str = "default", shared: bool = False,
+             cpus: int = 0, memory_mb: int = 0) -> tuple[Node, str]:
+    """Create a node with GPUs from a spec; returns the node and its agent token (shown once)."""
+    _require_staff(actor)
+    if not NODE_NAME.match(name):
+        raise InvalidInput("Use lowercase letters, digits and hyphens (a DNS label).", field="name")
+    count, model, memory = parse_gpu_spec(gpus) if gpus else (0, "", 0)
+    secret = tokens.generate("gpn")
+    with transaction.atomic():
+        if Node.objects.filter(name=name).exists():
+            raise Conflict(f"A node named {name!r} already exists.", field="name")
+        node = Node.objects.create(name=name, pool=pool, cpus=cpus, memory_mb=memory_mb,
+                                   token_digest=tokens.digest(secret))
+        GPU.objects.bulk_create([
+            GPU(node=node, index=i, uuid=f"GPU-{uuid.uuid4()}", model=model, memory_mb=memory,
+                mode=GPUMode.SHARED if shared else GPUMode.WHOLE)
+            for i in range(count)
+        ])
+        audit_record(actor=actor, action="node.add", obj=node, gpus=gpus, pool=pool, shared=shared)
+    _request_pass()
+    return node, secret
+
+
+def node_drain(*, actor: Actor, node: Node, reason: str = "") -> Node:
+    """No new jobs; the node becomes drained once its running jobs have ended."""
+    from portal.jobs.models import HOLDING
+
+    _require_staff(actor)
+    if node.state not in (NodeState.READY, NodeState.DRAINING):
+        raise Conflict(f"Node {node.name} is {node.state}; only a ready node can be drained.")
+    busy = node.jobs.filter(state__in=HOLDING).exists()
+    new_state = NodeState.DRAINING if busy else NodeState.DRAINED
+    with transaction.atomic():
+        Node.objects.filter(pk=node.pk).update(state=new_state, state_reason=reason or f"drained by {actor.user}")
+        audit_record(actor=actor, action="node.drain", obj=node, reason=reason)
+    node.refresh_from_db()
+    return node
+
+
+def node_undrain(*, actor: Actor, node: Node) -> Node:
+    _require_staff(actor)
+    if node.state not in (NodeState.DRAINING, NodeState.DRAINED):
+        raise Conflict(f"Node {node.name} is {node.state}; only a draining or drained node can be undrained.")
+    with transaction.atomic():
+        Node.objects.filter(pk=node.pk).update(state=NodeState.READY, state_reason="")
+        audit_record(actor=actor, action="node.undrain", obj=node)
+    node.refresh_from_db()
+    _request_pass()
+    return node
+
+
+def node_settle_drain(node_id: int) -> None:
+    """A draining node with no job left becomes drained (called when a job ends)."""
+    from portal.jobs.models import HOLDING
+
+    if not Node.objects.filter(pk=node_id, jobs__state__in=HOLDING).exists():
+        Node.objects.filter(pk=node_id, state=NodeState.DRAINING).update(state=NodeState.DRAINED)
+
+
+def _request_pass() -> None:
+    from portal.jobs.services import request_schedule_pass
+
+    request_schedule_pass()
+
+
+def node_rotate_token(*, actor: Actor, node: Node) -> str:
+    """A new agent token for the node (the old one stops working at once)."""
+    _require_staff(actor)
+    secret = tokens.generate("gpn")
+    with transaction.atomic():
+        Node.objects.filter(pk=node.pk).update(token_digest=tokens.digest(secret))
+        audit_record(actor=actor, action="node.rotate_token", obj=node)
+    return secret
+
+
+def node_authenticate(secret: str) -> Node | None:
+    if not tokens.looks_valid(secret, kind="gpn"):
+        return None
+    return Node.objects.filter(token_digest=tokens.digest(secret)).first()
+
+
+def agent_register(*, node: Node, name: str, cpus: int, memory_mb: int, sandbox: str, gpus: list[dict]) -> Node:
+    """The agent's real inventory replaces what the operator declared; a down node comes back."""
+    from django.utils import timezone
+
+    if name != node.name:
+        raise Forbidden(f"This token belongs to node {node.name}, not {name}.", field="name")
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(pk=node.pk)
+        existing = {g.index: g for g in node.gpus.all()}
+        seen = set()
+        for g in gpus:
+            index = int(g["index"])
+            seen.add(index)
+            fields = {"uuid": str(g["uuid"])[:64], "model": _model_name(g), "memory_mb": int(g.get("memory_mb") or 0),
+                      "pci_bus_id": str(g.get("pci_bus_id") or "")[:32]}
+            if index in existing:
+                gpu = existing[index]
+                changed = [k for k, v in fields.items() if getattr(gpu, k) != v]
+                if changed:
+                    # A UUID moving between nodes (re-imaged machine) frees it first.
+                    GPU.objects.filter(uuid=fields["uuid"]).exclude(pk=gpu.pk).update(uuid=f"gone-{uuid.uuid4()}")
+                    for k in changed:
+                        setattr(gpu, k, fields[k])
+                    gpu.save(update_fields=changed)
+            else:
+                GPU.objects.filter(uuid=fields["uuid"]).update(uuid=f"gone-{uuid.uuid4()}")
+                GPU.objects.create(node=node, index=index, **fields)
+        for index, gpu in existing.items():
+            if index not in seen:
+                GPU.objects.filter(pk=gpu.pk).update(health="unhealthy", health_reason="missing from the agent's inventory")
+        updates = {"cpus": cpus, "memory_mb": memory_mb, "sandbox": sandbox[:16], "last_heartbeat_at": timezone.now()}
+        if node.state == NodeState.DOWN:
+            updates.update(state=NodeState.READY, state_reason="")
+        Node.objects.filter(pk=node.pk).update(**updates)
+        audit_record(actor=Actor(user=None, label=f"node:{node.name}"), action="node.register", obj=node,
+                     gpus=len(gpus), sandbox=sandbox)
+    _request_pass()
+    node.refresh_from_db()
+    return node
+
+
+def _model_name(g: dict) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'H100-80GB': the short name quotas and job specs use."""
+    raw = str(g.get("model") or "")
+    m = re.search(r"([A-Z]+\d+[A-Za-z]*)", raw.replace("NVIDIA", ""))
+    mem_gb = round(int(g.get("memory_mb") or 0) / 1024)
+    return f"{m.group(1)}-{mem_gb}GB" if m and mem_gb else raw[:64]
+
+
+def agent_heartbeat(*, node: Node, samples: list[dict], jobs: list[dict]) -> dict:
+    """Record the heartbeat and answer with what the agent must do: drain, stop stale jobs."""
+    from django.core.cache import cache
+    from django.utils import timezone
+
+    from portal.jobs.reports import stale_reports
+
+    Node.objects.filter(pk=node.pk).update(last_heartbeat_at=timezone.now())
+    if node.state == NodeState.DOWN:
+        # Back before re-registering: the reaper already failed its jobs; their reports will be stale.
+        Node.objects.filter(pk=node.pk, state=NodeState.DOWN).update(state=NodeState.READY, state_reason="")
+    if samples:
+        # Live tiles read the latest sample per GPU from the cache (Redis in production).
+        cache.set_many({f"gpu-sample:{s.get('gpu_uuid')}": s for s in samples if s.get("gpu_uuid")}, timeout=300)
+    return {"drain": node.state in (NodeState.DRAINING, NodeState.DRAINED), "stop": stale_reports(node=node,
+                                                                                              reported=jobs)}
+
+
+def nodes_reap() -> dict:
+    """Mark nodes silent past NODE_TIMEOUT_S down and end or requeue their jobs.
+
+    If most nodes went silent at once, the portal side (database, broker, network) is the
+    likelier culprit: mark nothing and say so (the Kubernetes all-zones rule).
+    """
+    from datetime import timedelta
+
+    from django.conf import settings
+    from django.utils import timezone
+
+    from portal.jobs.models import HOLDING, Job, JobState
+    from portal.jobs.states import transition
+
+    now = timezone.now()
+    cutoff = now - timedelta(seconds=settings.NODE_TIMEOUT_S)
+    live = Node.objects.filter(state__in=[NodeState.READY, NodeState.DRAINING, NodeState.DRAINED])
+    total = live.count()
+    silent = list(live.filter(last_heartbeat_at__lt=cutoff)) + list(live.filter(last_heartbeat_at__isnull=True,
+                                                                               created_at__lt=cutoff))
+    if not silent:
+        return {"down": 0}
+    if total >= 3 and len(silent) > total * settings.NODE_MASS_FAILURE_FRACTION:
+        import logging
+
+        logging.getLogger(__name__).error(
+            "%d of %d nodes silent at once: suspecting the portal side, not marking them down", len(silent), total)
+        return {"down": 0, "suspected_portal_failure": len(silent)}
+    requeued = failed = 0
+    for node in silent:
+        with transaction.atomic():
+            if not Node.objects.filter(pk=node.pk, last_heartbeat_at=node.last_heartbeat_at).exclude(
+                    state=NodeState.DOWN).update(state=NodeState.DOWN, state_reason="no heartbeat"):
+                continue  # it spoke meanwhile
+            audit_record(actor=Actor(user=None, label="reaper"), action="node.down", obj=node)
+            job_ids = set(Job.objects.filter(state__in=HOLDING, node=node).values_list("pk", flat=True))
+            job_ids |= set(Job.objects.filter(state__in=HOLDING, allocations__gpu__node=node,
+                                              allocations__released_at__isnull=True).values_list("pk", flat=True))
+            for job in Job.objects.filter(pk__in=job_ids):
+                message = f"Node {node.name} stopped answering."
+                if job.attempt < settings.JOB_MAX_ATTEMPTS:
+                    if transition(job.pk, to=JobState.QUEUED, from_states=HOLDING, attempt=job.attempt, node=None,
+                                  message=message + f" Requeued as attempt {job.attempt + 1}.",
+                                  reason_code="node_fail", reason_message=message + " Requeued."):
+                        Job.objects.filter(pk=job.pk).update(attempt=job.attempt + 1)
+                        requeued += 1
+                elif transition(job.pk, to=JobState.NODE_FAIL, from_states=HOLDING, attempt=job.attempt,
+                                message=message, reason_code="node_fail", reason_message=message):
+                    failed += 1
+    _request_pass()
+    return {"down": len(silent), "requeued": requeued, "node_fail": failed}

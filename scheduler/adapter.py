@@ -1,0 +1,307 @@
+"""The Django side of a scheduling pass: build the snapshot from PostgreSQL, apply the plan.
+
+`run_pass()` is what the `scheduler.schedule_pass` task runs. Steps:
+1. Open a transaction and take a non-blocking advisory lock; a second pass returns at once.
+2. End jobs whose dependencies failed (cancelled, with the reason).
+3. Build a `scheduler.core.Snapshot`: schedulable nodes and healthy GPUs, the jobs holding
+   GPUs, queued jobs, quotas, decayed usage and this month's GPU-hours.
+4. Run the pure core.
+5. Apply in the same transaction: each start is a conditional queued->assigned transition
+   plus its Allocation rows (the partial unique index refuses a double-booked whole GPU;
+   shared fractions are summed under a row lock); each preemption ends the attempt and
+   requeues the job with attempt+1; changed reasons and queue positions are written.
+6. After commit, send `agent.launch` / `agent.stop` to the nodes' queues. A launch lost
+   between commit and publish is re-sent by a later pass (jobs assigned too long ago).
+"""
+import logging
+import time
+from collections import defaultdict
+from datetime import timedelta
+from decimal import Decimal
+
+from django.conf import settings
+from django.db import IntegrityError, connection, transaction
+from django.db.models import Count, Sum
+from django.utils import timezone
+
+from portal.core.crashpoints import crashpoint
+from portal.jobs.models import HOLDING, QOS_VALUE, TERMINAL, Allocation, Job, JobState
+from portal.jobs.selectors import decayed_usage, gpu_hours_used_this_month
+from portal.jobs.states import transition
+from portal.nodes.models import GPU, GPUHealth, GPUMode, Node, NodeState
+from portal.tenancy.models import Organization, Quota
+from scheduler import core
+
+from .dispatch import send_launch, send_stop
+
+log = logging.getLogger(__name__)
+
+LOCK_KEY = 0x67707531  # "gpu1": the one advisory lock every pass takes
+
+
+def _try_lock() -> bool:
+    if connection.vendor != "postgresql":
+        return True  # SQLite: transaction_mode IMMEDIATE already serializes writers
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [LOCK_KEY])
+        return bool(cursor.fetchone()[0])
+
+
+def _epoch(dt) -> float:
+    return dt.timestamp()
+
+
+def config_from_settings() -> core.Config:
+    return core.Config(
+        policy=settings.SCHEDULER_POLICY,
+        placement=settings.SCHEDULER_PLACEMENT,
+        min_runtime_s=settings.SCHEDULER_MIN_RUNTIME_S,
+        fairshare_half_life_s=settings.SCHEDULER_FAIRSHARE_HALF_LIFE_S,
+    )
+
+
+def _cancel_failed_dependents() -> int:
+    through = Job.depends_on.through
+    failed = through.objects.filter(
+        from_job__state=JobState.QUEUED, to_job__state__in=TERMINAL - {JobState.SUCCEEDED}
+    ).values_list("from_job_id", "to_job_id", "to_job__state")
+    ended = 0
+    for job_id, dep_id, dep_state in list(failed):
+        message = f"Dependency job {dep_id} ended {dep_state}; this job can never start."
+        ended += transition(job_id, to=JobState.CANCELLED, from_states={JobState.QUEUED}, message=message,
+                            reason_code="dependency_failed", reason_message=message)
+    return ended
+
+
+def build_snapshot(now=None):
+    """Returns (snapshot, context) where context maps core ids back to rows."""
+    now = now or timezone.now()
+    nodes: dict[str, core.Node] = {}
+    gpu_rows = GPU.objects.filter(node__state__in=[NodeState.READY, NodeState.DRAINING]).values_list(
+        "id", "node__name", "node__pool", "node__state", "index", "model", "memory_mb", "health", "mode")
+    gpu_node: dict[str, str] = {}
+    for gid, node_name, pool, node_state, index, model, memory, health, mode in gpu_rows:
+        node = nodes.get(node_name)
+        if node is None:
+            node = nodes[node_name] = core.Node(name=node_name, pool=pool, gpus=[],
+                                                schedulable=node_state == NodeState.READY)
+        node.gpus.append(core.GPU(id=str(gid), node=node_name, index=index, model=model, memory_mb=memory,
+                                  healthy=health == GPUHealth.HEALTHY, shared=mode == GPUMode.SHARED))
+        gpu_node[str(gid)] = node_name
+
+    fields = ("id", "project__slug", "project__organization__slug", "user__username", "gpus", "submitted_at",
+              "time_limit_s", "gpu_type", "gpu_memory_mb", "priority", "preemptible", "array_parent_id",
+              "array_limit", "started_at", "state_changed_at")
+
+    def to_core(row, deps_ok=True) -> core.Job:
+        return core.Job(
+            id=str(row["id"]), project=row["project__slug"], org=row["project__organization__slug"],
+            user=row["user__username"], gpus=float(row["gpus"]), submit_time=_epoch(row["submitted_at"]),
+            time_limit=float(row["time_limit_s"]), gpu_type=row["gpu_type"] or None,
+            gpu_memory_mb=row["gpu_memory_mb"], qos=QOS_VALUE[row["priority"]], preemptible=row["preemptible"],
+            array_parent=str(row["array_parent_id"]) if row["array_parent_id"] else None,
+            array_limit=row["array_limit"], deps_satisfied=deps_ok,
+        )
+
+    holding = {row["id"]: row for row in Job.objects.filter(state__in=HOLDING, is_array_parent=False).values(*fields)}
+    allocs: dict[int, list] = defaultdict(list)
+    for job_id, gpu_id, fraction, shared, borrowed, started in Allocation.objects.filter(
+            released_at__isnull=True).values_list("job_id", "gpu_id", "fraction", "shared", "borrowed", "started_at"):
+        allocs[job_id].append((str(gpu_id), float(fraction), shared, borrowed, started))
+    running = []
+    for job_id, row in holding.items():
+        rows = allocs.get(job_id, [])
+        start = min((r[4] for r in rows), default=row["state_changed_at"])
+        running.append(core.Allocation(
+            job=to_core(row), gpu_ids=[r[0] for r in rows], start_time=_epoch(start),
+            fractions={r[0]: r[1] for r in rows if r[2]}, borrowed=any(r[3] for r in rows)))
+
+    through = Job.depends_on.through
+    blocked = set(through.objects.filter(from_job__state=JobState.QUEUED).exclude(
+        to_job__state=JobState.SUCCEEDED).values_list("from_job_id", flat=True))
+    queued_rows = list(Job.objects.filter(state=JobState.QUEUED, is_array_parent=False)
+                       .order_by("submitted_at", "id").values(*fields, "reason_code", "reason_message",
+                                                             "queue_position"))
+    queued = [to_core(row, deps_ok=row["id"] not in blocked) for row in queued_rows]
+
+    project_slugs = {j.project for j in queued} | {a.job.project for a in running}
+    quotas = Quota.objects.filter(project__slug__in=project_slugs).select_related("project__organization")
+    project_ids = {q.project.slug: q.project_id for q in quotas}
+    used_hours = gpu_hours_used_this_month(project_ids.values(), now)
+    usage = decayed_usage(project_ids.values(), half_life_s=settings.SCHEDULER_FAIRSHARE_HALF_LIFE_S, now=now)
+    projects = {}
+    for q in quotas:
+        slug = q.project.slug
+        projects[slug] = core.ProjectQuota(
+            project=slug, org=q.project.organization.slug, guaranteed_gpus=float(q.guaranteed_gpus),
+            max_gpus=float(q.max_gpus), max_running_jobs=q.max_running_jobs, max_time_limit=float(q.max_time_limit_s),
+            # Only a hard stop holds jobs already queued; otherwise the budget is checked at submit.
+            gpu_hours_budget=float(q.gpu_hours_budget) if q.budget_hard_stop and q.gpu_hours_budget is not None
+            else None,
+            gpu_hours_used=used_hours.get(q.project_id, 0.0),
+            allowed_gpu_types=tuple(q.allowed_gpu_types or ()),
+        )
+    orgs = {o.slug: core.OrgQuota(org=o.slug, max_gpus=float(o.max_gpus) if o.max_gpus is not None else None)
+            for o in Organization.objects.filter(projects__slug__in=project_slugs).distinct()}
+    snapshot = core.Snapshot(
+        now=_epoch(now), nodes=list(nodes.values()), running=running, queued=queued, projects=projects, orgs=orgs,
+        usage={slug: usage.get(pid, 0.0) for slug, pid in project_ids.items()}, config=config_from_settings(),
+    )
+    context = {"gpu_node": gpu_node, "queued": {str(r["id"]): r for r in queued_rows}, "holding": holding}
+    return snapshot, context
+
+
+def _cpu_node(context) -> str | None:
+    """A CPU-only job runs on the ready node with the fewest active jobs."""
+    load = context.setdefault("cpu_load", {
+        name: 0 for name in Node.objects.filter(state=NodeState.READY).values_list("name", flat=True)})
+    if not load:
+        return None
+    for name, count in Job.objects.filter(state__in=HOLDING, node__name__in=list(load)).values_list(
+            "node__name").annotate(n=Count("id")):
+        load[name] = max(load[name], count)
+    name = min(load, key=lambda n: (load[n], n))
+    load[name] += 1
+    return name
+
+
+def _apply_start(start: core.Start, context, now) -> tuple[list[str], int] | None:
+    """Assign one job; returns (its node names, attempt), or None when the database refused it."""
+    job_id = int(start.job_id)
+    gpu_ids = [int(g) for g in start.gpu_ids]
+    # Nodes in the order of the job's GPUs: the first is the rendezvous master of a gang.
+    node_names = list(dict.fromkeys(context["gpu_node"][g] for g in start.gpu_ids))
+    if not node_names:
+        cpu_node = _cpu_node(context)
+        if cpu_node is None:
+            return None
+        node_names = [cpu_node]
+    try:
+        with transaction.atomic():
+            shared = set(GPU.objects.filter(pk__in=gpu_ids, mode=GPUMode.SHARED).values_list("pk", flat=True))
+            if shared:
+                # Row locks serialize fraction sums on a shared GPU (no unique index can express "sum <= 1").
+                list(GPU.objects.select_for_update().filter(pk__in=shared))
+                for gpu_id in shared:
+                    taken = Allocation.objects.filter(gpu_id=gpu_id, released_at__isnull=True).aggregate(
+                        s=Sum("fraction"))["s"] or Decimal(0)
+                    if taken + Decimal(str(start.fractions.get(str(gpu_id), 1))) > 1:
+                        raise IntegrityError(f"shared GPU {gpu_id} is full")
+            node_id = Node.objects.filter(name=node_names[0]).values_list("pk", flat=True).first()
+            if not transition(job_id, to=JobState.ASSIGNED, from_states={JobState.QUEUED}, node_id=node_id,
+                              reason_code="", reason_message="", queue_position=None,
+                              message=f"Assigned to {', '.join(node_names)}"):
+                return None
+            attempt = Job.objects.values_list("attempt", flat=True).get(pk=job_id)
+            Allocation.objects.bulk_create([
+                Allocation(job_id=job_id, attempt=attempt, gpu_id=g, shared=g in shared,
+                           fraction=Decimal(str(start.fractions.get(str(g), 1))) if g in shared else Decimal(1),
+                           borrowed=start.borrowed, started_at=now)
+                for g in gpu_ids
+            ])
+    except IntegrityError as exc:
+        log.warning("start of job %s refused by the database: %s", job_id, exc)
+        return None
+    return node_names, attempt
+
+
+def _apply_preemption(pre: core.Preemption, context) -> tuple[list[str], int] | None:
+    job_id = int(pre.job_id)
+    row = Job.objects.filter(pk=job_id, state__in=HOLDING).values("attempt").first()
+    if row is None:
+        return None
+    nodes = sorted(set(Allocation.objects.filter(job_id=job_id, released_at__isnull=True)
+                       .values_list("gpu__node__name", flat=True)))
+    message = f"Preempted by job {pre.by_job_id}: {pre.reason}"
+    with transaction.atomic():
+        if not transition(job_id, to=JobState.PREEMPTED, from_states=HOLDING, attempt=row["attempt"], message=message):
+            return None
+        # Back to the queue as a new attempt: reports from the old one are now stale (fencing).
+        transition(job_id, to=JobState.QUEUED, from_states={JobState.PREEMPTED}, message="Requeued after preemption",
+                   attempt=row["attempt"], node=None, reason_code="preempted", reason_message=message)
+        Job.objects.filter(pk=job_id).update(attempt=row["attempt"] + 1)
+    return nodes, row["attempt"]
+
+
+def _write_reasons(plan: core.Plan, context) -> int:
+    changed = []
+    for job_id, reason in plan.waiting.items():
+        row = context["queued"].get(job_id)
+        if row is None:
+            continue
+        message = reason.message[:300]
+        if (row["reason_code"], row["reason_message"], row["queue_position"]) != (reason.code, message, reason.position):
+            changed.append(Job(pk=int(job_id), reason_code=reason.code, reason_message=message,
+                               queue_position=reason.position))
+    # Only queued rows: a job cancelled meanwhile keeps its own reason.
+    for job in changed:
+        Job.objects.filter(pk=job.pk, state=JobState.QUEUED).update(
+            reason_code=job.reason_code, reason_message=job.reason_message, queue_position=job.queue_position)
+    return len(changed)
+
+
+def _resend_stale_launches(now) -> list[tuple[str, int, int]]:
+    """Assigned jobs whose agent never confirmed: the launch may have been lost after commit.
+
+    Fencing makes a duplicate harmless: the agent confirms (job, attempt) before starting.
+    """
+    cutoff = now - timedelta(seconds=settings.LAUNCH_RESEND_S)
+    stale = {row[0]: row for row in Job.objects.filter(state=JobState.ASSIGNED, state_changed_at__lt=cutoff)
+             .values_list("id", "attempt", "node__name")}
+    out = []
+    gang_nodes = defaultdict(set)
+    for job_id, node_name in Allocation.objects.filter(job_id__in=list(stale), released_at__isnull=True).values_list(
+            "job_id", "gpu__node__name"):
+        gang_nodes[job_id].add(node_name)
+    for job_id, attempt, node_name in stale.values():
+        for name in sorted(gang_nodes.get(job_id) or {node_name}):
+            if name:
+                out.append((name, job_id, attempt))
+    return out
+
+
+def run_pass() -> dict:
+    """One scheduling pass (see the module docstring for the steps)."""
+    t0 = time.perf_counter()
+    now = timezone.now()
+    launches: list[tuple[str, int, int]] = []
+    stops: list[tuple[str, int, int, str]] = []
+    with transaction.atomic():
+        if not _try_lock():
+            return {"skipped": "another scheduling pass is running"}
+        cancelled = _cancel_failed_dependents()
+        snapshot, context = build_snapshot(now)
+        t_built = time.perf_counter()
+        crashpoint("schedule.after_snapshot")
+        plan = core.schedule(snapshot)
+        t_planned = time.perf_counter()
+        for pre in plan.preemptions:
+            done = _apply_preemption(pre, context)
+            if done:
+                nodes, attempt = done
+                stops += [(n, int(pre.job_id), attempt, "preempted") for n in nodes]
+        started = 0
+        for start in plan.starts:
+            done = _apply_start(start, context, now)
+            if done is not None:
+                started += 1
+                nodes, attempt = done
+                launches += [(n, int(start.job_id), attempt) for n in nodes]
+        reasons = _write_reasons(plan, context)
+        crashpoint("schedule.before_commit")
+        launches += _resend_stale_launches(now)
+        transaction.on_commit(lambda: _publish(launches, stops))
+    return {
+        "started": started, "preempted": len(plan.preemptions), "waiting": len(plan.waiting),
+        "reasons_written": reasons, "dependents_cancelled": cancelled, "queued": len(snapshot.queued),
+        "build_s": round(t_built - t0, 4), "core_s": round(t_planned - t_built, 4),
+        "total_s": round(time.perf_counter() - t0, 4),
+    }
+
+
+def _publish(launches, stops) -> None:
+    crashpoint("schedule.after_commit_before_publish")
+    for node_name, job_id, attempt, reason in stops:
+        send_stop(node_name, job_id, attempt, reason, settings.PREEMPT_GRACE_S)
+    for node_name, job_id, attempt in launches:
+        send_launch(node_name, job_id, attempt)

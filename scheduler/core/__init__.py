@@ -1,0 +1,13 @@
+"""Pure scheduler core: `schedule(snapshot) -> plan`. Imports no Django."""
+from .model import (
+    GPU, Allocation, Config, Job, Node, OrgQuota, Plan, Preemption, ProjectQuota, Reason, Reservation,
+    Snapshot, Start,
+)
+from .ordering import decay_usage
+from .placement import Topology
+from .scheduling import schedule
+
+__all__ = [
+    "GPU", "Allocation", "Config", "Job", "Node", "OrgQuota", "Plan", "Preemption", "ProjectQuota",
+    "Reason", "Reservation", "Snapshot", "Start", "Topology", "decay_usage", "schedule",
+]

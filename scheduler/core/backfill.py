@@ -1,0 +1,116 @@
+"""EASY backfill: a reservation for the highest-priority blocked job.
+
+The reservation is computed from when running jobs must end at the latest
+(start_time + time_limit), so it is a bound, not a forecast: jobs that end
+early only bring it forward. The reserved GPUs that are free now are *held*
+(taken out of the free index); a later job may use them only when it will end
+(now + time_limit) before the reservation starts, so backfill never delays it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .model import Allocation, Job, Reservation
+from .placement import UNITS, ClassKey, ClusterState, Topology, alloc_units, frac_units
+
+
+@dataclass
+class Held:
+    """A reservation and the free thousandths of each GPU it holds now."""
+
+    res: Reservation
+    held: dict[str, int] = field(default_factory=dict)
+    classes: dict[ClassKey, int] = field(default_factory=dict)  # wholly held GPUs per class
+
+    def recount(self, state: ClusterState) -> None:
+        self.classes = {}
+        for gid, u in self.held.items():
+            if u == UNITS:
+                cls = state.cls_of[gid]
+                self.classes[cls] = self.classes.get(cls, 0) + 1
+
+
+def release_timeline(state: ClusterState, running: list[Allocation], now: float) -> list[tuple[float, list[tuple[str, int]]]]:
+    """(latest end, [(gpu_id, thousandths)]) of every running allocation on an
+    indexed GPU, soonest first. Overdue jobs count as ending now."""
+    out = []
+    for a in running:
+        items = [(gid, alloc_units(a, state.gpu[gid])) for gid in a.gpu_ids if gid in state.gpu]
+        if items:
+            out.append((max(now, a.start_time + a.job.time_limit), items))
+    out.sort(key=lambda e: e[0])
+    return out
+
+
+def earliest_start(state: ClusterState, job: Job, classes: list[ClassKey], mode: str,
+                   timeline: list[tuple[float, list[tuple[str, int]]]]) -> tuple[float, list[str]] | None:
+    """When and where `job` could start if running jobs end at their limits.
+    GPUs held by earlier reservations are left out. None if never."""
+    wanted = set(classes)
+    hyp: dict[str, int] = {}
+    if job.gpus >= 1:
+        g = int(job.gpus)
+        count = {c: state.total_free.get(c, 0) for c in classes}
+        freed: dict[ClassKey, list[str]] = {c: [] for c in classes}
+        for end, items in timeline:
+            for gid, u in items:
+                cls = state.cls_of[gid]
+                if cls not in wanted or gid in state.held:
+                    continue
+                before = hyp.get(gid, state.free_units(gid))
+                after = min(UNITS, before + u)
+                hyp[gid] = after
+                if after == UNITS and before < UNITS:
+                    count[cls] += 1
+                    freed[cls].append(gid)
+                    if count[cls] >= g:
+                        ids = [i for node_ids in state.free[cls].values() for i in node_ids] + freed[cls]
+                        temp = ClusterState(Topology((state.gpu[i], cls[0]) for i in ids), {})
+                        chosen = temp.place_whole(g, [cls], mode)
+                        if chosen:
+                            return end, chosen
+        return None
+    need = {c: frac_units(job, c[2]) for c in classes if c[3]}
+    for end, items in timeline:
+        for gid, u in items:
+            cls = state.cls_of[gid]
+            if cls not in need or gid in state.held:
+                continue
+            after = min(UNITS, hyp.get(gid, state.free_units(gid)) + u)
+            hyp[gid] = after
+            if after >= need[cls]:
+                return end, [gid]
+    return None
+
+
+def reserve(state: ClusterState, job: Job, start_time: float, gpu_ids: list[str]) -> Held:
+    h = Held(Reservation(job.id, start_time, list(gpu_ids)))
+    for gid in gpu_ids:
+        h.held[gid] = state.hold(gid)
+    h.recount(state)
+    return h
+
+
+def could_use(h: Held, state: ClusterState, job: Job, classes: list[ClassKey]) -> bool:
+    """Cheap test before un-holding: might the reservation's GPUs make `job` fit?"""
+    if not h.held:
+        return False
+    if job.gpus >= 1:
+        g = int(job.gpus)
+        return any(state.total_free.get(c, 0) + h.classes.get(c, 0) >= g for c in classes)
+    return any(state.cls_of[gid] in classes and u > 0 for gid, u in h.held.items())
+
+
+def with_released(state: ClusterState, helds: list[Held], place):
+    """Run `place()` with the given reservations' GPUs back in the free index,
+    then hold again whatever it did not take."""
+    for h in helds:
+        for gid, u in h.held.items():
+            state.unhold(gid, u)
+    try:
+        return place()
+    finally:
+        for h in helds:
+            for gid in h.held:
+                h.held[gid] = state.hold(gid)
+            h.recount(state)

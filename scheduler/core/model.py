@@ -1,0 +1,192 @@
+"""Plain dataclasses the scheduler core takes and returns.
+
+The Django adapter (scheduler/tasks.py) and the trace simulator (scheduler/sim)
+both build a `Snapshot` and read back a `Plan`; nothing here imports Django.
+Times are seconds (epoch or virtual clock, the core does not care which),
+GPU counts are floats so a fraction of a shared GPU can be expressed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Reason codes, defined once so the adapter, CLI and tests grep the same names.
+REASON_QUOTA_PROJECT = "quota_project"  # project max GPUs reached
+REASON_QUOTA_ORG = "quota_org"  # organization max GPUs reached
+REASON_MAX_RUNNING = "max_running"  # project's max running jobs reached
+REASON_TIME_LIMIT = "time_limit"  # job's time limit above the project's maximum
+REASON_BUDGET = "budget"  # project's GPU-hour budget is spent
+REASON_GPU_TYPE = "gpu_type"  # type not allowed for the project or absent from the cluster
+REASON_DEPENDENCY = "dependency"  # a job it depends on has not finished
+REASON_ARRAY_THROTTLE = "array_throttle"  # array's %N limit reached
+REASON_RESOURCES = "resources"  # not enough free GPUs of the kind asked for
+REASON_RESERVATION = "reservation"  # free GPUs are held for a higher-priority job
+REASON_PRIORITY = "priority"  # higher-priority jobs go first (backfill off, or not examined)
+REASON_PREEMPTING = "preempting"  # running work is being preempted to make room
+REASON_UNPLACEABLE = "unplaceable"  # larger than every matching GPU in the cluster together
+
+
+@dataclass
+class GPU:
+    """One physical GPU. `shared` GPUs accept fractional jobs; `load` is a 0..1
+    utilization/heat hint the spread placement uses to break ties."""
+
+    id: str
+    node: str
+    index: int
+    model: str
+    memory_mb: int
+    healthy: bool = True
+    shared: bool = False
+    load: float = 0.0
+
+
+@dataclass
+class Node:
+    name: str
+    pool: str
+    gpus: list[GPU]
+    schedulable: bool = True  # False while draining/drained/down
+
+
+@dataclass
+class Job:
+    """A queued (or, inside an Allocation, running) job.
+
+    `gpus` is a whole number (0 = CPU-only) or a fraction 0 < g < 1 that must go
+    on a shared GPU.
+    """
+
+    id: str
+    project: str
+    org: str
+    user: str
+    gpus: float
+    submit_time: float
+    time_limit: float
+    gpu_type: str | None = None
+    gpu_memory_mb: int = 0
+    qos: int = 0
+    preemptible: bool = False
+    array_parent: str | None = None
+    array_limit: int | None = None
+    deps_satisfied: bool = True
+    pool: str | None = None
+
+
+@dataclass
+class Allocation:
+    """A running job and the GPUs it holds. `fractions` maps gpu_id -> fraction
+    for a job on a shared GPU; a whole-GPU job leaves it empty."""
+
+    job: Job
+    gpu_ids: list[str]
+    start_time: float
+    fractions: dict[str, float] = field(default_factory=dict)
+    borrowed: bool = False
+
+
+@dataclass
+class ProjectQuota:
+    """Guaranteed GPUs are the project's own; usage above them (up to max_gpus)
+    is borrowed from idle capacity and may be preempted. `share` is the
+    fair-share weight (defaults to guaranteed_gpus); a budget of None is
+    unlimited; an empty allowed_gpu_types allows any type."""
+
+    project: str
+    org: str
+    guaranteed_gpus: float
+    max_gpus: float
+    max_running_jobs: int | None = None
+    max_time_limit: float | None = None
+    gpu_hours_budget: float | None = None
+    gpu_hours_used: float = 0.0
+    allowed_gpu_types: tuple[str, ...] = ()
+    share: float | None = None
+
+    @property
+    def weight(self) -> float:
+        return self.guaranteed_gpus if self.share is None else self.share
+
+
+@dataclass
+class OrgQuota:
+    org: str
+    max_gpus: float | None  # None: no org-wide cap
+
+
+@dataclass
+class Config:
+    """Knobs of one pass. Per-pool overrides win over the cluster-wide value."""
+
+    policy: str = "multifactor"  # fifo | multifactor | las
+    placement: str = "bestfit"  # bestfit | spread
+    pool_placement: dict[str, str] = field(default_factory=dict)
+    pool_policy: dict[str, str] = field(default_factory=dict)
+    backfill: bool = True
+    preemption: bool = True
+    min_runtime_s: float = 600.0
+    fairshare_half_life_s: float = 7 * 86400.0
+    # Multifactor weights; each factor is normalized to 0..1 first (Slurm style).
+    weight_qos: float = 10000.0
+    weight_fairshare: float = 5000.0
+    weight_age: float = 1000.0
+    weight_size: float = 2000.0
+    max_age_s: float = 7 * 86400.0  # age factor saturates here (Slurm PriorityMaxAge)
+    # Size factor favours small jobs (GPUs x time limit): short small jobs
+    # finishing first is what lowers mean JCT; fair share keeps big users honest.
+    size_scale_gpu_s: float = 8 * 3600.0  # GPU-seconds at which the size factor is 0.5
+    max_reservations: int = 1  # EASY backfill: one reservation for the head job
+    max_preempt_attempts: int = 64  # per pass; bounds the cost of a long guaranteed queue
+    # Placement attempts per pass after the cluster has no free GPU left; jobs
+    # beyond it are only admission-checked and explained.
+    max_examine_full: int = 256
+    explain: bool = True  # False (simulator): skip per-job reasons to save time
+
+
+@dataclass
+class Snapshot:
+    now: float
+    nodes: list[Node]
+    running: list[Allocation]
+    queued: list[Job]
+    projects: dict[str, ProjectQuota]
+    orgs: dict[str, OrgQuota]
+    usage: dict[str, float]  # decayed GPU-seconds per project, decayed by the caller
+    config: Config = field(default_factory=Config)
+
+
+@dataclass
+class Start:
+    job_id: str
+    gpu_ids: list[str]
+    fractions: dict[str, float]
+    borrowed: bool
+
+
+@dataclass
+class Preemption:
+    job_id: str
+    reason: str
+    by_job_id: str
+
+
+@dataclass
+class Reservation:
+    job_id: str
+    start_time: float
+    gpu_ids: list[str]
+
+
+@dataclass
+class Reason:
+    code: str
+    message: str
+    position: int  # 1-based place among the jobs still waiting, in priority order
+
+
+@dataclass
+class Plan:
+    starts: list[Start] = field(default_factory=list)
+    preemptions: list[Preemption] = field(default_factory=list)
+    reservations: list[Reservation] = field(default_factory=list)
+    waiting: dict[str, Reason] = field(default_factory=dict)

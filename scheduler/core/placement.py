@@ -1,0 +1,336 @@
+"""Free-capacity index of the cluster for one pass, and the placement rules.
+
+GPUs are grouped in *classes* `(pool, model, memory_mb, shared)`: a gang never
+mixes classes, and a job's constraints (pool, gpu_type, gpu_memory_mb, the
+project's allowed types) select the classes it may use. Per class we keep, for
+whole GPUs, each node's free GPU ids and the nodes bucketed by how many free
+GPUs they have, so best fit is "the first non-empty bucket from g upwards"
+instead of a scan of every node. Shared GPUs are bucketed by how many
+thousandths of the GPU are still free, so packing a fraction is the same walk.
+
+Fractions are counted in integer thousandths (UNITS) so that the fractions
+placed on one GPU can never sum above 1.0 through float rounding.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from .model import GPU, Allocation, Job, Node
+
+UNITS = 1000  # one whole GPU, in thousandths
+
+ClassKey = tuple  # (pool, model, memory_mb, shared)
+
+
+def frac_units(job: Job, memory_mb: int) -> int:
+    """Thousandths of a GPU of `memory_mb` a fractional job needs: its fraction,
+    or its memory share when it asked for memory and that is larger. Above UNITS
+    means it does not fit on such a GPU."""
+    need = math.ceil(job.gpus * UNITS - 1e-6)
+    if job.gpu_memory_mb and memory_mb > 0:
+        need = max(need, math.ceil(job.gpu_memory_mb * UNITS / memory_mb - 1e-6))
+    return max(need, 1)
+
+
+def alloc_units(alloc: Allocation, gpu: GPU) -> int:
+    """Thousandths of `gpu` that a running allocation holds."""
+    frac = alloc.fractions.get(gpu.id)
+    if frac is None:
+        return UNITS
+    need = math.ceil(frac * UNITS - 1e-6)
+    job = alloc.job
+    if job.gpu_memory_mb and gpu.memory_mb > 0:
+        need = max(need, math.ceil(job.gpu_memory_mb * UNITS / gpu.memory_mb - 1e-6))
+    return min(max(need, 1), UNITS)
+
+
+class Topology:
+    """The static part of the index: which GPUs can take work and their
+    classes. Built once per pass from the nodes, or once per replay by the
+    simulator (`schedule(snapshot, topology=...)`), since it only changes when
+    a node or GPU does."""
+
+    def __init__(self, gpus: Iterable[tuple[GPU, str]]):
+        self.gpu: dict[str, GPU] = {}
+        self.cls_of: dict[str, ClassKey] = {}
+        per_node: dict[tuple[ClassKey, str], list[GPU]] = {}
+        for g, pool in gpus:
+            cls = (pool, g.model, g.memory_mb, g.shared)
+            self.gpu[g.id] = g
+            self.cls_of[g.id] = cls
+            per_node.setdefault((cls, g.node), []).append(g)
+        self.groups: list[tuple[ClassKey, str, list[str]]] = []
+        self.node_size: dict[tuple[ClassKey, str], int] = {}
+        self.capacity: dict[ClassKey, int] = {}
+        self.max_node: dict[ClassKey, int] = {}
+        for (cls, node), glist in per_node.items():
+            glist.sort(key=lambda g: g.index)
+            self.groups.append((cls, node, [g.id for g in glist]))
+            self.node_size[(cls, node)] = len(glist)
+            self.capacity[cls] = self.capacity.get(cls, 0) + len(glist)
+            self.max_node[cls] = max(self.max_node.get(cls, 0), len(glist))
+        # Non-shared classes first so whole-GPU jobs leave shared GPUs to fractions.
+        self.classes: list[ClassKey] = sorted(self.capacity, key=lambda c: (c[3], str(c[0]), c[1], c[2]))
+        self.models: set[str] = {c[1] for c in self.classes}
+
+    @classmethod
+    def from_nodes(cls, nodes: list[Node]) -> Topology:
+        return cls((g, n.pool) for n in nodes if n.schedulable for g in n.gpus if g.healthy)
+
+
+class ClusterState:
+    """Mutable free-capacity index for one pass. Only healthy GPUs on
+    schedulable nodes are indexed; anything else never appears as free.
+
+    `used[gpu]` is thousandths in use (running work, starts of this pass and
+    reservation holds). A GPU is *wholly free* at 0 and then sits in the
+    per-node free lists; a shared GPU partly used sits in `rem_buckets` under
+    the thousandths it has left."""
+
+    def __init__(self, topo: Topology, used: dict[str, int]):
+        self.topo = topo
+        self.gpu = topo.gpu
+        self.cls_of = topo.cls_of
+        self.node_size = topo.node_size
+        self.used = used
+        self.held: set[str] = set()
+        self.free: dict[ClassKey, dict[str, list[str]]] = {c: {} for c in topo.classes}
+        self.buckets: dict[ClassKey, list[dict[str, None]]] = {
+            c: [{} for _ in range(topo.max_node[c] + 1)] for c in topo.classes}
+        self.total_free: dict[ClassKey, int] = {c: 0 for c in topo.classes}
+        self.rem_buckets: dict[ClassKey, dict[int, dict[str, None]]] = {}
+        self.classes = topo.classes
+        for cls, node, ids in topo.groups:
+            free_ids = [i for i in ids if i not in used] if used else list(ids)
+            self.free[cls][node] = free_ids
+            if free_ids:
+                self.buckets[cls][len(free_ids)][node] = None
+                self.total_free[cls] += len(free_ids)
+        for gid, u in used.items():
+            if 0 < u < UNITS and self.gpu[gid].shared:
+                cls = self.cls_of[gid]
+                self.rem_buckets.setdefault(cls, {}).setdefault(UNITS - u, {})[gid] = None
+
+    @classmethod
+    def build(cls, nodes: list[Node], running: list[Allocation], topo: Topology | None = None) -> ClusterState:
+        topo = topo or Topology.from_nodes(nodes)
+        gpu = topo.gpu
+        used: dict[str, int] = {}
+        for a in running:
+            if a.fractions:
+                for gid in a.gpu_ids:
+                    g = gpu.get(gid)
+                    if g is not None:
+                        used[gid] = min(UNITS, used.get(gid, 0) + alloc_units(a, g))
+            else:
+                for gid in a.gpu_ids:
+                    if gid in gpu:
+                        used[gid] = UNITS
+        return cls(topo, used)
+
+    # -- queries ---------------------------------------------------------
+    def free_units(self, gid: str) -> int:
+        return UNITS - self.used.get(gid, 0)
+
+    def free_whole_total(self) -> int:
+        return sum(self.total_free.values())
+
+    def has_shared_room(self) -> bool:
+        if any(self.total_free[c] for c in self.classes if c[3]):
+            return True
+        return any(bk for bk in self.rem_buckets.values())
+
+    def free_count(self, classes: list[ClassKey]) -> int:
+        return sum(self.total_free.get(c, 0) for c in classes)
+
+    def node_load(self, cls: ClassKey, node: str) -> tuple[int, float]:
+        """(GPUs in use, mean load hint) of a node within a class: spread's key."""
+        ids = self.free[cls][node]
+        used = self.node_size[(cls, node)] - len(ids)
+        load = sum(self.gpu[i].load for i in ids) / len(ids) if ids else 1.0
+        return used, load
+
+    # -- index maintenance ----------------------------------------------
+    def _drop_whole(self, gid: str) -> None:
+        cls = self.cls_of[gid]
+        node = self.gpu[gid].node
+        ids = self.free[cls][node]
+        k = len(ids)
+        ids.remove(gid)
+        b = self.buckets[cls]
+        del b[k][node]
+        if k > 1:
+            b[k - 1][node] = None
+        self.total_free[cls] -= 1
+
+    def _add_whole(self, gid: str) -> None:
+        cls = self.cls_of[gid]
+        g = self.gpu[gid]
+        ids = self.free[cls][g.node]
+        k = len(ids)
+        ids.append(gid)
+        ids.sort(key=lambda i: self.gpu[i].index)
+        b = self.buckets[cls]
+        if k:
+            del b[k][g.node]
+        b[k + 1][g.node] = None
+        self.total_free[cls] += 1
+
+    def _set_used(self, gid: str, old: int, new: int) -> None:
+        """Move a GPU between the whole-free lists and the partial buckets."""
+        if old == 0 and new > 0:
+            self._drop_whole(gid)
+        elif old > 0 and new == 0:
+            self._add_whole(gid)
+        if self.gpu[gid].shared:
+            rb = self.rem_buckets.setdefault(self.cls_of[gid], {})
+            if 0 < old < UNITS:
+                d = rb[UNITS - old]
+                del d[gid]
+                if not d:
+                    del rb[UNITS - old]
+            if 0 < new < UNITS:
+                rb.setdefault(UNITS - new, {})[gid] = None
+        if new:
+            self.used[gid] = new
+        else:
+            self.used.pop(gid, None)
+
+    def take(self, gid: str, units: int = UNITS) -> None:
+        """Mark `units` of a GPU as used (UNITS = the whole GPU)."""
+        old = self.used.get(gid, 0)
+        self._set_used(gid, old, old + units)
+
+    def hold(self, gid: str) -> int:
+        """Take a GPU out of the free index for a reservation; returns the
+        thousandths that were free so `unhold` can put them back."""
+        if gid in self.held or gid not in self.gpu:
+            return 0
+        r = self.free_units(gid)
+        if r > 0:
+            self.take(gid, r)
+        self.held.add(gid)
+        return r
+
+    def unhold(self, gid: str, units: int) -> None:
+        self.held.discard(gid)
+        if units > 0:
+            old = self.used.get(gid, 0)
+            self._set_used(gid, old, old - units)
+
+    # -- placement --------------------------------------------------------
+    def place_whole(self, g: int, classes: list[ClassKey], mode: str) -> list[str] | None:
+        """All-or-nothing placement of `g` whole GPUs: one node if any fits
+        (best fit = least left over, spread = least used then lowest load),
+        else the fewest nodes of one class. Takes the GPUs and returns them."""
+        best = None  # (score, cls, node)
+        for cls in classes:
+            if self.total_free[cls] < g:
+                continue
+            b = self.buckets[cls]
+            if mode == "spread":
+                for k in range(g, len(b)):
+                    for node in b[k]:
+                        score = self.node_load(cls, node)
+                        if best is None or score < best[0]:
+                            best = (score, cls, node)
+            else:
+                for k in range(g, len(b)):
+                    if b[k]:
+                        if best is None or k - g < best[0]:
+                            best = (k - g, cls, next(iter(b[k])))
+                        break
+        if best is not None:
+            _, cls, node = best
+            return self._take_on_node(cls, node, g, mode)
+        plans = []
+        for cls in classes:
+            if self.total_free[cls] >= g:
+                plan = self._fewest_nodes(cls, g)
+                if plan:
+                    plans.append((len(plan), cls, plan))
+        if not plans:
+            return None
+        _, cls, plan = min(plans, key=lambda p: p[0])
+        out: list[str] = []
+        for node, k in plan:
+            out += self._take_on_node(cls, node, k, mode)
+        return out
+
+    def _fewest_nodes(self, cls: ClassKey, g: int) -> list[tuple[str, int]]:
+        b = self.buckets[cls]
+        used_nodes: set[str] = set()
+        plan: list[tuple[str, int]] = []
+        rem = g
+        while rem > 0:
+            last = None
+            for k in range(rem, len(b)):
+                last = next((n for n in b[k] if n not in used_nodes), None)
+                if last is not None:
+                    break
+            if last is not None:
+                plan.append((last, rem))
+                break
+            for k in range(min(rem, len(b) - 1), 0, -1):
+                node = next((n for n in b[k] if n not in used_nodes), None)
+                if node is not None:
+                    plan.append((node, k))
+                    used_nodes.add(node)
+                    rem -= k
+                    break
+            else:
+                return []  # cannot happen while total_free >= g; never loop forever
+        return plan
+
+    def _take_on_node(self, cls: ClassKey, node: str, k: int, mode: str) -> list[str]:
+        ids = self.free[cls][node]
+        if mode == "spread":
+            chosen = sorted(ids, key=lambda i: (self.gpu[i].load, self.gpu[i].index))[:k]
+        else:
+            chosen = ids[:k]
+        for gid in chosen:
+            self.take(gid)
+        return chosen
+
+    def place_fraction(self, job: Job, classes: list[ClassKey], mode: str) -> tuple[str, int] | None:
+        """Pack a fractional job on one shared GPU. Best fit: the partly used
+        GPU left with the least room, else a wholly free one on the busiest
+        node. Spread: a wholly free GPU on the least used node, else the partly
+        used GPU with the most room. Returns (gpu_id, units)."""
+        best = None  # (score, gid, units)
+        for cls in classes:
+            if not cls[3]:
+                continue
+            need = frac_units(job, cls[2])
+            if need > UNITS:
+                continue
+            rb = self.rem_buckets.get(cls) or {}
+            cand = None
+            if mode == "spread":
+                if self.total_free[cls]:
+                    b = self.buckets[cls]
+                    k = next(k for k in range(len(b) - 1, 0, -1) if b[k])
+                    node = next(iter(b[k]))
+                    cand = (-(k + 1) * UNITS, self.free[cls][node][0])
+                else:
+                    top = max((u for u in rb if u >= need and rb[u]), default=None)
+                    if top is not None:
+                        cand = (-top, next(iter(rb[top])))
+            else:
+                for u in range(need, UNITS):
+                    ids = rb.get(u)
+                    if ids:
+                        cand = (u - need, next(iter(ids)))
+                        break
+                if cand is None and self.total_free[cls]:
+                    b = self.buckets[cls]
+                    k = next(k for k in range(1, len(b)) if b[k])
+                    cand = (UNITS - need + k, self.free[cls][next(iter(b[k]))][0])
+            if cand is not None and (best is None or cand[0] < best[0]):
+                best = (cand[0], cand[1], need)
+        if best is None:
+            return None
+        _, gid, need = best
+        self.take(gid, need)
+        return gid, need

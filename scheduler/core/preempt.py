@@ -1,0 +1,125 @@
+"""Choosing running work to preempt for a job within its guarantee.
+
+A victim must have run at least `min_runtime_s` and be either borrowed (above
+its own project's guarantee, and from another project) or marked preemptible
+with a lower QoS than the job. Among the victims that make the job fit we pick
+the fewest, then the cheapest (GPU-seconds of work lost), on one node when the
+job fits on one node.
+"""
+from __future__ import annotations
+
+from .model import Allocation, Job
+from .placement import UNITS, ClassKey, ClusterState, alloc_units, frac_units
+
+
+class VictimPool:
+    def __init__(self, running: list[Allocation], now: float, min_runtime_s: float, state: ClusterState):
+        self.now = now
+        self.state = state
+        self.cands = [a for a in running
+                      if now - a.start_time >= min_runtime_s and (a.borrowed or a.job.preemptible)
+                      and any(gid in state.gpu for gid in a.gpu_ids)]
+        self.taken: set[str] = set()  # job ids already chosen this pass
+        # (class, node) -> candidates with whole GPUs there; gpu -> candidates on a shared GPU
+        self.on_node: dict[tuple[ClassKey, str], list[Allocation]] = {}
+        self.on_gpu: dict[str, list[Allocation]] = {}
+        for a in self.cands:
+            for gid in a.gpu_ids:
+                if gid not in state.gpu:
+                    continue
+                if a.fractions or state.gpu[gid].shared:
+                    self.on_gpu.setdefault(gid, []).append(a)
+                if not a.fractions:
+                    key = (state.cls_of[gid], state.gpu[gid].node)
+                    lst = self.on_node.setdefault(key, [])
+                    if not lst or lst[-1] is not a:
+                        lst.append(a)
+
+    def __bool__(self) -> bool:
+        return len(self.taken) < len(self.cands)
+
+    def cost(self, a: Allocation) -> float:
+        return max(a.job.gpus, 0.01) * max(self.now - a.start_time, 0.0)
+
+    @staticmethod
+    def eligible(a: Allocation, job: Job) -> bool:
+        if a.borrowed and a.job.project != job.project:
+            return True
+        return a.job.preemptible and a.job.qos < job.qos
+
+    def _ok(self, a: Allocation, job: Job) -> bool:
+        return a.job.id not in self.taken and self.eligible(a, job)
+
+    def _gpus_in(self, a: Allocation, cls: ClassKey, node: str | None) -> int:
+        st = self.state
+        return sum(1 for gid in a.gpu_ids if gid in st.gpu and st.cls_of[gid] == cls
+                   and gid not in st.held and (node is None or st.gpu[gid].node == node))
+
+    def _cover(self, have: int, need: int, options: list[tuple[Allocation, int]]):
+        """Greedy: largest contribution first (fewest victims), then drop the
+        costliest ones that turn out unnecessary."""
+        options = sorted(options, key=lambda o: (-o[1], self.cost(o[0])))
+        chosen, got = [], have
+        for a, n in options:
+            if got >= need:
+                break
+            chosen.append((a, n))
+            got += n
+        if got < need:
+            return None
+        for item in sorted(chosen, key=lambda o: -self.cost(o[0])):
+            if got - item[1] >= need:
+                chosen.remove(item)
+                got -= item[1]
+        return [a for a, _ in chosen]
+
+    def find(self, job: Job, classes: list[ClassKey]) -> list[Allocation] | None:
+        """Victims that would let `job` fit, or None. Marks them taken."""
+        best = self._find_fraction(job, classes) if job.gpus < 1 else self._find_whole(job, classes)
+        if best:
+            self.taken.update(a.job.id for a in best)
+        return best
+
+    def _score(self, victims):
+        return (len(victims), sum(self.cost(a) for a in victims))
+
+    def _find_whole(self, job: Job, classes: list[ClassKey]):
+        st, g, wanted = self.state, int(job.gpus), set(classes)
+        best = None
+        for (cls, node), allocs in self.on_node.items():
+            if cls not in wanted or st.node_size[(cls, node)] < g:
+                continue
+            opts = [(a, self._gpus_in(a, cls, node)) for a in allocs if self._ok(a, job)]
+            victims = self._cover(len(st.free[cls][node]), g, [o for o in opts if o[1] > 0])
+            if victims and (best is None or self._score(victims) < self._score(best)):
+                best = victims
+        if best:
+            return best
+        for cls in classes:  # fewest nodes is then up to placement in the next pass
+            seen: dict[str, Allocation] = {}
+            for (c, _node), allocs in self.on_node.items():
+                if c == cls:
+                    for a in allocs:
+                        if self._ok(a, job):
+                            seen[a.job.id] = a
+            opts = [(a, self._gpus_in(a, cls, None)) for a in seen.values()]
+            victims = self._cover(st.total_free.get(cls, 0), g, [o for o in opts if o[1] > 0])
+            if victims and (best is None or self._score(victims) < self._score(best)):
+                best = victims
+        return best
+
+    def _find_fraction(self, job: Job, classes: list[ClassKey]):
+        st, wanted = self.state, set(classes)
+        best = None
+        for gid, allocs in self.on_gpu.items():
+            cls = st.cls_of[gid]
+            if cls not in wanted or not cls[3] or gid in st.held:
+                continue
+            need = frac_units(job, cls[2])
+            if need > UNITS:
+                continue
+            opts = [(a, alloc_units(a, st.gpu[gid])) for a in allocs if self._ok(a, job)]
+            victims = self._cover(st.free_units(gid), need, opts)
+            if victims and (best is None or self._score(victims) < self._score(best)):
+                best = victims
+        return best

@@ -1,0 +1,33 @@
+"""Commands down to node agents: `agent.launch` / `agent.stop` on the queue `node.<name>`.
+
+Publishing is best effort: a lost launch is re-sent by a later scheduling pass and a lost
+stop by the heartbeat answer (the portal tells the agent which attempts to stop).
+"""
+import logging
+
+from portal.celery import app, node_queue
+
+log = logging.getLogger(__name__)
+
+
+def send_launch(node_name: str, job_id: int, attempt: int) -> None:
+    from portal.jobs.selectors import launch_spec
+
+    spec = launch_spec(job_id, node_name)
+    if spec is None:
+        return  # the job moved on before we published: nothing to launch
+    _send("agent.launch", node_name, [str(job_id), attempt, spec])
+
+
+def send_stop(node_name: str, job_id: int, attempt: int, reason: str, grace_s: int | None = None) -> None:
+    from django.conf import settings
+
+    grace = settings.PREEMPT_GRACE_S if grace_s is None else grace_s
+    _send("agent.stop", node_name, [str(job_id), attempt, reason, grace])
+
+
+def _send(task: str, node_name: str, args: list) -> None:
+    try:
+        app.send_task(task, args=args, queue=node_queue(node_name), retry=False)
+    except Exception as exc:  # an unreachable broker must not undo committed work
+        log.warning("could not publish %s%s to %s: %s", task, args[:2], node_name, exc)

@@ -1,0 +1,173 @@
+"""Trace replay with a virtual clock through the same `schedule()` as production.
+
+A pass runs at every instant something happens (all submissions and ends at
+the same second are batched into one pass). Jobs run for their trace duration,
+killed at their walltime if longer. A preempted job goes back to the queue and
+restarts from zero (no checkpoint is assumed), keeping its submit time, so its
+lost work shows in its JCT. Preemption takes effect at once (grace period 0)
+and another pass follows straight away so the preemptor starts.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from scheduler.core import Allocation, Config, Job, Node, ProjectQuota, Snapshot, Topology, schedule
+
+from .trace import ALIBABA_QOS, TraceJob
+
+
+@dataclass
+class JobRecord:
+    trace: TraceJob
+    first_start: float | None = None
+    end: float | None = None
+    preempted: int = 0
+
+
+@dataclass
+class SimResult:
+    records: dict[str, JobRecord]
+    capacity: float  # GPUs in the cluster
+    window: tuple[float, float]  # submission window
+    alloc_gpu_s: float = 0.0  # allocated GPU-seconds inside the window
+    frag_gpu_s: float = 0.0  # idle GPU-seconds inside the window while a job waited
+    tenant_alloc_gpu_s: dict[str, float] = field(default_factory=dict)
+    tenant_frag_gpu_s: dict[str, float] = field(default_factory=dict)
+    preemptions: int = 0
+    passes: int = 0
+    dropped: list[str] = field(default_factory=list)  # never fit this cluster
+    guarantees: dict[str, float] = field(default_factory=dict)
+
+
+def to_core_job(t: TraceJob, qos_map: dict[str, int] | None) -> Job:
+    qos = qos_map.get(t.tenant, 0) if qos_map else 0
+    preemptible = bool(qos_map) and qos == 0
+    return Job(t.id, t.tenant, t.tenant, t.tenant, t.gpus, t.submit,
+               t.walltime if math.isfinite(t.walltime) else 90 * 86400.0,
+               gpu_type=t.gpu_type, qos=qos, preemptible=preemptible)
+
+
+class Simulator:
+    def __init__(self, jobs: list[TraceJob], nodes: list[Node], projects: dict[str, ProjectQuota],
+                 config: Config, alibaba_qos: bool = False):
+        self.nodes = nodes
+        self.projects = projects
+        self.config = config
+        self.qos_map = ALIBABA_QOS if alibaba_qos else None
+        self.capacity = float(sum(len(n.gpus) for n in nodes))
+        biggest = max((len(n.gpus) for n in nodes), default=0)
+        models = {g.model for n in nodes for g in n.gpus}
+        fits, dropped = [], []
+        for t in jobs:
+            too_big = t.gpus > self.capacity or (0 < t.gpus < 1 and biggest == 0)
+            if too_big or (t.gpu_type and t.gpu_type not in models):
+                dropped.append(t.id)
+            else:
+                fits.append(t)
+        self.jobs = sorted(fits, key=lambda t: (t.submit, t.id))
+        window = (self.jobs[0].submit, self.jobs[-1].submit) if self.jobs else (0.0, 0.0)
+        self.res = SimResult({t.id: JobRecord(t) for t in self.jobs}, self.capacity, window,
+                             dropped=dropped, guarantees={p: q.guaranteed_gpus for p, q in projects.items()})
+
+    def run(self) -> SimResult:
+        res, cfg = self.res, self.config
+        trace = {t.id: t for t in self.jobs}
+        topo = Topology.from_nodes(self.nodes)  # nodes never change during a replay
+        queue: dict[str, Job] = {}
+        running: dict[str, Allocation] = {}
+        ends: list[tuple[float, int, str]] = []  # (end time, attempt, job id)
+        attempt: dict[str, int] = {}
+        usage: dict[str, float] = {}
+        run_gpus: dict[str, float] = {}  # per tenant, for usage and utilization
+        wait_count: dict[str, int] = {}  # per tenant, queued jobs asking for GPUs
+        allocated = 0.0
+        hl = cfg.fairshare_half_life_s
+        w0, w1 = res.window
+        now = self.jobs[0].submit if self.jobs else 0.0
+        i, n = 0, len(self.jobs)
+        while i < n or ends:
+            t_next = min(self.jobs[i].submit if i < n else math.inf, ends[0][0] if ends else math.inf)
+            dt = t_next - now
+            if dt > 0:
+                # Integrate over [now, t_next): nothing changes in between.
+                lo, hi = max(now, w0), min(t_next, w1)
+                if hi > lo:
+                    span = hi - lo
+                    res.alloc_gpu_s += allocated * span
+                    for p, g in run_gpus.items():
+                        if g:
+                            res.tenant_alloc_gpu_s[p] = res.tenant_alloc_gpu_s.get(p, 0.0) + g * span
+                    if any(wait_count.values()):
+                        idle = (self.capacity - allocated) * span
+                        res.frag_gpu_s += idle
+                        for p, c in wait_count.items():
+                            if c:
+                                res.tenant_frag_gpu_s[p] = res.tenant_frag_gpu_s.get(p, 0.0) + idle
+                # Decayed usage: exact integral of g * 2^(-(t_next - s)/hl) ds.
+                keep = math.pow(0.5, dt / hl)
+                gain = hl / math.log(2) * (1.0 - keep)
+                for p in set(usage) | set(run_gpus):
+                    usage[p] = usage.get(p, 0.0) * keep + run_gpus.get(p, 0.0) * gain
+                now = t_next
+            while ends and ends[0][0] <= now:
+                _, att, jid = heapq.heappop(ends)
+                if attempt.get(jid) != att or jid not in running:
+                    continue  # a stale end of a preempted attempt
+                a = running.pop(jid)
+                allocated -= a.job.gpus
+                run_gpus[a.job.project] -= a.job.gpus
+                res.records[jid].end = now
+            while i < n and self.jobs[i].submit <= now:
+                t = self.jobs[i]
+                queue[t.id] = to_core_job(t, self.qos_map)
+                if t.gpus > 0:
+                    wait_count[t.tenant] = wait_count.get(t.tenant, 0) + 1
+                i += 1
+            for _ in range(100):  # a pass, and again at once after preemptions
+                if not queue:
+                    break
+                snap = Snapshot(now, self.nodes, list(running.values()), list(queue.values()),
+                                self.projects, {}, usage, cfg)
+                plan = schedule(snap, topo)
+                res.passes += 1
+                for s in plan.starts:
+                    job = queue.pop(s.job_id)
+                    rec = res.records[job.id]
+                    if rec.first_start is None:
+                        rec.first_start = now
+                    running[job.id] = Allocation(job, s.gpu_ids, now, s.fractions, s.borrowed)
+                    allocated += job.gpus
+                    run_gpus[job.project] = run_gpus.get(job.project, 0.0) + job.gpus
+                    if job.gpus > 0:
+                        wait_count[job.project] -= 1
+                    att = attempt[job.id] = attempt.get(job.id, 0) + 1
+                    heapq.heappush(ends, (now + trace[job.id].runtime, att, job.id))
+                for p in plan.preemptions:
+                    a = running.pop(p.job_id, None)
+                    if a is None:
+                        continue
+                    allocated -= a.job.gpus
+                    run_gpus[a.job.project] -= a.job.gpus
+                    queue[a.job.id] = a.job
+                    if a.job.gpus > 0:
+                        wait_count[a.job.project] = wait_count.get(a.job.project, 0) + 1
+                    res.records[a.job.id].preempted += 1
+                    res.preemptions += 1
+                if not plan.preemptions:
+                    break
+        return res
+
+
+def make_projects(tenants: list[str], capacity: float, quota_nodes: dict[str, int] | None,
+                  gpus_per_quota_node: int = 8) -> dict[str, ProjectQuota]:
+    """Each tenant a project (and an org). With a quota file: guaranteed GPUs =
+    its nodes x 8, scaled to this cluster's size; without: equal shares. Every
+    tenant may borrow up to the whole cluster."""
+    if quota_nodes:
+        total = sum(quota_nodes.values()) * gpus_per_quota_node
+        guar = {t: quota_nodes.get(t, 0) * gpus_per_quota_node * capacity / total for t in tenants}
+    else:
+        guar = {t: capacity / max(len(tenants), 1) for t in tenants}
+    return {t: ProjectQuota(t, t, guaranteed_gpus=guar[t], max_gpus=capacity) for t in tenants}

@@ -1,0 +1,68 @@
+"""The metrics of DESIGN.md section 9, defined once for the sim and the benches."""
+from __future__ import annotations
+
+import math
+
+from .engine import SimResult
+
+TAU_S = 10.0  # bounded-slowdown threshold: jobs shorter than this count as this long
+
+
+def percentile(xs: list[float], p: float) -> float:
+    """Nearest-rank percentile (p in 0..100) of a non-empty list."""
+    s = sorted(xs)
+    k = max(0, min(len(s) - 1, math.ceil(p / 100.0 * len(s)) - 1))
+    return s[k]
+
+
+def _job_metrics(recs) -> dict:
+    done = [r for r in recs if r.end is not None]
+    if not done:
+        return {"jobs": 0, "jct_mean": None, "jct_p50": None, "jct_p95": None, "jct_p99": None,
+                "wait_mean": None, "bounded_slowdown_mean": None, "preemptions": 0}
+    jct = [r.end - r.trace.submit for r in done]
+    wait = [r.first_start - r.trace.submit for r in done]
+    bsld = [max(1.0, (r.end - r.trace.submit) / max(r.trace.runtime, TAU_S)) for r in done]
+    return {
+        "jobs": len(done),
+        "jct_mean": sum(jct) / len(jct),
+        "jct_p50": percentile(jct, 50),
+        "jct_p95": percentile(jct, 95),
+        "jct_p99": percentile(jct, 99),
+        "wait_mean": sum(wait) / len(wait),
+        "bounded_slowdown_mean": sum(bsld) / len(bsld),
+        "preemptions": sum(r.preempted for r in recs),
+    }
+
+
+def summarize(res: SimResult, isolated_jct: dict[str, float] | None = None) -> dict:
+    """Overall and per-tenant metrics. Utilization is allocated GPU-seconds over
+    capacity inside the submission window (per tenant: over its guarantee, so
+    above 1 means it borrowed); fragmentation is idle GPU-seconds while some
+    job (per tenant: one of its jobs) waited, over capacity in the window.
+    Fairness is the tenant's mean JCT here over its mean JCT alone on a cluster
+    the size of its guarantee (None where it has no guarantee or no isolated run)."""
+    span = max(res.window[1] - res.window[0], 1e-9)
+    out = _job_metrics(list(res.records.values()))
+    out["preemptions"] = res.preemptions
+    out["utilization"] = res.alloc_gpu_s / (res.capacity * span)
+    out["fragmentation"] = res.frag_gpu_s / (res.capacity * span)
+    by_tenant: dict[str, list] = {}
+    for r in res.records.values():
+        by_tenant.setdefault(r.trace.tenant, []).append(r)
+    tenants = {}
+    for t, recs in sorted(by_tenant.items()):
+        m = _job_metrics(recs)
+        guar = res.guarantees.get(t, 0.0)
+        m["utilization"] = res.tenant_alloc_gpu_s.get(t, 0.0) / (guar * span) if guar > 0 else None
+        m["fragmentation"] = res.tenant_frag_gpu_s.get(t, 0.0) / (res.capacity * span)
+        iso = (isolated_jct or {}).get(t)
+        m["fairness"] = m["jct_mean"] / iso if (iso and m["jct_mean"] is not None) else None
+        m["fairness_max"] = m["fairness"]
+        tenants[t] = m
+    fair = [m["fairness"] for m in tenants.values() if m["fairness"] is not None]
+    out["fairness_max"] = max(fair) if fair else None
+    out["tenants"] = tenants
+    out["passes"] = res.passes
+    out["dropped"] = len(res.dropped)
+    return out

@@ -1,0 +1,149 @@
+"""The agent API: node tokens, registration, fencing, idempotent reports, reaper."""
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from portal.core.context import Actor
+from portal.jobs.models import Allocation, Job, JobEvent, JobLogChunk
+from portal.jobs.services import job_cancel, job_submit
+from portal.nodes.models import GPU, Node
+from portal.nodes.services import node_add, nodes_reap
+from scheduler.adapter import run_pass
+
+IMAGE = "gpuportal/busybox:latest"
+INVENTORY = [{"index": i, "uuid": f"GPU-real-{i}", "model": "NVIDIA H100 80GB HBM3", "memory_mb": 81559,
+              "pci_bus_id": f"0000:0{i}:00.0"} for i in range(2)]
+
+
+@pytest.fixture
+def node(demo):
+    node, secret = node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="2xH100-80GB")
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    client.node = node
+    return client
+
+
+def post(client, path, body):
+    return client.post(f"/api/agent/v1/{path}", data=body, format="json")
+
+
+def register(client):
+    return post(client, "register", {"name": "gpu-01", "cpus": 16, "memory_mb": 65536, "sandbox": "docker",
+                                     "gpus": INVENTORY})
+
+
+@pytest.fixture
+def placed(node, demo, monkeypatch):
+    monkeypatch.setattr("scheduler.dispatch._send", lambda *a: None)
+    assert register(node).status_code == 200
+    job, _ = job_submit(actor=Actor(user=demo.users["alice"]), data={
+        "project": "vision", "name": "j", "image": IMAGE, "command": ["echo", "hi"], "resources": {"gpus": 1}})
+    run_pass()
+    job.refresh_from_db()
+    assert job.state == "assigned"
+    return job
+
+
+def test_register_replaces_inventory(node):
+    r = register(node)
+    assert r.status_code == 200 and r.json()["node"] == "gpu-01" and r.json()["lease_s"] > 0
+    gpus = list(GPU.objects.filter(node=node.node).order_by("index"))
+    assert [g.uuid for g in gpus] == ["GPU-real-0", "GPU-real-1"]
+    assert gpus[0].model == "H100-80GB" and gpus[0].pci_bus_id == "0000:00:00.0"
+    assert Node.objects.get(pk=node.node.pk).last_heartbeat_at is not None
+
+
+def test_token_is_bound_to_its_node(node):
+    r = post(node, "register", {"name": "gpu-99", "cpus": 1, "memory_mb": 1, "sandbox": "docker", "gpus": []})
+    assert r.status_code == 403
+
+
+def test_bad_and_user_tokens_are_refused(demo):
+    from tests.conftest import make_token
+
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {make_token(demo.users['admin'])}")
+    assert post(client, "heartbeat", {}).status_code == 401
+    client.credentials(HTTP_AUTHORIZATION="Bearer gpn_" + "x" * 42)
+    assert post(client, "heartbeat", {}).status_code == 401
+
+
+def test_node_token_is_refused_on_the_user_api(node):
+    assert node.get("/api/v1/jobs/").status_code == 401
+
+
+def test_lifecycle_through_reports(node, placed):
+    r = post(node, f"jobs/{placed.pk}/confirm", {"attempt": 1})
+    assert r.status_code == 200
+    spec = r.json()["spec"]
+    assert spec["command"] == ["echo", "hi"] and len(spec["gpu_uuids"]) == 1 and spec["gpu_uuids"][0].startswith("GPU-real")
+    assert Job.objects.get(pk=placed.pk).state == "starting"
+    assert post(node, f"jobs/{placed.pk}/events", {"attempt": 1, "state": "running"}).status_code == 200
+    for _ in range(2):  # a retried chunk is stored once
+        assert post(node, f"jobs/{placed.pk}/logs", {"attempt": 1, "offset": 0, "data": "hi\n"}).status_code == 200
+    assert JobLogChunk.objects.filter(job=placed).count() == 1
+    for _ in range(2):  # a retried terminal report is a no-op
+        r = post(node, f"jobs/{placed.pk}/events", {"attempt": 1, "state": "failed", "exit_code": 3})
+        assert r.status_code == 200
+    job = Job.objects.get(pk=placed.pk)
+    assert job.state == "failed" and job.exit_code == 3 and job.started_at and job.ended_at
+    assert JobEvent.objects.filter(job=job, terminal=True).count() == 1
+    assert not Allocation.objects.filter(job=job, released_at__isnull=True).exists()
+
+
+def test_stale_attempt_is_409(node, placed):
+    assert post(node, f"jobs/{placed.pk}/confirm", {"attempt": 2}).status_code == 409
+    assert post(node, f"jobs/{placed.pk}/events", {"attempt": 0, "state": "running"}).status_code == 409
+    assert post(node, "jobs/999999/confirm", {"attempt": 1}).status_code == 409
+
+
+def test_cancelled_job_is_stopped_by_heartbeat(node, placed, demo):
+    post(node, f"jobs/{placed.pk}/confirm", {"attempt": 1})
+    job_cancel(actor=Actor(user=demo.users["alice"]), job=placed)
+    r = post(node, "heartbeat", {"samples": [], "jobs": [{"job_id": str(placed.pk), "attempt": 1, "state": "running"}]})
+    assert r.status_code == 200
+    assert r.json()["stop"] == [{"job_id": str(placed.pk), "attempt": 1, "reason": "job is cancelled"}]
+    # The agent's report of the stop is accepted as a duplicate end, not a second one.
+    r = post(node, f"jobs/{placed.pk}/events", {"attempt": 1, "state": "cancelled"})
+    assert r.status_code == 200 and r.json()["result"] == "duplicate"
+    assert Job.objects.get(pk=placed.pk).state == "cancelled"
+
+
+def test_heartbeat_says_drain(node):
+    register(node)
+    Node.objects.filter(name="gpu-01").update(state="draining")
+    assert post(node, "heartbeat", {"samples": [], "jobs": []}).json() == {"drain": True, "stop": []}
+
+
+def test_silent_node_goes_down_and_its_job_is_requeued(node, placed, settings):
+    Node.objects.filter(pk=node.node.pk).update(
+        last_heartbeat_at=timezone.now() - timedelta(seconds=settings.NODE_TIMEOUT_S + 1))
+    assert nodes_reap() == {"down": 1, "requeued": 1, "node_fail": 0}
+    job = Job.objects.get(pk=placed.pk)
+    assert job.state == "queued" and job.attempt == 2 and job.reason_code == "node_fail"
+    assert Node.objects.get(pk=node.node.pk).state == "down"
+    # The old attempt's reports are now stale; the node's return brings it back to ready.
+    assert post(node, f"jobs/{placed.pk}/events", {"attempt": 1, "state": "running"}).status_code == 409
+    register(node)
+    assert Node.objects.get(pk=node.node.pk).state == "ready"
+
+
+def test_out_of_attempts_ends_node_fail(node, placed, settings):
+    Job.objects.filter(pk=placed.pk).update(attempt=settings.JOB_MAX_ATTEMPTS)
+    Allocation.objects.filter(job=placed).update(attempt=settings.JOB_MAX_ATTEMPTS)
+    Node.objects.filter(pk=node.node.pk).update(last_heartbeat_at=timezone.now() - timedelta(hours=1))
+    assert nodes_reap()["node_fail"] == 1
+    assert Job.objects.get(pk=placed.pk).state == "node_fail"
+
+
+def test_mass_silence_marks_nothing(demo, settings):
+    admin = Actor(user=demo.users["admin"])
+    for i in range(4):
+        node_add(actor=admin, name=f"n{i}", gpus="1xH100-80GB")
+    Node.objects.update(last_heartbeat_at=timezone.now() - timedelta(hours=1))
+    result = nodes_reap()
+    assert result["down"] == 0 and result["suspected_portal_failure"] == 4
+    assert not Node.objects.filter(state="down").exists()
