@@ -24,10 +24,16 @@ app.conf.task_routes = {
 }
 app.autodiscover_tasks(["portal.core", "portal.accounts", "portal.tenancy", "portal.nodes", "portal.jobs"])
 app.autodiscover_tasks(["scheduler"], related_name="tasks")
+app.autodiscover_tasks(["portal.billing", "portal.metrics"])
 app.conf.beat_schedule = {
     # Passes also run on submit, job end and node change; this catches everything else.
     "schedule-pass": {"task": "scheduler.schedule_pass", "schedule": 5.0, "options": {"queue": "scheduler"}},
     "reap-nodes": {"task": "nodes.reap_nodes", "schedule": 10.0, "options": {"queue": "scheduler"}},
+    # Upserted totals per (allocation, hour): a late or doubled run bills nothing twice.
+    "meter-usage": {"task": "billing.meter_usage", "schedule": 60.0, "options": {"queue": "scheduler"}},
+    "rollup-metrics-minute": {"task": "metrics.rollup_minute", "schedule": 60.0, "options": {"queue": "scheduler"}},
+    "rollup-metrics-hour": {"task": "metrics.rollup_hour", "schedule": 300.0, "options": {"queue": "scheduler"}},
+    "prune-metrics": {"task": "metrics.prune", "schedule": 3600.0, "options": {"queue": "scheduler"}},
 }
 
 

@@ -115,11 +115,15 @@ INSTALLED_APPS = [
     "drf_spectacular_sidecar",
     "guardian",
     "axes",
+    "django_htmx",
     "portal.core",
     "portal.accounts",
     "portal.tenancy",
     "portal.nodes",
     "portal.jobs",
+    "portal.billing",
+    "portal.metrics",
+    "portal.console",
 ]
 
 MIDDLEWARE = [
@@ -130,6 +134,7 @@ MIDDLEWARE = [
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",  # request.htmx: pages answer htmx polls with fragments
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     # Last, as django-axes asks: it turns a lockout into a response.
     "axes.middleware.AxesMiddleware",
@@ -177,6 +182,9 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
     {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
 ]
+if env_bool("GPUPORTAL_TEST_FAST_HASHER", False):
+    # Tests only (pytest.ini sets it): a fast hasher so seeding personas costs nothing.
+    PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "home"
 LOGOUT_REDIRECT_URL = "login"
@@ -277,6 +285,11 @@ SPECTACULAR_SETTINGS = {
         "securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer", "bearerFormat": "gpp_ token"}}
     },
     "SECURITY": [{"bearerAuth": []}],
+    "ENUM_NAME_OVERRIDES": {
+        "JobStateEnum": "portal.jobs.models.JobState",
+        "NodeStateEnum": "portal.nodes.models.NodeState",
+        "AgentEventStateEnum": "portal.nodes.agent_api.AGENT_EVENT_STATES",
+    },
 }
 
 # API tokens.
@@ -337,11 +350,34 @@ if SCHEDULER_PLACEMENT not in ("bestfit", "spread"):
 
 DEMO_PASSWORD = env_str("DEMO_PASSWORD", "demo-pass-123")
 
+# Billing (docs/billing.md): currency of new rate cards, budget warning share. Metering runs
+# every 60 s from beat (portal/celery.py).
+BILLING_CURRENCY = env_str("BILLING_CURRENCY", "USD")
+BILLING_BUDGET_WARN_FRACTION = env_float("BILLING_BUDGET_WARN_FRACTION", 0.8)
+if not 0 < BILLING_BUDGET_WARN_FRACTION < 1:
+    raise ImproperlyConfigured("BILLING_BUDGET_WARN_FRACTION: must be between 0 and 1, e.g. 0.8")
+# Metrics: /metrics also answers `Authorization: Bearer <METRICS_SCRAPE_TOKEN>` when set (Prometheus).
+METRICS_SCRAPE_TOKEN = env_str("METRICS_SCRAPE_TOKEN")
+if METRICS_SCRAPE_TOKEN and len(METRICS_SCRAPE_TOKEN) < 32:
+    raise ImproperlyConfigured("METRICS_SCRAPE_TOKEN: use at least 32 random characters")
+METRICS_RAW_DAYS = env_int("METRICS_RAW_DAYS", 7, minimum=1)  # raw GPU samples
+METRICS_MINUTE_DAYS = env_int("METRICS_MINUTE_DAYS", 14, minimum=1)  # 1-minute rollups; 1-hour ones stay
+# Heartbeat samples are buffered per web process and written with one COPY per batch.
+METRICS_INGEST_BATCH = env_int("METRICS_INGEST_BATCH", 500, minimum=1)
+METRICS_INGEST_FLUSH_S = env_float("METRICS_INGEST_FLUSH_S", 2.0)
+# GPU health rules applied to every heartbeat sample: over these, the GPU is marked unhealthy.
+GPU_HEALTH_MAX_TEMP_C = env_float("GPU_HEALTH_MAX_TEMP_C", 90.0)
+GPU_HEALTH_MAX_ECC_ERRORS = env_int("GPU_HEALTH_MAX_ECC_ERRORS", 0, minimum=0)
+GPU_HEALTH_IGNORED_XIDS = [int(x) for x in env_list("GPU_HEALTH_IGNORED_XIDS", []) if x.isdigit()]
+# A GPU under a running job whose utilization stays below this for this long is flagged idle.
+GPU_IDLE_UTIL_PCT = env_float("GPU_IDLE_UTIL_PCT", 5.0)
+GPU_IDLE_MINUTES = env_int("GPU_IDLE_MINUTES", 30, minimum=1)
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
-    "loggers": {"django.db.backends": {"level": "WARNING"}},
+    "loggers": {"django.db.backends": {"level": "WARNING"}, "axes": {"level": "WARNING"}},
 }

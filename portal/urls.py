@@ -7,6 +7,7 @@ api_v1 = [
     path("", include("portal.tenancy.urls_api")),
     path("", include("portal.jobs.urls_api")),
     path("", include("portal.nodes.urls_api")),
+    path("", include("portal.billing.urls_api")),
 ]
 
 urlpatterns = [
@@ -17,4 +18,8 @@ urlpatterns = [
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("", include("portal.accounts.urls")),
     path("", include("portal.tenancy.urls")),
+    path("jobs/", include("portal.jobs.urls")),
+    path("nodes/", include("portal.nodes.urls")),
+    path("metrics", include("portal.metrics.urls")),
+    path("console/", include("portal.console.urls")),
 ]

@@ -11,12 +11,21 @@ log = logging.getLogger(__name__)
 
 
 def send_launch(node_name: str, job_id: int, attempt: int) -> None:
-    from portal.jobs.selectors import launch_spec
+    send_launches([(node_name, job_id, attempt)])
 
-    spec = launch_spec(job_id, node_name)
-    if spec is None:
-        return  # the job moved on before we published: nothing to launch
-    _send("agent.launch", node_name, [str(job_id), attempt, spec])
+
+def send_launches(launches: list[tuple[str, int, int]]) -> None:
+    """Publish `agent.launch` for (node, job, attempt) triples; specs are read in a few queries."""
+    from portal.jobs.selectors import launch_specs
+
+    if not launches:
+        return
+    specs = launch_specs([(node, job_id) for node, job_id, _ in launches])
+    for node_name, job_id, attempt in launches:
+        spec = specs.get((node_name, job_id))
+        if spec is None or spec["attempt"] != attempt:
+            continue  # the job moved on before we published: nothing to launch
+        _send("agent.launch", node_name, [str(job_id), attempt, spec])
 
 
 def send_stop(node_name: str, job_id: int, attempt: int, reason: str, grace_s: int | None = None) -> None:

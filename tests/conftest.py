@@ -3,6 +3,8 @@
 admin (staff); acme/vision: alice owner, bob member, dave viewer;
 globex/nlp: charlie owner, the outsider to everything of acme.
 """
+import os
+
 import pytest
 from django.core.management import call_command
 from rest_framework.test import APIClient
@@ -11,15 +13,20 @@ from portal.accounts.services import token_issue
 from portal.core.context import Actor
 
 
-@pytest.fixture(autouse=True)
-def _fast_passwords(settings):
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup, django_db_blocker):
+    """Seed the personas once per session: tests that roll back keep them; a transactional
+    test flushes the database, and `demo` seeds again after it."""
+    with django_db_blocker.unblock():
+        call_command("seed_demo", stdout=open(os.devnull, "w"))
 
 
 @pytest.fixture
 def demo(db):
-    call_command("seed_demo", stdout=open("/dev/null", "w"))
     from django.contrib.auth import get_user_model
+
+    if not get_user_model().objects.filter(username="charlie").exists():
+        call_command("seed_demo", stdout=open(os.devnull, "w"))
 
     from portal.tenancy.models import Project
 

@@ -8,3 +8,11 @@ class BearerTokenScheme(OpenApiAuthenticationExtension):
 
     def get_security_definition(self, auto_schema):
         return {"type": "http", "scheme": "bearer", "bearerFormat": "gpp_ token"}
+
+
+class NodeTokenScheme(OpenApiAuthenticationExtension):
+    target_class = "portal.nodes.auth.NodeTokenAuthentication"
+    name = "nodeToken"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "http", "scheme": "bearer", "bearerFormat": "gpn_ node token"}

@@ -9,7 +9,8 @@ from rest_framework.response import Response
 from portal.core.api import StrictModelSerializer, TenantViewSet
 from portal.tenancy.models import Project
 
-from .models import TERMINAL, Job, JobEvent, JobLogChunk, JobTemplate
+from .models import TERMINAL, Job, JobEvent, JobTemplate
+from .selectors import log_read
 from .services import job_cancel, job_resubmit, job_submit, template_delete, template_save
 from .spec import JobSpecSerializer
 
@@ -164,16 +165,8 @@ class JobViewSet(mixins.ListModelMixin, TenantViewSet):
             attempt = int(request.query_params.get("attempt", job.attempt))
         except ValueError:
             raise serializers.ValidationError({"offset": ["Expected an integer."]}) from None
-        chunks = JobLogChunk.objects.filter(job=job, attempt=attempt).order_by("offset").values_list("offset", "data")
-        text, end = [], offset
-        for start, data in chunks:
-            stop = start + len(data.encode())
-            if stop <= offset:
-                continue
-            raw = data.encode()[max(0, offset - start):]
-            text.append(raw.decode(errors="replace"))
-            end = stop
-        return Response({"attempt": attempt, "offset": offset, "next_offset": max(end, offset), "data": "".join(text),
+        text, next_offset = log_read(job, attempt=attempt, offset=offset)
+        return Response({"attempt": attempt, "offset": offset, "next_offset": next_offset, "data": text,
                          "complete": job.state in TERMINAL})
 
 

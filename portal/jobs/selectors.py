@@ -1,8 +1,9 @@
 """Reads for jobs: usage figures the scheduler and submit checks need, list filters."""
 from collections import defaultdict
 from datetime import datetime, timezone as dt_timezone
+from decimal import Decimal
 
-from django.db.models import Q
+from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
 from .models import Allocation
@@ -51,30 +52,122 @@ def decayed_usage(project_ids, *, half_life_s: float, now: datetime | None = Non
 
 def launch_spec(job_id: int, node_name: str) -> dict | None:
     """What the agent on `node_name` needs to start its part of the job, or None if the job
-    no longer holds GPUs there. Multi-node gangs get the rendezvous variables torchrun uses."""
+    no longer holds GPUs there."""
+    return launch_specs([(node_name, job_id)]).get((node_name, job_id))
+
+
+def launch_specs(pairs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
+    """Launch specs for (node name, job id) pairs in three queries, whatever their number.
+    Multi-node gangs get the rendezvous variables torchrun and NCCL use."""
     from .models import HOLDING, Job
 
-    job = Job.objects.filter(pk=job_id, state__in=HOLDING).select_related("project__quota", "node").first()
-    if job is None:
-        return None
-    allocs = list(Allocation.objects.filter(job=job, released_at__isnull=True).select_related("gpu__node")
+    ids = {job_id for _, job_id in pairs}
+    jobs = {j.pk: j for j in Job.objects.filter(pk__in=ids, state__in=HOLDING).select_related("project__quota", "node")}
+    allocs: dict[int, list] = defaultdict(list)
+    for a in (Allocation.objects.filter(job_id__in=list(jobs), released_at__isnull=True).select_related("gpu__node")
+              .order_by("gpu__node__name", "gpu__index")):
+        allocs[a.job_id].append(a)
+    out = {}
+    for node_name, job_id in pairs:
+        job = jobs.get(job_id)
+        if job is None:
+            continue
+        held = allocs.get(job_id, [])
+        nodes = list(dict.fromkeys(a.gpu.node.name for a in held)) or [job.node.name if job.node else node_name]
+        if node_name not in nodes:
+            continue
+        mine = [a for a in held if a.gpu.node.name == node_name]
+        rendezvous = None
+        if len(nodes) > 1:
+            # The master is the first node; the port is derived from the job id so gangs do not collide.
+            rendezvous = {"MASTER_ADDR": nodes[0], "MASTER_PORT": str(29500 + job.pk % 1000),
+                          "WORLD_SIZE": str(len(held)), "NODE_RANK": str(nodes.index(node_name)),
+                          "LOCAL_WORLD_SIZE": str(len(mine))}
+        fraction = float(mine[0].fraction) if mine and mine[0].shared else None
+        out[(node_name, job_id)] = {
+            "job_id": str(job.pk), "attempt": job.attempt, "image": job.image, "command": job.command,
+            "env": job.env, "gpu_indexes": [a.gpu.index for a in mine], "gpu_uuids": [a.gpu.uuid for a in mine],
+            "cpus": float(job.cpus), "memory_mb": job.memory_mb, "time_limit_s": job.time_limit_s,
+            "network": bool(job.network and job.project.quota.network_allowed), "sandbox": job.sandbox,
+            "array_index": job.array_index, "gpu_fraction": fraction,
+            "gpu_memory_mb": job.gpu_memory_mb or None, "rendezvous": rendezvous,
+        }
+    return out
+
+
+# Reads for the pages (jobs list, detail, dashboard).
+
+
+def gpus_in_use(project_ids) -> dict[int, Decimal]:
+    """GPUs each project holds now: the sum of its open allocations' fractions."""
+    rows = (Allocation.objects.filter(job__project_id__in=list(project_ids), released_at__isnull=True)
+            .values("job__project_id").annotate(n=Sum("fraction")).values_list("job__project_id", "n"))
+    return {project_id: n or Decimal(0) for project_id, n in rows}
+
+
+def jobs_for_list(*, user, project: str = "", state: str = "", submitted_from=None, submitted_to=None,
+                  mine: bool = False):
+    """Top-level jobs (array tasks are folded into their parent) a user may see, newest first.
+
+    `state` is a state name, "active" or "finished"; dates are inclusive days.
+    The order is stable: equal submit times fall back to the id.
+    """
+    from .models import ACTIVE, TERMINAL, Job
+
+    qs = Job.objects.for_user(user, "view").filter(array_parent__isnull=True)
+    if project:
+        qs = qs.filter(project__slug=project)
+    if state == "active":
+        qs = qs.filter(state__in=ACTIVE)
+    elif state == "finished":
+        qs = qs.filter(state__in=TERMINAL)
+    elif state:
+        qs = qs.filter(state=state)
+    if submitted_from:
+        qs = qs.filter(submitted_at__date__gte=submitted_from)
+    if submitted_to:
+        qs = qs.filter(submitted_at__date__lte=submitted_to)
+    if mine:
+        qs = qs.filter(user=user)
+    return qs.select_related("project", "user", "node").order_by("-submitted_at", "-id")
+
+
+def task_histograms(parent_ids) -> dict[int, dict[str, int]]:
+    """Array parents: how many tasks are in each state, in one query."""
+    from .models import Job
+
+    out: dict[int, dict[str, int]] = defaultdict(dict)
+    for parent_id, state, n in (Job.objects.filter(array_parent_id__in=list(parent_ids))
+                                .values_list("array_parent_id", "state").annotate(n=Count("id"))
+                                .order_by()):
+        out[parent_id][state] = n
+    return dict(out)
+
+
+def log_read(job, *, attempt: int, offset: int = 0) -> tuple[str, int]:
+    """The log text of one attempt from byte `offset` on, and the offset to ask for next."""
+    from .models import JobLogChunk
+
+    chunks = JobLogChunk.objects.filter(job=job, attempt=attempt).order_by("offset")
+    text, end = [], offset
+    for start, data in chunks.values_list("offset", "data"):
+        raw = data.encode()
+        stop = start + len(raw)
+        if stop <= offset:
+            continue
+        text.append(raw[max(0, offset - start):].decode(errors="replace"))
+        end = stop
+    return "".join(text), max(end, offset)
+
+
+def job_gpu_samples(job) -> list[dict]:
+    """The GPUs the job's latest attempt holds (or held), each with its latest sample if the
+    cache still has one (`gpu-sample:<uuid>`, written by agent heartbeats for 5 minutes)."""
+    from django.core.cache import cache
+
+    allocs = list(Allocation.objects.filter(job=job, attempt=job.attempt).select_related("gpu__node")
                   .order_by("gpu__node__name", "gpu__index"))
-    nodes = list(dict.fromkeys(a.gpu.node.name for a in allocs)) or [job.node.name if job.node else node_name]
-    if node_name not in nodes:
-        return None
-    mine = [a for a in allocs if a.gpu.node.name == node_name]
-    rendezvous = None
-    if len(nodes) > 1:
-        # The master is the first node; the port is derived from the job id so gangs do not collide.
-        rendezvous = {"MASTER_ADDR": nodes[0], "MASTER_PORT": str(29500 + job.pk % 1000),
-                      "WORLD_SIZE": str(len(allocs)), "NODE_RANK": str(nodes.index(node_name)),
-                      "LOCAL_WORLD_SIZE": str(len(mine))}
-    fraction = float(mine[0].fraction) if mine and mine[0].shared else None
-    return {
-        "job_id": str(job.pk), "attempt": job.attempt, "image": job.image, "command": job.command, "env": job.env,
-        "gpu_indexes": [a.gpu.index for a in mine], "gpu_uuids": [a.gpu.uuid for a in mine],
-        "cpus": float(job.cpus), "memory_mb": job.memory_mb, "time_limit_s": job.time_limit_s,
-        "network": bool(job.network and job.project.quota.network_allowed), "sandbox": job.sandbox,
-        "array_index": job.array_index, "gpu_fraction": fraction,
-        "gpu_memory_mb": job.gpu_memory_mb or None, "rendezvous": rendezvous,
-    }
+    samples = cache.get_many([f"gpu-sample:{a.gpu.uuid}" for a in allocs]) if allocs else {}
+    return [{"uuid": a.gpu.uuid, "index": a.gpu.index, "node": a.gpu.node.name, "model": a.gpu.model,
+             "fraction": float(a.fraction), "open": a.released_at is None,
+             "sample": samples.get(f"gpu-sample:{a.gpu.uuid}")} for a in allocs]

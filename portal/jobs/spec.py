@@ -7,6 +7,7 @@ import re
 from decimal import Decimal
 
 from django.conf import settings
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from portal.core.api import StrictCharField, StrictSerializer
@@ -66,6 +67,7 @@ def parse_duration(value) -> int:
     return seconds
 
 
+@extend_schema_field({"oneOf": [{"type": "integer", "minimum": 1}, {"type": "string", "example": "1-00:00:00"}]})
 class DurationField(serializers.Field):
     def to_internal_value(self, data):
         try:

@@ -39,6 +39,38 @@ def transition(job_id: int, *, to: str, from_states, attempt: int | None = None,
     return True
 
 
+def assign_many(assignments: dict[int, int], *, message_for) -> dict[int, int]:
+    """`transition()` for many queued jobs at once (a pass that starts thousands).
+
+    assignments: job id -> node id. One conditional UPDATE ... WHERE state='queued' per
+    thousand jobs, RETURNING the ids that moved (a job cancelled meanwhile does not), then
+    one bulk insert of their events. Returns {job id: attempt} of the jobs that moved.
+    PostgreSQL only; callers fall back to transition() elsewhere.
+    """
+    from django.db import connection
+
+    now = timezone.now()
+    moved: dict[int, int] = {}
+    table = Job._meta.db_table
+    items = list(assignments.items())
+    with transaction.atomic():
+        for i in range(0, len(items), 1000):
+            batch = items[i:i + 1000]
+            values = ", ".join(["(%s::bigint, %s::bigint)"] * len(batch))
+            params = [x for pair in batch for x in pair]
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    f"UPDATE {table} AS j SET state = %s, state_changed_at = %s, node_id = v.node, "
+                    f"reason_code = '', reason_message = '', queue_position = NULL "
+                    f"FROM (VALUES {values}) AS v(id, node) WHERE j.id = v.id AND j.state = %s "
+                    f"RETURNING j.id, j.attempt",
+                    [JobState.ASSIGNED, now, *params, JobState.QUEUED])
+                moved.update(cursor.fetchall())
+        JobEvent.objects.bulk_create([JobEvent(job_id=job_id, attempt=attempt, state=JobState.ASSIGNED,
+                                               message=message_for(job_id)[:300]) for job_id, attempt in moved.items()])
+    return moved
+
+
 def refresh_array_parent(parent_id: int) -> None:
     """An array parent mirrors its tasks: running while any runs, terminal when all are."""
     tasks = Job.objects.filter(array_parent_id=parent_id)

@@ -87,10 +87,12 @@ class ConfirmView(AgentView):
         return Response({"spec": job_confirm(node=self.node, job_id=job_id, **data.validated_data)})
 
 
+AGENT_EVENT_STATES = ["starting", "running", "succeeded", "failed", "timeout", "oom", "cancelled"]
+
+
 class EventSerializer(StrictSerializer):
     attempt = serializers.IntegerField(min_value=0)
-    state = serializers.ChoiceField(choices=["starting", "running", "succeeded", "failed", "timeout", "oom",
-                                             "cancelled"])
+    state = serializers.ChoiceField(choices=AGENT_EVENT_STATES)
     exit_code = serializers.IntegerField(required=False, allow_null=True, default=None)
     message = serializers.CharField(max_length=2000, required=False, allow_blank=True, default="")
 

@@ -176,6 +176,10 @@ def agent_heartbeat(*, node: Node, samples: list[dict], jobs: list[dict]) -> dic
     if samples:
         # Live tiles read the latest sample per GPU from the cache (Redis in production).
         cache.set_many({f"gpu-sample:{s.get('gpu_uuid')}": s for s in samples if s.get("gpu_uuid")}, timeout=300)
+        # Charts and health rules need history in PostgreSQL: one COPY batch per heartbeat.
+        from portal.metrics.services import samples_ingest
+
+        samples_ingest(node=node, samples=samples)
     return {"drain": node.state in (NodeState.DRAINING, NodeState.DRAINED), "stop": stale_reports(node=node,
                                                                                               reported=jobs)}
 

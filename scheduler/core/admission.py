@@ -52,8 +52,15 @@ class Tally:
     @classmethod
     def from_running(cls, running: list[Allocation]) -> Tally:
         t = cls()
-        for a in running:
-            t.add(a.job)
+        pg, pj, og, ar = t.proj_gpus, t.proj_jobs, t.org_gpus, t.array_running
+        for a in running:  # Tally.add inlined: this runs over every running job each pass
+            job = a.job
+            g = job.gpus if job.gpus > 0 else 0.0
+            pg[job.project] = pg.get(job.project, 0.0) + g
+            pj[job.project] = pj.get(job.project, 0) + 1
+            og[job.org] = og.get(job.org, 0.0) + g
+            if job.array_parent is not None:
+                ar[job.array_parent] = ar.get(job.array_parent, 0) + 1
         return t
 
     def add(self, job: Job) -> None:

@@ -8,6 +8,8 @@ early only bring it forward. The reserved GPUs that are free now are *held*
 """
 from __future__ import annotations
 
+import heapq
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .model import Allocation, Job, Reservation
@@ -30,20 +32,34 @@ class Held:
                 self.classes[cls] = self.classes.get(cls, 0) + 1
 
 
-def release_timeline(state: ClusterState, running: list[Allocation], now: float) -> list[tuple[float, list[tuple[str, int]]]]:
-    """(latest end, [(gpu_id, thousandths)]) of every running allocation on an
-    indexed GPU, soonest first. Overdue jobs count as ending now."""
-    out = []
-    for a in running:
-        items = [(gid, alloc_units(a, state.gpu[gid])) for gid in a.gpu_ids if gid in state.gpu]
-        if items:
-            out.append((max(now, a.start_time + a.job.time_limit), items))
-    out.sort(key=lambda e: e[0])
-    return out
+def release_timeline(state: ClusterState, running: list[Allocation], now: float,
+                     ending_now: list[Allocation] = ()) -> Iterator[tuple[float, list[tuple[str, int]]]]:
+    """(latest end, [(gpu_id, thousandths)]) of running allocations on indexed
+    GPUs, soonest first, those ending at the same time merged. Overdue jobs and
+    `ending_now` (preempted in this pass) count as ending now. Lazy, through a
+    heap, because a reservation usually needs only the first few ends."""
+    heap = [(now, i, a) for i, a in enumerate(ending_now)]
+    base = len(heap)
+    heap += [(max(now, a.start_time + a.job.time_limit), base + i, a) for i, a in enumerate(running)]
+    heapq.heapify(heap)
+    gpu = state.gpu
+    end, items = None, []
+    while heap:
+        t, _, a = heapq.heappop(heap)
+        if end is not None and t != end and items:
+            yield end, items
+            items = []
+        end = t
+        if a.fractions:
+            items += [(gid, alloc_units(a, gpu[gid])) for gid in a.gpu_ids if gid in gpu]
+        else:
+            items += [(gid, UNITS) for gid in a.gpu_ids if gid in gpu]
+    if items:
+        yield end, items
 
 
 def earliest_start(state: ClusterState, job: Job, classes: list[ClassKey], mode: str,
-                   timeline: list[tuple[float, list[tuple[str, int]]]]) -> tuple[float, list[str]] | None:
+                   timeline: Iterable[tuple[float, list[tuple[str, int]]]]) -> tuple[float, list[str]] | None:
     """When and where `job` could start if running jobs end at their limits.
     GPUs held by earlier reservations are left out. None if never."""
     wanted = set(classes)
@@ -63,23 +79,28 @@ def earliest_start(state: ClusterState, job: Job, classes: list[ClassKey], mode:
                 if after == UNITS and before < UNITS:
                     count[cls] += 1
                     freed[cls].append(gid)
-                    if count[cls] >= g:
-                        ids = [i for node_ids in state.free[cls].values() for i in node_ids] + freed[cls]
-                        temp = ClusterState(Topology((state.gpu[i], cls[0]) for i in ids), {})
-                        chosen = temp.place_whole(g, [cls], mode)
-                        if chosen:
-                            return end, chosen
+            for cls in classes:
+                if count[cls] >= g:
+                    ids = [i for node_ids in state.free[cls].values() for i in node_ids] + freed[cls]
+                    temp = ClusterState(Topology((state.gpu[i], cls[0]) for i in ids), {})
+                    chosen = temp.place_whole(g, [cls], mode)
+                    if chosen:
+                        return end, chosen
         return None
     need = {c: frac_units(job, c[2]) for c in classes if c[3]}
     for end, items in timeline:
+        touched = []
         for gid, u in items:
             cls = state.cls_of[gid]
             if cls not in need or gid in state.held:
                 continue
-            after = min(UNITS, hyp.get(gid, state.free_units(gid)) + u)
-            hyp[gid] = after
-            if after >= need[cls]:
-                return end, [gid]
+            hyp[gid] = min(UNITS, hyp.get(gid, state.free_units(gid)) + u)
+            touched.append(gid)
+        # Only GPUs touched at this time can have started to fit.
+        fits = [(hyp[gid] - need[state.cls_of[gid]], gid) for gid in touched
+                if hyp[gid] >= need[state.cls_of[gid]]]
+        if fits:
+            return end, [min(fits)[1]]  # best fit among those free by then
     return None
 
 

@@ -137,9 +137,10 @@ class Config:
     size_scale_gpu_s: float = 8 * 3600.0  # GPU-seconds at which the size factor is 0.5
     max_reservations: int = 1  # EASY backfill: one reservation for the head job
     max_preempt_attempts: int = 64  # per pass; bounds the cost of a long guaranteed queue
-    # Placement attempts per pass after the cluster has no free GPU left; jobs
-    # beyond it are only admission-checked and explained.
-    max_examine_full: int = 256
+    # Search depth, like Slurm's bf_max_job_test: after this many admitted jobs
+    # failed to place, later jobs are only admission-checked and explained.
+    # Keeps a pass cheap on a full cluster with a long queue.
+    max_failed_placements: int = 200
     explain: bool = True  # False (simulator): skip per-job reasons to save time
 
 

@@ -63,14 +63,16 @@ def _sorted(jobs: list[Job], policy: str, snap: Snapshot) -> list[Job]:
     wf, wa, ws = cfg.weight_fairshare, cfg.weight_age, cfg.weight_size
     now, max_age, scale = snap.now, cfg.max_age_s, cfg.size_scale_gpu_s
 
-    def key(j: Job):
-        age = (now - j.submit_time) / max_age
-        age = 0.0 if age < 0 else (1.0 if age > 1 else age)
-        gpu_s = (j.gpus if j.gpus > 0 else 0.0) * j.time_limit
-        prio = wq * j.qos + wf * fs.get(j.project, 1.0) + wa * age + ws / (1.0 + gpu_s / scale)
-        return (-prio, j.submit_time, j.id)
-
-    return sorted(jobs, key=key)
+    # One decorated list instead of a key function: this runs over the whole
+    # queue every pass, and a call per job costs more than the arithmetic.
+    # Age is clamped to 0..1 by min/max written out as conditionals.
+    fsf = [fs.get(j.project, 1.0) for j in jobs]
+    dec = [(-(wq * j.qos + wf * f
+              + wa * (0.0 if j.submit_time > now else min(1.0, (now - j.submit_time) / max_age))
+              + ws / (1.0 + (j.gpus if j.gpus > 0 else 0.0) * j.time_limit / scale)),
+            j.submit_time, j.id, j) for j, f in zip(jobs, fsf)]
+    dec.sort()  # job ids are unique, so the Job itself is never compared
+    return [d[3] for d in dec]
 
 
 def order_queue(snap: Snapshot) -> list[Job]:

@@ -1,21 +1,28 @@
 """Choosing running work to preempt for a job within its guarantee.
 
-A victim must have run at least `min_runtime_s` and be either borrowed (above
-its own project's guarantee, and from another project) or marked preemptible
-with a lower QoS than the job. Among the victims that make the job fit we pick
+A victim must have run at least `min_runtime_s` and be either borrowed (it
+started above its project's guarantee, the project is *still* above it, and it
+is another project) or marked preemptible with a lower QoS than the job. The
+"still above" test stops ping-pong: once a project is back within its
+guarantee its remaining jobs are its own, whatever they started as. Among the victims that make the job fit we pick
 the fewest, then the cheapest (GPU-seconds of work lost), on one node when the
 job fits on one node.
 """
 from __future__ import annotations
 
-from .model import Allocation, Job
+from .admission import EPS, Tally
+from .model import Allocation, Job, ProjectQuota
 from .placement import UNITS, ClassKey, ClusterState, alloc_units, frac_units
 
 
 class VictimPool:
-    def __init__(self, running: list[Allocation], now: float, min_runtime_s: float, state: ClusterState):
+    def __init__(self, running: list[Allocation], now: float, min_runtime_s: float, state: ClusterState,
+                 tally: Tally, projects: dict[str, ProjectQuota]):
         self.now = now
         self.state = state
+        self.tally = tally
+        self.projects = projects
+        self.lost: dict[str, float] = {}  # GPUs per project already chosen as victims
         self.cands = [a for a in running
                       if now - a.start_time >= min_runtime_s and (a.borrowed or a.job.preemptible)
                       and any(gid in state.gpu for gid in a.gpu_ids)]
@@ -41,11 +48,15 @@ class VictimPool:
     def cost(self, a: Allocation) -> float:
         return max(a.job.gpus, 0.01) * max(self.now - a.start_time, 0.0)
 
-    @staticmethod
-    def eligible(a: Allocation, job: Job) -> bool:
-        if a.borrowed and a.job.project != job.project:
+    def eligible(self, a: Allocation, job: Job) -> bool:
+        if a.job.preemptible and a.job.qos < job.qos:
             return True
-        return a.job.preemptible and a.job.qos < job.qos
+        if not a.borrowed or a.job.project == job.project:
+            return False
+        p = a.job.project
+        proj = self.projects.get(p)
+        guaranteed = proj.guaranteed_gpus if proj else 0.0
+        return self.tally.proj_gpus.get(p, 0.0) - self.lost.get(p, 0.0) > guaranteed + EPS
 
     def _ok(self, a: Allocation, job: Job) -> bool:
         return a.job.id not in self.taken and self.eligible(a, job)
@@ -77,7 +88,9 @@ class VictimPool:
         """Victims that would let `job` fit, or None. Marks them taken."""
         best = self._find_fraction(job, classes) if job.gpus < 1 else self._find_whole(job, classes)
         if best:
-            self.taken.update(a.job.id for a in best)
+            for a in best:
+                self.taken.add(a.job.id)
+                self.lost[a.job.project] = self.lost.get(a.job.project, 0.0) + max(a.job.gpus, 0.0)
         return best
 
     def _score(self, victims):

@@ -5,10 +5,10 @@ from .admission import EPS, Tally, admit, fmt_duration, fmt_gpus
 from .backfill import Held, could_use, earliest_start, release_timeline, reserve, with_released
 from .model import (
     REASON_PREEMPTING, REASON_PRIORITY, REASON_RESERVATION, REASON_RESOURCES, REASON_UNPLACEABLE,
-    Allocation, Job, Plan, Preemption, Reason, Snapshot, Start,
+    Allocation, Job, Plan, Preemption, ProjectQuota, Reason, Snapshot, Start,
 )
 from .ordering import order_queue
-from .placement import UNITS, ClassKey, ClusterState, Topology
+from .placement import ClassKey, ClusterState, Topology
 from .preempt import VictimPool
 
 
@@ -27,11 +27,13 @@ class _Pass:
         self.codes: dict[str, tuple[str, str]] = {}
         self.started: list[Allocation] = []
         self.helds: list[Held] = []
-        self.victims = VictimPool(snap.running, self.now, self.cfg.min_runtime_s, self.state) \
-            if self.cfg.preemption else None
+        self._victims: VictimPool | None = None  # built on the first preemption attempt
         self.preempted: set[str] = set()
         self.preempt_attempts = 0
+        self.preempt_failed: dict[tuple, tuple[float, int]] = {}  # (project, classes) -> (min gpus, max qos)
         self._classes: dict[tuple, list[ClassKey]] = {}
+        self.failed = 0  # admitted jobs that could not be placed, for max_failed_placements
+        self.blocked_head: Job | None = None
 
     # -- helpers -----------------------------------------------------------
     def classes_for(self, job: Job) -> list[ClassKey]:
@@ -53,9 +55,6 @@ class _Pass:
         pool = job.pool if job.pool is not None else (classes[0][0] if classes else None)
         return self.cfg.pool_placement.get(pool, self.cfg.placement)
 
-    def full(self) -> bool:
-        return self.state.free_whole_total() == 0 and not self.state.has_shared_room()
-
     def place(self, job: Job, classes: list[ClassKey], mode: str):
         """(gpu_ids, fractions) taken from the free index, or None."""
         if job.gpus >= 1:
@@ -71,15 +70,47 @@ class _Pass:
         self.tally.add(job)
         self.started.append(Allocation(job, ids, self.now, fractions, borrowed))
 
+    def might_fit(self, job: Job) -> bool:
+        """Cheap upper bound used only when nobody reads reasons: False when
+        the job cannot start in this pass whatever its constraints, and its
+        blocking would change nothing (the reservation is already taken)."""
+        if self.cfg.backfill and len(self.helds) < self.cfg.max_reservations:
+            return True  # it may be the job that gets the reservation
+        if not self.cfg.backfill and self.blocked_head is None:
+            return True  # it may be the job that blocks all later ones
+        if job.gpus < 1:
+            return self.state.has_shared_room() or any(self.helds)
+        room = self.state.free_whole_total() + sum(sum(h.classes.values()) for h in self.helds)
+        return job.gpus <= room
+
+    @property
+    def victims(self) -> VictimPool | None:
+        if self._victims is None and self.cfg.preemption:
+            self._victims = VictimPool(self.snap.running, self.now, self.cfg.min_runtime_s, self.state,
+                                       self.tally, self.snap.projects)
+        return self._victims
+
+    def may_preempt(self) -> bool:
+        return self.cfg.preemption and self.preempt_attempts < self.cfg.max_preempt_attempts \
+            and (self._victims is None or bool(self._victims))
+
     def try_preempt(self, job: Job, classes: list[ClassKey]) -> bool:
-        if not self.victims or self.preempt_attempts >= self.cfg.max_preempt_attempts:
+        if not self.may_preempt():
             return False
         proj = self.snap.projects.get(job.project)
         if not self.tally.within_guarantee(job, proj):
             return False
+        # Victims only get fewer within a pass: if a job of this project found
+        # none, a larger job with no higher QoS finds none either.
+        key = (job.project, id(classes))
+        prev = self.preempt_failed.get(key)
+        if prev is not None and job.gpus >= prev[0] and job.qos <= prev[1]:
+            return False
         self.preempt_attempts += 1
         victims = self.victims.find(job, classes)
         if not victims:
+            if prev is None or (job.gpus <= prev[0] and job.qos >= prev[1]):
+                self.preempt_failed[key] = (job.gpus, job.qos)
             return False
         for a in victims:
             why = "borrowed" if a.borrowed and a.job.project != job.project else "preemptible"
@@ -96,12 +127,12 @@ class _Pass:
     def try_reserve(self, job: Job, classes: list[ClassKey], mode: str) -> bool:
         if not self.cfg.backfill or len(self.helds) >= self.cfg.max_reservations:
             return False
-        running = [a for a in self.snap.running if a.job.id not in self.preempted] + self.started
-        timeline = release_timeline(self.state, running, self.now)
-        for a in self.snap.running:
-            if a.job.id in self.preempted:  # their GPUs come back after the grace period
-                timeline.insert(0, (self.now, [(g, UNITS if not a.fractions else int(a.fractions[g] * UNITS))
-                                               for g in a.gpu_ids if g in self.state.gpu]))
+        if self.preempted:  # their GPUs come back after the grace period: count them as ending now
+            gone = [a for a in self.snap.running if a.job.id in self.preempted]
+            running = [a for a in self.snap.running if a.job.id not in self.preempted] + self.started
+        else:
+            gone, running = [], self.snap.running + self.started
+        timeline = release_timeline(self.state, running, self.now, gone)
         found = earliest_start(self.state, job, classes, mode, timeline)
         if found is None:
             return False
@@ -109,9 +140,10 @@ class _Pass:
         h = reserve(self.state, job, t, ids)
         self.helds.append(h)
         self.plan.reservations.append(h.res)
+        when = (f"in {fmt_duration(t - self.now)} at the latest" if t > self.now
+                else "as soon as jobs past their time limit end")
         self.codes[job.id] = (REASON_RESOURCES,
-                              f"Waiting for {fmt_gpus(job.gpus)}: next to start, GPUs reserved for it "
-                              f"by {fmt_duration(max(0.0, t - self.now))} from now at the latest")
+                              f"Waiting for {fmt_gpus(job.gpus)}: next to start, GPUs reserved for it {when}")
         return True
 
     def blocked_reason(self, job: Job, classes: list[ClassKey]) -> tuple[str, str]:
@@ -126,6 +158,56 @@ class _Pass:
                                   f"it asks for are free now")
 
     # -- the pass ----------------------------------------------------------
+    def consider(self, job: Job, proj: ProjectQuota | None, borrowing: bool) -> None:
+        """Steps 3a, 3b and 3d-3g for one job (the caller did 3c)."""
+        snap, cfg, state = self.snap, self.cfg, self.state
+        gpus = job.gpus
+        placing = self.failed < cfg.max_failed_placements
+        refusal = admit(job, proj, snap.orgs.get(job.org), self.tally, self.models)
+        if refusal is not None:
+            if cfg.explain:
+                self.codes[job.id] = refusal
+            return
+        if gpus <= EPS:
+            self.start(job, [], {})
+            return
+        classes = self.classes_for(job)
+        need = int(gpus) if gpus >= 1 else 1
+        if not classes or max(self.capacity[c] for c in classes) < need:
+            self.codes[job.id] = (REASON_UNPLACEABLE,
+                                  f"Asks for {fmt_gpus(gpus)} but no schedulable group of matching GPUs "
+                                  f"is that large; resubmit with fewer GPUs or another type/pool")
+            return
+        if self.blocked_head is not None:
+            self.codes[job.id] = (REASON_PRIORITY,
+                                  f"Waiting behind higher-priority job {self.blocked_head.id} (backfill is off)")
+            return
+        mode = self.mode_for(job, classes)
+        got = None
+        if placing:
+            got = self.place(job, classes, mode)
+            if got is None and self.helds:
+                usable = [h for h in self.helds
+                          if self.now + job.time_limit <= h.res.start_time + EPS
+                          and could_use(h, state, job, classes)]
+                if usable:
+                    got = with_released(state, usable, lambda: self.place(job, classes, mode))
+            if got is not None:
+                self.start(job, *got)
+                return
+            self.failed += 1
+        if not borrowing and self.try_preempt(job, classes):
+            return
+        if not placing or not self.try_reserve(job, classes, mode):
+            if not cfg.backfill:
+                self.blocked_head = job
+            if cfg.explain:
+                self.codes[job.id] = self.blocked_reason(job, classes)
+        if borrowing and cfg.explain:
+            code, msg = self.codes[job.id]
+            self.codes[job.id] = (code, msg + f"; above project {job.project}'s guarantee it only gets "
+                                              f"GPUs that jobs within their guarantee leave idle")
+
     def run(self) -> Plan:
         """1. Index free capacity and tally usage (done in __init__).
         2. Order the queue by the policy (fifo / multifactor / las).
@@ -133,72 +215,40 @@ class _Pass:
            a. admission (quotas, budget, type, array throttle, dependencies); a
               refusal becomes its reason;
            b. a CPU-only job starts at once;
-           c. place it on free GPUs (reserved GPUs excluded); on success start it,
-              borrowed when it takes its project above the guarantee;
-           d. else backfill: use reserved GPUs if it ends before that reservation;
-           e. else, within its guarantee, pick victims to preempt (it starts in a
-              later pass, once they are gone);
-           f. else, if reservations are left (EASY: one), reserve its earliest
+           c. a job that would take its project above its guarantee (borrow) is
+              deferred to step 4: borrowing only uses capacity that jobs within
+              their guarantee leave idle;
+           d. place it on free GPUs (reserved GPUs excluded) and start it;
+           e. else backfill: use reserved GPUs if it ends before that reservation;
+           f. else pick victims to preempt (it starts in a later pass, once they
+              are gone);
+           g. else, if reservations are left (EASY: one), reserve its earliest
               start; with backfill off the first blocked job stops all later ones.
-        4. Once no GPU is free, stop placing after `max_examine_full` attempts:
-           later jobs are only admitted, considered for preemption and explained.
-        5. Number the jobs still waiting in priority order (their position).
+        4. Walk the deferred borrowing jobs in the same order: re-admit, place,
+           backfill or reserve as above, never preempt; starts carry borrowed=True.
+        5. After `max_failed_placements` jobs failed to place (Slurm's
+           bf_max_job_test), stop placing: later jobs are only admitted,
+           considered for preemption and explained (with explain off, a job
+           that could not preempt is not even admitted).
+        6. Number the jobs still waiting in priority order (their position).
         """
-        snap, cfg, state = self.snap, self.cfg, self.state
-        order = order_queue(snap)
-        explain = cfg.explain
-        full = self.full()
-        attempts_full = 0
-        blocked_head: Job | None = None
+        order = order_queue(self.snap)
+        cfg, projects, used = self.cfg, self.snap.projects, self.tally.proj_gpus
+        explain, depth = cfg.explain, cfg.max_failed_placements
+        deferred = []
+        # The two loops below inline the cheap tests (borrowing, search depth)
+        # because they run for every queued job in every pass.
         for job in order:
-            proj = snap.projects.get(job.project)
-            refusal = admit(job, proj, snap.orgs.get(job.org), self.tally, self.models)
-            if refusal is not None:
-                if explain:
-                    self.codes[job.id] = refusal
-                continue
-            if job.gpus <= EPS:
-                self.start(job, [], {})
-                continue
-            if full and (attempts_full >= cfg.max_examine_full) and not self.victims and not explain:
-                continue
-            classes = self.classes_for(job)
-            need = int(job.gpus) if job.gpus >= 1 else 1
-            if not classes or max((self.capacity[c] for c in classes), default=0) < need:
-                self.codes[job.id] = (REASON_UNPLACEABLE,
-                                      f"Asks for {fmt_gpus(job.gpus)} but no schedulable group of matching GPUs "
-                                      f"is that large; resubmit with fewer GPUs or another type/pool")
-                continue
-            if blocked_head is not None:
-                self.codes[job.id] = (REASON_PRIORITY,
-                                      f"Waiting behind higher-priority job {blocked_head.id} (backfill is off)")
-                continue
-            mode = self.mode_for(job, classes)
-            got = None
-            if not full or attempts_full < cfg.max_examine_full:
-                if full:
-                    attempts_full += 1
-                got = self.place(job, classes, mode)
-                if got is None and self.helds:
-                    usable = [h for h in self.helds
-                              if self.now + job.time_limit <= h.res.start_time + EPS
-                              and could_use(h, state, job, classes)]
-                    if usable:
-                        got = with_released(state, usable, lambda: self.place(job, classes, mode))
-            if got is not None:
-                self.start(job, *got)
-                full = self.full()
-                continue
-            if self.try_preempt(job, classes):
-                continue
-            if self.try_reserve(job, classes, mode):
-                full = self.full()
-                continue
-            if not cfg.backfill:
-                blocked_head = job
-            if explain:
-                self.codes[job.id] = self.blocked_reason(job, classes)
-        if explain:
+            proj = projects.get(job.project)
+            g = job.gpus
+            if g > EPS and used.get(job.project, 0.0) + g > (proj.guaranteed_gpus if proj else 0.0) + EPS:
+                deferred.append((job, proj))
+            elif explain or g <= EPS or self.may_preempt() or (self.failed < depth and self.might_fit(job)):
+                self.consider(job, proj, False)
+        for job, proj in deferred:
+            if explain or (self.failed < depth and self.might_fit(job)):
+                self.consider(job, proj, self.tally.borrowed(job, proj))
+        if self.cfg.explain:
             started = {s.job_id for s in self.plan.starts}
             pos = 0
             for job in order:

@@ -41,7 +41,7 @@ def print_table(out: dict, file=sys.stdout) -> None:
     for r in [heads] + rows:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)), file=file)
     print(f"{out['gpus']:.0f} GPUs, policy {out['policy']}{' + backfill' if out['backfill'] else ''}, "
-          f"{out['passes']} passes, {out['dropped']} jobs dropped (larger than the cluster), "
+          f"{out['passes']} passes ({out['passes_skipped']} skipped: nothing could change), {out['dropped']} jobs dropped (larger than the cluster), "
           f"wall {out['wall_s']:.1f} s (shared replay {out['wall_s_shared']:.1f} s). "
           f"Tenant utilization is over its guarantee; fairness = mean JCT shared / isolated.", file=file)
 

@@ -37,6 +37,7 @@ class SimResult:
     tenant_frag_gpu_s: dict[str, float] = field(default_factory=dict)
     preemptions: int = 0
     passes: int = 0
+    skipped: int = 0  # passes skipped because they could not change anything
     dropped: list[str] = field(default_factory=list)  # never fit this cluster
     guarantees: dict[str, float] = field(default_factory=dict)
 
@@ -83,6 +84,7 @@ class Simulator:
         run_gpus: dict[str, float] = {}  # per tenant, for usage and utilization
         wait_count: dict[str, int] = {}  # per tenant, queued jobs asking for GPUs
         allocated = 0.0
+        victimable = 0  # running jobs that are borrowed or preemptible
         hl = cfg.fairshare_half_life_s
         w0, w1 = res.window
         now = self.jobs[0].submit if self.jobs else 0.0
@@ -108,9 +110,10 @@ class Simulator:
                 # Decayed usage: exact integral of g * 2^(-(t_next - s)/hl) ds.
                 keep = math.pow(0.5, dt / hl)
                 gain = hl / math.log(2) * (1.0 - keep)
-                for p in set(usage) | set(run_gpus):
+                for p in sorted(set(usage) | set(run_gpus)):  # sorted: same float sums every run
                     usage[p] = usage.get(p, 0.0) * keep + run_gpus.get(p, 0.0) * gain
                 now = t_next
+            changed = False  # did anything happen that could let a queued job start?
             while ends and ends[0][0] <= now:
                 _, att, jid = heapq.heappop(ends)
                 if attempt.get(jid) != att or jid not in running:
@@ -118,15 +121,23 @@ class Simulator:
                 a = running.pop(jid)
                 allocated -= a.job.gpus
                 run_gpus[a.job.project] -= a.job.gpus
+                victimable -= a.borrowed or a.job.preemptible
                 res.records[jid].end = now
+                changed = True
             while i < n and self.jobs[i].submit <= now:
                 t = self.jobs[i]
                 queue[t.id] = to_core_job(t, self.qos_map)
                 if t.gpus > 0:
                     wait_count[t.tenant] = wait_count.get(t.tenant, 0) + 1
                 i += 1
+                # A new job can start only on free capacity, by preempting, or
+                # at once when it needs no GPU; with none of these the pass
+                # would return an empty plan, so it is skipped (same outcome).
+                changed = changed or t.gpus <= 0 or allocated < self.capacity - 1e-9 \
+                    or (cfg.preemption and victimable > 0)
             for _ in range(100):  # a pass, and again at once after preemptions
-                if not queue:
+                if not queue or not changed:
+                    res.skipped += not changed
                     break
                 snap = Snapshot(now, self.nodes, list(running.values()), list(queue.values()),
                                 self.projects, {}, usage, cfg)
@@ -139,6 +150,7 @@ class Simulator:
                         rec.first_start = now
                     running[job.id] = Allocation(job, s.gpu_ids, now, s.fractions, s.borrowed)
                     allocated += job.gpus
+                    victimable += s.borrowed or job.preemptible
                     run_gpus[job.project] = run_gpus.get(job.project, 0.0) + job.gpus
                     if job.gpus > 0:
                         wait_count[job.project] -= 1
@@ -150,6 +162,7 @@ class Simulator:
                         continue
                     allocated -= a.job.gpus
                     run_gpus[a.job.project] -= a.job.gpus
+                    victimable -= a.borrowed or a.job.preemptible
                     queue[a.job.id] = a.job
                     if a.job.gpus > 0:
                         wait_count[a.job.project] = wait_count.get(a.job.project, 0) + 1

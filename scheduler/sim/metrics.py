@@ -64,5 +64,6 @@ def summarize(res: SimResult, isolated_jct: dict[str, float] | None = None) -> d
     out["fairness_max"] = max(fair) if fair else None
     out["tenants"] = tenants
     out["passes"] = res.passes
+    out["passes_skipped"] = res.skipped
     out["dropped"] = len(res.dropped)
     return out

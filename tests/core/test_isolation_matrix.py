@@ -38,6 +38,14 @@ def roles(anonymous, alice, bob, dave, charlie, admin):
 ALL_200 = roles(401, 200, 200, 200, 200, 200)
 NOBODY = {**roles(401, 401, 401, 401, 401, 401), **{t: 401 for t in TOKEN_PERSONAS}}
 VISION_READ = roles(401, 200, 200, 200, 404, 200)
+# Pages: anonymous visitors are sent to the login page; Bearer tokens count as anonymous there.
+PAGE_ALL = roles(302, 200, 200, 200, 200, 200)
+PAGE_VISION = roles(302, 200, 200, 200, 404, 200)
+STAFF_PAGE = roles(302, 403, 403, 403, 403, 200)
+
+
+def page(method, url, expect):
+    return e(method, url, expect, api=False)
 
 MATRIX = {
     "api:me": [e("GET", "/api/v1/me/", ALL_200)],
@@ -117,6 +125,43 @@ MATRIX = {
     "login": [e("GET", "/login/", roles(200, 302, 302, 302, 302, 302), api=False)],
     "logout": [e("POST", "/logout/", roles(302, 302, 302, 302, 302, 302), api=False)],
     "home": [e("GET", "/", roles(302, 200, 200, 200, 200, 200), api=False)],
+    # Browser pages (portal/*/views.py). The matrix posts JSON, which a page form reads as empty:
+    # an empty form re-renders (200) and an empty bulk cancel goes back to the list (302).
+    # A refused action is a 403 page; a done (or merely impossible) one redirects (302).
+    "jobs:list": [page("GET", "/jobs/", PAGE_ALL)],
+    "jobs:submit": [page("GET", "/jobs/new/", PAGE_ALL), page("POST", "/jobs/new/", PAGE_ALL)],
+    "jobs:bulk-cancel": [page("POST", "/jobs/cancel/", roles(302, 302, 302, 302, 302, 302))],
+    "jobs:detail": [page("GET", "/jobs/{vision_job}/", PAGE_VISION)],
+    "jobs:status": [page("GET", "/jobs/{vision_job}/status/", PAGE_VISION)],
+    "jobs:log": [page("GET", "/jobs/{vision_job}/log/", PAGE_VISION)],
+    "jobs:metrics": [page("GET", "/jobs/{vision_job}/metrics/", PAGE_VISION)],
+    # alice's job: bob (member) may not cancel it; staff may.
+    "jobs:cancel": [page("POST", "/jobs/{vision_job}/cancel/", roles(302, 302, 403, 403, 404, 302))],
+    # Staff submit only where they are members.
+    "jobs:resubmit": [page("POST", "/jobs/{vision_job}/resubmit/", roles(302, 302, 302, 403, 404, 403))],
+    "projects:detail": [page("GET", "/projects/vision/", PAGE_VISION)],
+    "projects:member-add": [page("POST", "/projects/vision/members/", PAGE_VISION)],
+    # An empty role is refused by the service with a message (302) for managers, 403 for the rest.
+    "projects:member-role": [page("POST", "/projects/vision/members/dave/role/", roles(302, 302, 403, 403, 404, 302))],
+    "projects:member-remove": [page("POST", "/projects/vision/members/bob/remove/", roles(302, 302, 302, 403, 404, 302))],
+    "projects:template-add": [page("POST", "/projects/vision/templates/", PAGE_VISION)],
+    "projects:template-delete": [page("POST", "/projects/vision/templates/{vision_template}/delete/",
+                                      roles(302, 302, 403, 403, 404, 302))],
+    "tokens:list": [page("GET", "/tokens/", PAGE_ALL), page("POST", "/tokens/", PAGE_ALL)],
+    "tokens:revoke": [page("POST", "/tokens/{alice_token}/revoke/", roles(302, 302, 404, 404, 404, 404))],
+    "nodes:list": [page("GET", "/nodes/", STAFF_PAGE)],
+    "nodes:drain": [page("POST", "/nodes/gpu-01/drain/", roles(302, 403, 403, 403, 403, 302))],
+    # gpu-01 is ready: undrain is refused with a message and a redirect.
+    "nodes:undrain": [page("POST", "/nodes/gpu-01/undrain/", roles(302, 403, 403, 403, 403, 302))],
+    # Billing (portal/billing): usage follows project visibility; invoices are for an
+    # organization's owners and staff only ({acme_invoice} is acme's).
+    "api:usage": [e("GET", "/api/v1/usage/", ALL_200), e("GET", "/api/v1/usage/?project=vision", VISION_READ)],
+    "api:budgets": [e("GET", "/api/v1/budgets/", ALL_200)],
+    "api:invoice-list": [e("GET", "/api/v1/invoices/", ALL_200)],
+    "api:invoice-detail": [e("GET", "/api/v1/invoices/{acme_invoice}/", roles(401, 200, 404, 404, 404, 200))],
+    # Prometheus scrape: staff (session or token) or METRICS_SCRAPE_TOKEN; errors keep the API shape.
+    "metrics:prometheus": [e("GET", "/metrics", roles(401, 403, 403, 403, 403, 200))],
+    "console:index": [e("GET", "/console/", roles(302, 403, 403, 403, 403, 200), api=False)],
     "admin:index": [e("GET", "/admin/", roles(302, 302, 302, 302, 302, 200), api=False)],
 }
 
@@ -194,7 +239,19 @@ def _tenant_objects(demo):
     template = template_save(actor=alice, project=demo.vision, name="t1", spec={"image": "gpuportal/busybox:latest"},
                              locked=[])
     node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="2xH100-80GB")
-    return {"vision_job": job.pk, "vision_template": template.pk}
+    return {"vision_job": job.pk, "vision_template": template.pk, "acme_invoice": _acme_invoice()}
+
+
+def _acme_invoice() -> int:
+    from datetime import date
+
+    from django.utils import timezone
+
+    from portal.billing.models import Invoice
+    from portal.tenancy.models import Organization
+
+    return Invoice.objects.create(organization=Organization.objects.get(slug="acme"), month=date(2026, 11, 1),
+                                  generated_at=timezone.now()).pk
 
 
 def _alice_token(alice):

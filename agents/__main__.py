@@ -1,0 +1,117 @@
+"""Run the node agent.
+
+    python -m agents --portal URL --token gpn_... --broker URL --name NAME \\
+        --gpus auto|nvml|sim:8xH100-80GB --sandbox docker|kvm|process
+
+Order of start-up: build probe and driver (fail fast on a bad option or a dead
+Docker engine), register with the portal (retrying until it answers), adopt
+sandboxes left by a previous run, send a first heartbeat so the portal can
+stop stale ones, then start the heartbeat and supervisor threads and the
+Celery worker on queue ``node.<NAME>`` in this thread. Stopping the agent
+leaves sandboxes running: the next start adopts them (reliability.md F-04a).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+
+from agents.client import PortalClient, PortalError
+from agents.probe import make_probe
+from agents.sandbox import SandboxError, make_driver
+from agents.worker import Agent
+
+log = logging.getLogger("agents")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    env = os.environ.get
+    ap = argparse.ArgumentParser(prog="python -m agents", description="gpuportal node agent")
+    ap.add_argument("--portal", default=env("GPUPORTAL_PORTAL_URL"), help="portal base URL")
+    ap.add_argument("--token", default=env("GPUPORTAL_NODE_TOKEN"), help="node token (gpn_...)")
+    ap.add_argument("--broker", default=env("CELERY_BROKER_URL"), help="Celery broker URL")
+    ap.add_argument("--broker-folder", default=env("GPUPORTAL_BROKER_FOLDER"),
+                    help="folder of a filesystem:// broker (the embedded default); must match the portal's")
+    ap.add_argument("--name", default=env("GPUPORTAL_NODE_NAME") or os.uname().nodename)
+    ap.add_argument("--gpus", default="auto", help="auto | nvml | sim:<N>x<MODEL>-<MEM>GB")
+    ap.add_argument("--sandbox", default="docker", choices=["docker", "kvm", "process"])
+    ap.add_argument("--stop-grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
+    ap.add_argument("--concurrency", type=int, default=4, help="Celery worker threads")
+    ap.add_argument("--log-level", default="INFO")
+    args = ap.parse_args(argv)
+    for opt in ("portal", "token", "broker"):
+        if not getattr(args, opt):
+            ap.error(f"--{opt} is required (or its environment variable)")
+    return args
+
+
+def register_until_answered(agent: Agent, stop: threading.Event) -> None:
+    delay = 1.0
+    while not stop.is_set():
+        try:
+            agent.register()
+            return
+        except PortalError as exc:
+            if exc.status in (400, 401, 403, 404):
+                raise SystemExit(f"agent: the portal refused registration: {exc}") from None
+            log.warning("registration failed (%s); retrying in %.0fs", exc, delay)
+        stop.wait(delay)
+        delay = min(delay * 2, 30.0)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        probe = make_probe(args.gpus, node_name=args.name)
+        # A VM gets its GPUs by PCI address, which only the probe knows.
+        extra = ({"pci_bus_ids": {g.index: g.pci_bus_id for g in probe.inventory()}}
+                 if args.sandbox == "kvm" else {})
+        driver = make_driver(args.sandbox, node=args.name, **extra)
+    except (ValueError, SandboxError) as exc:
+        print(f"agent: {exc}", file=sys.stderr)
+        return 2
+    client = PortalClient(args.portal, args.token)
+    agent = Agent(name=args.name, client=client, driver=driver, probe=probe, stop_grace_s=args.stop_grace)
+
+    stop = threading.Event()
+    register_until_answered(agent, stop)
+    agent.reconcile()
+    agent.heartbeat_once()
+    threads = [
+        threading.Thread(target=agent.run_heartbeats, args=(stop,), name="heartbeat", daemon=True),
+        threading.Thread(target=agent.run_supervisor, args=(stop,), name="supervisor", daemon=True),
+    ]
+    for t in threads:
+        t.start()
+
+    from agents.tasks import app, bind_agent
+
+    bind_agent(agent)
+    app.conf.broker_url = args.broker
+    if args.broker.startswith("filesystem://"):
+        folder = args.broker_folder or os.path.join("var", "broker")
+        os.makedirs(folder, exist_ok=True)
+        app.conf.broker_transport_options = {"data_folder_in": folder, "data_folder_out": folder}
+    queue = f"node.{args.name}"
+    log.info("consuming Celery queue %s on %s", queue, args.broker.split("@")[-1])
+    try:
+        # Threads pool: tasks must run in this process, where the Agent lives.
+        app.worker_main(["worker", "-Q", queue, "-n", f"agent@{args.name}", "-P", "threads",
+                         "-c", str(args.concurrency), "--without-gossip", "--without-mingle",
+                         "-l", args.log_level.upper()])
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=5)
+        agent.join_stops(timeout=args.stop_grace + 5)
+        log.info("agent stopped; sandboxes left running for the next start to adopt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""REST client for the portal's agent API (``/api/agent/v1/...``).
+
+Facts go up through here (DESIGN.md section 1): registration, heartbeats with
+GPU samples, fencing confirmations, job events and log chunks. Every call is
+idempotent on the portal side, so a connection error or a 5xx is retried with
+backoff; 409 means the attempt is stale and is raised as ``StaleAttempt``.
+
+``last_contact`` (monotonic) is when the portal last *processed* a request
+(2xx or 409). The agent's lease runs from it: a 5xx does not count, because a
+portal that cannot reach its database cannot vouch for our jobs either.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import urllib.parse
+
+import requests
+
+from agents import __version__
+
+log = logging.getLogger(__name__)
+
+API_PREFIX = "/api/agent/v1"
+JOB_EVENT_STATES = ("starting", "running", "succeeded", "failed", "timeout", "oom", "cancelled")
+
+
+class PortalError(Exception):
+    """The portal refused a request for a reason retrying will not fix (401, 400...)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class PortalUnreachable(PortalError):
+    """No answer (or only 5xx answers) after all retries."""
+
+
+class StaleAttempt(PortalError):
+    """409: the portal has moved this job past this attempt; start or keep nothing."""
+
+
+class PortalClient:
+    def __init__(self, portal_url: str, token: str, *, timeout_s: float = 10.0, retries: int = 3,
+                 backoff_s: float = 0.5, max_backoff_s: float = 5.0, session: requests.Session | None = None,
+                 clock=time.monotonic, sleep=time.sleep):
+        if not token.startswith("gpn_"):
+            raise ValueError("--token: a node token starts with gpn_")
+        self.base = portal_url.rstrip("/") + API_PREFIX
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.session = session or requests.Session()
+        self.session.headers.update({
+            "Authorization": f"Bearer {token}",
+            "User-Agent": f"gpuportal-agent/{__version__}",
+        })
+        self._clock = clock
+        self._sleep = sleep
+        self.last_contact: float | None = None
+
+    # -- transport ------------------------------------------------------------
+
+    def _post(self, path: str, body: dict) -> dict:
+        url = self.base + path
+        delay = self.backoff_s
+        last_err = ""
+        for attempt in range(self.retries + 1):
+            if attempt:
+                self._sleep(delay)
+                delay = min(delay * 2, self.max_backoff_s)
+            try:
+                r = self.session.post(url, json=body, timeout=self.timeout_s)
+            except (requests.ConnectionError, requests.Timeout) as exc:
+                last_err = f"{type(exc).__name__}: {exc}"
+                log.debug("POST %s failed (%s), attempt %d", path, last_err, attempt + 1)
+                continue
+            if r.status_code >= 500:
+                last_err = f"HTTP {r.status_code}"
+                continue
+            if r.status_code == 409:
+                self.last_contact = self._clock()
+                raise StaleAttempt(f"{path}: stale ({_detail(r)})", 409)
+            if r.status_code >= 400:
+                raise PortalError(f"POST {path}: HTTP {r.status_code}: {_detail(r)}", r.status_code)
+            self.last_contact = self._clock()
+            if not r.content:
+                return {}
+            try:
+                return r.json()
+            except ValueError:
+                raise PortalError(f"POST {path}: HTTP {r.status_code} with a body that is not JSON") from None
+        raise PortalUnreachable(f"POST {url}: no answer after {self.retries + 1} tries ({last_err})")
+
+    # -- the API ----------------------------------------------------------------
+
+    def register(self, *, name: str, cpus: int, memory_mb: int, sandbox: str, gpus: list[dict]) -> dict:
+        """-> {node, heartbeat_interval_s, lease_s}"""
+        return self._post("/register", {"name": name, "cpus": cpus, "memory_mb": memory_mb,
+                                        "sandbox": sandbox, "gpus": gpus})
+
+    def heartbeat(self, *, samples: list[dict], jobs: list[dict]) -> dict:
+        """-> {drain: bool, stop: [{job_id, attempt, reason}]}"""
+        return self._post("/heartbeat", {"samples": samples, "jobs": jobs})
+
+    def confirm(self, job_id: str, attempt: int) -> dict:
+        """Fencing: may this node start this attempt? -> the spec; StaleAttempt if not."""
+        return self._post(f"/jobs/{_q(job_id)}/confirm", {"attempt": attempt}).get("spec") or {}
+
+    def event(self, job_id: str, attempt: int, state: str, *, exit_code: int | None = None,
+              message: str = "") -> dict:
+        if state not in JOB_EVENT_STATES:
+            raise ValueError(f"unknown job event state {state!r}")
+        return self._post(f"/jobs/{_q(job_id)}/events", {"attempt": attempt, "state": state,
+                                                        "exit_code": exit_code, "message": message})
+
+    def logs(self, job_id: str, attempt: int, offset: int, data: bytes) -> dict:
+        """Ship one chunk. ``offset`` counts raw bytes; the text carries U+FFFD for bad bytes."""
+        return self._post(f"/jobs/{_q(job_id)}/logs", {"attempt": attempt, "offset": offset,
+                                                      "data": data.decode("utf-8", errors="replace")})
+
+
+def _q(job_id: str) -> str:
+    return urllib.parse.quote(str(job_id), safe="")
+
+
+def _detail(r: requests.Response) -> str:
+    try:
+        body = r.json()
+    except ValueError:
+        return r.text[:200]
+    if isinstance(body, dict):
+        return str(body.get("detail") or body.get("message") or body)[:200]
+    return str(body)[:200]

@@ -1,0 +1,153 @@
+"""Real GPUs through NVML (nvidia-ml-py, module ``pynvml``).
+
+Every field is read on its own: a GPU that does not support one reading
+(``NVMLError_NotSupported``, common for power or ECC on consumer boards) still
+reports the others. Xid errors come from an NVML event set, drained at each
+sample, on the GPUs that support Xid events.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pynvml
+
+from agents.probe import GpuInfo, GpuSample
+
+log = logging.getLogger(__name__)
+
+_MB = 1024 * 1024
+# NVML reports a GPU that stopped answering as GpuIsLost; that is what Xid 79
+# ("GPU has fallen off the bus") means, so the portal's health rules see it.
+XID_FALLEN_OFF_BUS = 79
+
+
+class NvmlProbe:
+    kind = "nvml"
+
+    def __init__(self):
+        pynvml.nvmlInit()  # raises NVMLError_LibraryNotFound / DriverNotLoaded without a driver
+        self._lock = threading.Lock()
+        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        self._inventory = [self._info(i, h) for i, h in enumerate(self._handles)]
+        self._uuid_by_index = {g.index: g.uuid for g in self._inventory}
+        self._warned: set[tuple[str, str]] = set()
+        self._events = self._register_xid_events()
+        self._pending_xids: dict[str, list[int]] = {}
+        log.info("NVML driver %s, %d GPU(s)", pynvml.nvmlSystemGetDriverVersion(), len(self._handles))
+
+    @staticmethod
+    def _info(index: int, h) -> GpuInfo:
+        pci = pynvml.nvmlDeviceGetPciInfo(h)
+        bus_id = pci.busId.decode() if isinstance(pci.busId, bytes) else pci.busId
+        return GpuInfo(
+            index=index,
+            uuid=pynvml.nvmlDeviceGetUUID(h),
+            model=pynvml.nvmlDeviceGetName(h),
+            memory_mb=pynvml.nvmlDeviceGetMemoryInfo(h).total // _MB,
+            pci_bus_id=bus_id,
+        )
+
+    def _register_xid_events(self):
+        try:
+            es = pynvml.nvmlEventSetCreate()
+        except pynvml.NVMLError as exc:
+            log.warning("NVML event sets unavailable (%s): Xid errors will not be reported", exc)
+            return None
+        for g, h in zip(self._inventory, self._handles):
+            try:
+                supported = pynvml.nvmlDeviceGetSupportedEventTypes(h)
+                if supported & pynvml.nvmlEventTypeXidCriticalError:
+                    pynvml.nvmlDeviceRegisterEvents(h, pynvml.nvmlEventTypeXidCriticalError, es)
+                else:
+                    log.warning("GPU %s does not report Xid events", g.uuid)
+            except pynvml.NVMLError as exc:
+                log.warning("GPU %s: cannot register Xid events (%s)", g.uuid, exc)
+        return es
+
+    def _drain_xids(self) -> None:
+        if self._events is None:
+            return
+        while True:
+            try:
+                ev = pynvml.nvmlEventSetWait_v2(self._events, 0)
+            except pynvml.NVMLError_Timeout:
+                return
+            except pynvml.NVMLError as exc:
+                log.warning("NVML event wait failed: %s", exc)
+                return
+            if ev.eventType & pynvml.nvmlEventTypeXidCriticalError:
+                try:
+                    uuid = pynvml.nvmlDeviceGetUUID(ev.device)
+                except pynvml.NVMLError:
+                    uuid = "unknown"
+                log.error("GPU %s reported Xid %d", uuid, ev.eventData)
+                self._pending_xids.setdefault(uuid, []).append(int(ev.eventData))
+
+    def _read(self, uuid: str, what: str, fn, *args):
+        """One NVML reading, or None when this GPU cannot give it (logged once)."""
+        try:
+            return fn(*args)
+        except pynvml.NVMLError_GpuIsLost:
+            raise
+        except pynvml.NVMLError as exc:
+            if (uuid, what) not in self._warned:
+                self._warned.add((uuid, what))
+                level = logging.DEBUG if isinstance(exc, pynvml.NVMLError_NotSupported) else logging.WARNING
+                log.log(level, "GPU %s: %s unavailable (%s)", uuid, what, exc)
+            return None
+
+    def inventory(self) -> list[GpuInfo]:
+        return list(self._inventory)
+
+    def sample(self) -> list[GpuSample]:
+        with self._lock:
+            self._drain_xids()
+            out = []
+            for g, h in zip(self._inventory, self._handles):
+                ts = time.time()
+                try:
+                    out.append(self._sample_one(g, h, ts))
+                except pynvml.NVMLError_GpuIsLost:
+                    log.error("GPU %s (%s) is lost", g.uuid, g.pci_bus_id)
+                    out.append(GpuSample(
+                        gpu_uuid=g.uuid, ts=ts, utilization=None, memory_used_mb=None,
+                        memory_total_mb=g.memory_mb, temperature_c=None, power_w=None,
+                        power_limit_w=None, ecc_errors=None,
+                        xid_errors=self._pending_xids.pop(g.uuid, []) + [XID_FALLEN_OFF_BUS],
+                    ))
+            return out
+
+    def _sample_one(self, g: GpuInfo, h, ts: float) -> GpuSample:
+        u = g.uuid
+        util = self._read(u, "utilization", pynvml.nvmlDeviceGetUtilizationRates, h)
+        mem = self._read(u, "memory", pynvml.nvmlDeviceGetMemoryInfo, h)
+        temp = self._read(u, "temperature", pynvml.nvmlDeviceGetTemperature, h, pynvml.NVML_TEMPERATURE_GPU)
+        power = self._read(u, "power", pynvml.nvmlDeviceGetPowerUsage, h)
+        limit = self._read(u, "power limit", pynvml.nvmlDeviceGetEnforcedPowerLimit, h)
+        ecc = self._read(u, "ecc", pynvml.nvmlDeviceGetTotalEccErrors, h,
+                         pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC)
+        procs = self._read(u, "processes", pynvml.nvmlDeviceGetComputeRunningProcesses, h) or []
+        return GpuSample(
+            gpu_uuid=u, ts=ts,
+            utilization=None if util is None else int(util.gpu),
+            memory_used_mb=None if mem is None else mem.used // _MB,
+            memory_total_mb=g.memory_mb if mem is None else mem.total // _MB,
+            temperature_c=temp,
+            power_w=None if power is None else power / 1000.0,
+            power_limit_w=None if limit is None else limit / 1000.0,
+            ecc_errors=ecc,
+            xid_errors=self._pending_xids.pop(u, []),
+            processes=[
+                {"pid": p.pid, "used_memory_mb": None if p.usedGpuMemory is None else p.usedGpuMemory // _MB}
+                for p in procs
+            ],
+        )
+
+    def close(self) -> None:
+        if self._events is not None:
+            pynvml.nvmlEventSetFree(self._events)
+            self._events = None
+        pynvml.nvmlShutdown()

@@ -1,0 +1,251 @@
+"""Docker sandbox: the production driver.
+
+Hardening follows reliability.md 2.3 and DESIGN.md section 6: no network unless
+the job asked and the project allowed it, every capability dropped,
+no-new-privileges, read-only root with tmpfs /work and /tmp, a non-root user,
+memory (no swap), pids and CPU limits, and only the allocated GPUs by UUID.
+``docker inspect`` of a job container shows all of it (tests/agents assert it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import shutil
+import time
+
+import docker
+import docker.errors
+import docker.types
+import requests
+
+from agents.sandbox import (
+    EXITED, LABEL_ATTEMPT, LABEL_GPUS, LABEL_JOB, LABEL_NODE, LABEL_TIME_LIMIT, OOM, RUNNING,
+    LaunchSpec, SandboxError, SandboxHandle, job_env, sandbox_name,
+)
+
+log = logging.getLogger(__name__)
+
+# nobody:nogroup; exists in every image we build and owns nothing on the host.
+JOB_USER = "65534:65534"
+NO_GPU_MESSAGE = (
+    "this node's Docker engine has no NVIDIA GPU support (no 'nvidia' runtime and no "
+    "NVIDIA Container Toolkit hook); GPU jobs cannot run on this node, CPU jobs can"
+)
+
+
+class SandboxExists(SandboxError):
+    """The engine already has a sandbox for this (job, attempt): never start it twice."""
+
+
+class DockerDriver:
+    name = "docker"
+
+    def __init__(self, *, node: str, client=None, job_network: str = "bridge",
+                 nofile: int | None = 4096):
+        self.node = node
+        self.job_network = job_network  # used only for jobs with network allowed
+        # Open-file cap per job (a DoS limit). Must not exceed dockerd's own hard
+        # limit, or runc refuses to start the container; None keeps the engine's.
+        self.nofile = nofile
+        try:
+            self.client = client or docker.from_env()  # version=None: negotiates the engine's API
+            self.client.ping()
+        except (docker.errors.DockerException, requests.RequestException) as exc:
+            raise SandboxError(f"the Docker engine is not answering: {exc}") from exc
+        self._gpu_support: bool | None = None
+
+    # -- capability ---------------------------------------------------------
+
+    def gpu_support(self) -> bool:
+        """Whether the engine can hand GPUs to containers.
+
+        Either an ``nvidia`` runtime is configured, or the NVIDIA Container
+        Toolkit's prestart hook is installed (Docker's ``--gpus`` path uses it).
+        Checked once: installing the toolkit needs a dockerd restart anyway.
+        """
+        if self._gpu_support is None:
+            runtimes = (self.client.info().get("Runtimes") or {})
+            self._gpu_support = "nvidia" in runtimes or bool(shutil.which("nvidia-container-runtime-hook"))
+        return self._gpu_support
+
+    # -- Driver interface -----------------------------------------------------
+
+    def launch(self, spec: LaunchSpec) -> SandboxHandle:
+        if spec.gpu_uuids and not self.gpu_support():
+            raise SandboxError(NO_GPU_MESSAGE)
+        kwargs = self._create_kwargs(spec)
+        try:
+            c = self.client.containers.create(**kwargs)
+        except docker.errors.ImageNotFound:
+            raise SandboxError(f"image {spec.image!r} is not present on node {self.node}") from None
+        except docker.errors.APIError as exc:
+            if exc.status_code == 409:
+                raise SandboxExists(f"sandbox {kwargs['name']} already exists") from None
+            raise SandboxError(f"could not create the sandbox: {exc.explanation or exc}") from None
+        try:
+            c.start()
+        except docker.errors.APIError as exc:
+            # A failed start leaves a "Created" container behind; it must go, or
+            # the next attempt of this job would find its name taken.
+            self._force_remove(c.id)
+            msg = exc.explanation or str(exc)
+            if "could not select device driver" in msg:
+                raise SandboxError(f"{NO_GPU_MESSAGE} (engine said: {msg})") from None
+            raise SandboxError(f"could not start the sandbox: {msg}") from None
+        log.info("job %s attempt %s: container %s started", spec.job_id, spec.attempt, c.short_id)
+        return SandboxHandle(driver=self.name, ref=c.id, job_id=spec.job_id, attempt=spec.attempt,
+                             started_at=time.time(), time_limit_s=spec.time_limit_s,
+                             gpu_indexes=list(spec.gpu_indexes))
+
+    def _create_kwargs(self, spec: LaunchSpec) -> dict:
+        n = len(spec.gpu_uuids)
+        env = job_env(spec, visible_devices=[str(i) for i in range(n)])
+        # Never let the image's NVIDIA_VISIBLE_DEVICES pick GPUs: on an engine with
+        # the nvidia runtime as default, "all" in an image would expose every GPU.
+        env["NVIDIA_VISIBLE_DEVICES"] = ",".join(spec.gpu_uuids) if n else "void"
+        env.setdefault("HOME", "/work")
+        mem = f"{spec.memory_mb}m"
+        kwargs = dict(
+            image=spec.image,
+            command=list(spec.command),
+            name=sandbox_name(spec.job_id, spec.attempt),
+            detach=True,
+            environment=env,
+            labels={
+                LABEL_JOB: spec.job_id,
+                LABEL_ATTEMPT: str(spec.attempt),
+                LABEL_NODE: self.node,
+                LABEL_TIME_LIMIT: str(spec.time_limit_s),
+                LABEL_GPUS: ",".join(str(i) for i in spec.gpu_indexes),
+            },
+            user=JOB_USER,
+            working_dir="/work",
+            read_only=True,
+            # tmpfs counts against the memory limit, so their size cannot add to it.
+            # uid/gid, not mode: Docker 20.10 ignores mode on the working dir (moby#39466).
+            tmpfs={
+                "/work": f"rw,exec,nosuid,nodev,size={mem},uid=65534,gid=65534,mode=0700",
+                "/tmp": f"rw,noexec,nosuid,nodev,size={mem},mode=1777",
+            },
+            network_mode=self.job_network if spec.network else "none",
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+            privileged=False,
+            mem_limit=mem,
+            memswap_limit=mem,  # equal to mem_limit: no swap
+            pids_limit=spec.pids_limit,
+            nano_cpus=int(spec.cpus * 1e9),
+            ulimits=[docker.types.Ulimit(name="nofile", soft=self.nofile, hard=self.nofile)]
+            if self.nofile else None,
+            # docker-init as PID 1 forwards SIGTERM to the job; a bare PID 1
+            # ignores it and every stop would wait out the whole grace period.
+            init=True,
+            stop_signal="SIGTERM",
+        )
+        if n:
+            kwargs["device_requests"] = [
+                docker.types.DeviceRequest(driver="nvidia", device_ids=list(spec.gpu_uuids),
+                                           capabilities=[["gpu"]])
+            ]
+        return kwargs
+
+    def poll(self, handle: SandboxHandle) -> tuple[str, int | None]:
+        c = self._get(handle)
+        if c is None:
+            return EXITED, None  # removed behind our back: no exit code to report
+        st = c.attrs["State"]
+        if st["Status"] in ("created", "running", "paused", "restarting"):
+            return RUNNING, None
+        # OOMKilled is set when the kernel killed any process in the container for
+        # memory, even if the job's main process then exited 0: report it, the
+        # job's output is likely incomplete.
+        return (OOM if st.get("OOMKilled") else EXITED), st.get("ExitCode")
+
+    def read_logs(self, handle: SandboxHandle, offset: int) -> bytes:
+        c = self._get(handle)
+        if c is None:
+            return b""
+        # The engine has no byte-offset API, so read all and slice: fine for the
+        # log sizes jobs print; a log-shipping sidecar would be the next step.
+        return c.logs(stdout=True, stderr=True)[offset:]
+
+    def stop(self, handle: SandboxHandle, grace_s: float) -> None:
+        """SIGTERM, wait up to ``grace_s`` for the job to exit, then SIGKILL."""
+        c = self._get(handle)
+        if c is None or c.status not in ("running", "paused", "restarting"):
+            return
+        try:
+            c.kill(signal="SIGTERM")
+        except docker.errors.APIError:
+            return  # exited between our look and the signal
+        deadline = time.monotonic() + max(0.0, grace_s)
+        while True:
+            try:
+                c.reload()
+            except docker.errors.NotFound:
+                return
+            if c.status != "running":
+                return
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        log.info("job %s attempt %s: still running %.1fs after SIGTERM, killing",
+                 handle.job_id, handle.attempt, grace_s)
+        try:
+            c.kill(signal="SIGKILL")
+            c.wait(timeout=30)
+        except docker.errors.APIError as exc:
+            if exc.status_code not in (404, 409):  # 409/404: it exited on its own meanwhile
+                log.warning("job %s attempt %s: kill: %s", handle.job_id, handle.attempt, exc)
+        except requests.RequestException as exc:
+            log.warning("job %s attempt %s: kill: %s", handle.job_id, handle.attempt, exc)
+
+    def list_own(self) -> list[tuple[str, int, SandboxHandle]]:
+        out = []
+        for c in self.client.containers.list(all=True, filters={"label": [f"{LABEL_NODE}={self.node}"]}):
+            lb = c.labels
+            try:
+                job_id, attempt = lb[LABEL_JOB], int(lb[LABEL_ATTEMPT])
+                limit = float(lb[LABEL_TIME_LIMIT]) if LABEL_TIME_LIMIT in lb else None
+                gpus = [int(i) for i in lb.get(LABEL_GPUS, "").split(",") if i]
+            except (KeyError, ValueError):
+                log.warning("container %s has our node label but bad job labels %s", c.short_id, lb)
+                continue
+            started = _parse_ts(c.attrs["State"].get("StartedAt")) or time.time()
+            out.append((job_id, attempt, SandboxHandle(
+                driver=self.name, ref=c.id, job_id=job_id, attempt=attempt,
+                started_at=started, time_limit_s=limit, gpu_indexes=gpus)))
+        return out
+
+    def remove(self, handle: SandboxHandle) -> None:
+        self._force_remove(handle.ref)
+
+    # -- helpers --------------------------------------------------------------
+
+    def _get(self, handle_or_id):
+        ref = handle_or_id.ref if isinstance(handle_or_id, SandboxHandle) else handle_or_id
+        try:
+            return self.client.containers.get(ref)
+        except docker.errors.NotFound:
+            return None
+
+    def _force_remove(self, ref: str) -> None:
+        try:
+            self.client.api.remove_container(ref, force=True)
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as exc:
+            log.warning("could not remove container %s: %s", ref[:12], exc)
+
+
+def _parse_ts(s: str | None) -> float | None:
+    """Docker's RFC 3339 timestamps carry nanoseconds; Python takes microseconds."""
+    if not s or s.startswith("0001-"):
+        return None
+    head, _, frac = s.rstrip("Z").partition(".")
+    try:
+        dt = datetime.datetime.fromisoformat(head).replace(tzinfo=datetime.timezone.utc)
+    except ValueError:
+        return None
+    return dt.timestamp() + (float("0." + frac[:6]) if frac else 0.0)

@@ -1,0 +1,60 @@
+"""The agent's Celery app and its two tasks: commands from the portal come here.
+
+This is the agent's own app (the portal's lives in portal/celery.py); it
+consumes only the queue ``node.<name>`` (set in agents/__main__.py). The
+portal sends by name, e.g.::
+
+    app.send_task("agent.launch", args=[job_id, attempt, spec], queue=f"node.{node}")
+    app.send_task("agent.stop", args=[job_id, attempt, reason, grace_s], queue=f"node.{node}")
+
+Tasks are thin: they hand over to the process's ``Agent`` (``bind_agent``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from celery import Celery
+
+from agents.client import PortalUnreachable
+
+log = logging.getLogger(__name__)
+
+app = Celery("gpuportal_agent")
+app.conf.update(
+    task_serializer="json",
+    accept_content=["json"],  # a broker message must never unpickle into code
+    task_ignore_result=True,  # facts go up through REST, not a result backend
+    # Ack after the task ran: a launch lost to an agent crash is redelivered,
+    # and fencing (confirm + one sandbox per attempt) makes the redelivery safe.
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    worker_prefetch_multiplier=1,
+    worker_hijack_root_logger=False,
+    broker_connection_retry_on_startup=True,
+)
+
+_agent = None
+
+
+def bind_agent(agent) -> None:
+    """Give the tasks the Agent of this process (the Celery pool must be in-process)."""
+    global _agent
+    _agent = agent
+
+
+def _the_agent():
+    if _agent is None:
+        raise RuntimeError("agent tasks ran before bind_agent(): start the agent with python -m agents")
+    return _agent
+
+
+@app.task(name="agent.launch", autoretry_for=(PortalUnreachable,), retry_backoff=2, retry_backoff_max=30,
+          max_retries=8)
+def launch(job_id: str, attempt: int, spec: dict) -> str:
+    return _the_agent().launch(job_id, attempt, spec)
+
+
+@app.task(name="agent.stop")
+def stop(job_id: str, attempt: int, reason: str, grace_s: float) -> bool:
+    return _the_agent().stop(job_id, attempt, reason, grace_s)

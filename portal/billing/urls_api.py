@@ -1,0 +1,12 @@
+from django.urls import path
+from rest_framework.routers import SimpleRouter
+
+from .api import BudgetView, InvoiceViewSet, UsageView
+
+router = SimpleRouter()
+router.register("invoices", InvoiceViewSet, basename="invoice")
+urlpatterns = [
+    path("usage/", UsageView.as_view(), name="usage"),
+    path("budgets/", BudgetView.as_view(), name="budgets"),
+    *router.urls,
+]

@@ -1,0 +1,4 @@
+"""`python -m portal.cli ...` is `gpuctl ...`."""
+from .app import main
+
+main()

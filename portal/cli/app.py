@@ -1,0 +1,519 @@
+"""The gpuctl commands (docs/cli.md). Each one reads the config, makes its API calls, prints.
+
+Exit status: 0 ok; 1 any other failure (and a watched job that did not succeed); 2 invalid
+input (HTTP 400, a bad spec file or flag); 3 not logged in or not allowed (401/403); 4 not found
+(404); 5 the job's state forbids it (409); 130 interrupted.
+"""
+import functools
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+import yaml
+
+from . import config, version
+from .client import ApiError, Client, ConnectionFailed
+from .output import TERMINAL, Format, emit_json, job_detail, job_note, job_table, project_detail, project_table, say
+
+app = typer.Typer(
+    name="gpuctl",
+    help="Submit and follow jobs on a gpuportal. Start with: gpuctl login --url https://portal.example.com",
+    no_args_is_help=True,
+    # A traceback with locals would print the token; a bug report needs the stack only.
+    pretty_exceptions_show_locals=False,
+)
+
+OutputOpt = Annotated[Format, typer.Option("--output", "-o", case_sensitive=False,
+                                           help="table for people; json prints one JSON document on stdout.")]
+IntervalOpt = Annotated[float, typer.Option("--interval", min=0.05, help="Seconds between polls.")]
+TimeoutOpt = Annotated[float | None, typer.Option("--timeout", min=0,
+                                                  help="Stop waiting after this many seconds (exit 1).")]
+WatchOpt = Annotated[bool, typer.Option("--watch", "-w",
+                                        help="Poll until the job ends, printing each state change and why it "
+                                             "waits; exit 0 only if it succeeded.")]
+
+
+class SpecError(Exception):
+    """A spec file or flag gpuctl cannot turn into a spec (exit 2, like an API 400)."""
+
+
+class _GaveUp(Exception):
+    """The --timeout deadline passed while polling."""
+
+
+_opened: list[Client] = []  # closed when the command ends (the tests run many commands in one process)
+
+
+def _print_api_error(exc: ApiError) -> None:
+    say(f"error: {exc.message}", err=True)
+    for field, messages in exc.fields.items():
+        for message in messages:
+            say(f"  {field}: {message}", err=True)
+    if exc.status == 401:
+        say("  (check your token: gpuctl login, or GPUCTL_TOKEN)", err=True)
+
+
+def _handle_errors(fn):
+    """Turn the client's exceptions into a message on stderr and the documented exit status."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ApiError as exc:
+            _print_api_error(exc)
+            code = exc.exit_code
+        except ConnectionFailed as exc:
+            say(f"error: {exc}", err=True)
+            code = exc.exit_code
+        except config.ConfigError as exc:
+            say(f"error: {exc}", err=True)
+            code = 3  # like a 401: no usable credentials
+        except SpecError as exc:
+            say(f"error: {exc}", err=True)
+            code = 2  # like a 400
+        finally:
+            while _opened:
+                _opened.pop().close()  # its keep-alive connection
+        # Raised outside the handler, so the exit does not carry the error's traceback (and the
+        # response and connection it references) along with it.
+        raise typer.Exit(code)
+
+    return wrapper
+
+
+def command(name: str | None = None, **kwargs):
+    return lambda fn: app.command(name, **kwargs)(_handle_errors(fn))
+
+
+def _open(url: str, token: str) -> Client:
+    client = Client(url, token)
+    _opened.append(client)
+    return client
+
+
+def _client() -> Client:
+    creds = config.load()
+    return _open(creds.url, creds.token)
+
+
+class _Poller:
+    """Waits between polls until an optional deadline; rides out a few transient failures
+    (the portal restarting, a proxy's 502, a throttle) instead of ending a long watch."""
+
+    MAX_FAILURES = 5
+
+    def __init__(self, interval: float, timeout: float | None):
+        self.interval = interval
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+
+    def wait(self) -> None:
+        pause = self.interval
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise _GaveUp()
+            pause = min(pause, left)
+        time.sleep(pause)
+
+    def call(self, fetch):
+        failures = 0
+        while True:
+            try:
+                return fetch()
+            except (ApiError, ConnectionFailed) as exc:
+                if not exc.transient or failures >= self.MAX_FAILURES:
+                    raise
+                failures += 1
+                say(f"warning: {exc}; retrying", err=True)
+                self.wait()
+
+
+def _watch(client: Client, job: dict, *, interval: float, timeout: float | None, json_output: bool) -> dict:
+    """Poll GET jobs/ID/ until the job is terminal; print a line whenever what it does or why it
+    waits changes (to stderr with -o json). Returns the final job."""
+    poller, last = _Poller(interval, timeout), None
+    job_id = job["id"]
+    try:
+        while True:
+            line = f"{job['state']:<10} {job_note(job)}".rstrip()
+            if line != last:
+                say(f"{time.strftime('%H:%M:%S')}  job {job_id}  {line}", err=json_output)
+                last = line
+            if job["state"] in TERMINAL:
+                return job
+            poller.wait()
+            job = poller.call(lambda: client.job(job_id))
+    except (_GaveUp, KeyboardInterrupt) as exc:
+        gave_up = isinstance(exc, _GaveUp)
+        what = f"gave up after {timeout:g} s" if gave_up else "\nstopped watching"
+        say(f"{what}: job {job_id} is still {job['state']} and goes on (gpuctl cancel {job_id} stops it)",
+            err=True)
+        if json_output:
+            emit_json(job)  # -o json: still one document, the job as last seen
+        raise typer.Exit(1 if gave_up else 130) from None
+
+
+def _print_next_steps(job: dict) -> None:
+    job_id = job["id"]
+    say(f"  watch:   gpuctl show {job_id} --watch")
+    say(f"  logs:    gpuctl logs -f {job_id}")
+    say(f"  cancel:  gpuctl cancel {job_id}")
+
+
+def _finish_submit(client: Client, job: dict, *, verb: str, created: bool, watch: bool, interval: float,
+                   timeout: float | None, output: Format) -> None:
+    if output is Format.table:
+        what = f"job {job['id']}"
+        if job.get("is_array_parent"):
+            what = f"array job {job['id']} ({sum((job.get('tasks') or {}).values())} tasks)"
+        say(f"{verb} {what} \"{job['name']}\" in {job['project']}: {job['state']}")
+        if not created:
+            say("  (this idempotency key was already used: that job is shown, nothing new was submitted)")
+        _print_next_steps(job)
+    if not watch:
+        if output is Format.json:
+            emit_json(job)
+        return
+    job = _watch(client, job, interval=interval, timeout=timeout, json_output=output is Format.json)
+    if output is Format.json:
+        emit_json(job)
+    raise typer.Exit(0 if job["state"] == "succeeded" else 1)
+
+
+# Spec building: a file, then the flags over it.
+
+def _read_spec_file(path: str) -> dict:
+    name = "stdin" if path == "-" else path
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SpecError(f"cannot read {name}: {exc.strerror}") from None
+    try:
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise SpecError(f"{name} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SpecError(f"{name}: expected a mapping of spec fields (project, name, image, command, ...)")
+    if isinstance(data.get("command"), str):
+        try:
+            data["command"] = shlex.split(data["command"])
+        except ValueError as exc:  # unbalanced quotes
+            raise SpecError(f"{name}: command: {exc}") from None
+    if isinstance(data.get("env"), dict):
+        # YAML reads `SEED: 1` as a number; the API takes strings only.
+        data["env"] = {k: _env_value(v) for k, v in data["env"].items()}
+    return data
+
+
+def _env_value(value):
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value) if isinstance(value, (int, float)) else value  # anything else: the API names the field
+
+
+def _parse_env(items: list[str]) -> dict[str, str]:
+    env = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep:
+            # Like `docker run -e NAME`: pass the variable from this shell.
+            if name not in os.environ:
+                raise SpecError(f"--env {name}: use NAME=VALUE, or export {name} first")
+            value = os.environ[name]
+        env[name] = value
+    return env
+
+
+def _parse_ids(items: list[str], flag: str) -> list[int]:
+    ids = []
+    for item in items:
+        for part in filter(None, item.split(",")):
+            if not part.strip().isdigit():
+                raise SpecError(f"{flag} {item}: expected job ids like 12 or 12,13")
+            ids.append(int(part))
+    return ids
+
+
+def _num(value: float | None):
+    if value is None:
+        return None
+    return int(value) if float(value).is_integer() else value
+
+
+def build_spec(file: str | None, flags: dict, resources: dict, env: list[str], depends_on: list[str],
+               command: list[str]) -> dict:
+    """The spec to POST: the file's fields, then every flag given over them."""
+    spec = _read_spec_file(file) if file else {}
+    spec.update({k: v for k, v in flags.items() if v is not None})
+    resources = {k: v for k, v in resources.items() if v is not None}
+    if resources:
+        base = spec.get("resources") if isinstance(spec.get("resources"), dict) else {}
+        spec["resources"] = {**base, **resources}
+    if env:
+        base = spec.get("env") if isinstance(spec.get("env"), dict) else {}
+        spec["env"] = {**base, **_parse_env(env)}
+    if depends_on:
+        spec["depends_on"] = _parse_ids(depends_on, "--depends-on")
+    if command:
+        spec["command"] = list(command)
+    if "name" not in spec and "template" not in spec and isinstance(spec.get("command"), list) and spec["command"]:
+        spec["name"] = os.path.basename(str(spec["command"][0]))[:200] or "job"
+    return spec
+
+
+# The commands.
+
+@app.callback(invoke_without_command=True)
+def _root(show_version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False):
+    if show_version:
+        say(f"gpuctl {version()}")
+        raise typer.Exit(0)
+
+
+@command()
+def login(
+    url: Annotated[str | None, typer.Option(help="The portal, e.g. https://portal.example.com.")] = None,
+    token: Annotated[str | None, typer.Option(help="A personal API token (gpp_...); '-' reads it from stdin. "
+                                                   "Prompted for (hidden) when left out.")] = None,
+):
+    """Check a token against the portal (GET /api/v1/me/) and save URL and token (mode 0600)."""
+    try:
+        saved = config.read_file()
+    except config.ConfigError:
+        saved = {}  # about to be replaced
+    url = url or typer.prompt("Portal URL", default=saved.get("url") or None)
+    if token == "-":
+        token = sys.stdin.readline()
+    token = (token or typer.prompt("API token (gpp_...)", hide_input=True)).strip()
+    client = _open(url, token)
+    me = client.me()
+    path = config.save(url=client.base_url, token=token)
+    info = me.get("token") or {}
+    scopes = ", ".join(info.get("scopes") or [])
+    say(f"Logged in to {client.base_url} as {me['username']}"
+        + (f" (token {info.get('prefix')}…, scopes: {scopes})" if info else ""))
+    say(f"Saved to {path} (readable by you only).")
+    if config.overridden_by_env():
+        say(f"note: {' and '.join(config.overridden_by_env())} in your environment override this file.", err=True)
+
+
+@command()
+def whoami(output: OutputOpt = Format.table):
+    """Who the token belongs to, its scopes, and your projects."""
+    client = _client()
+    me = client.me()
+    if output is Format.json:
+        return emit_json(me)
+    say(f"{me['username']} at {client.base_url}" + (" (staff)" if me.get("is_staff") else ""))
+    token = me.get("token")
+    if token:
+        say(f"  token:    {token['prefix']}…  scopes: {', '.join(token['scopes'])}"
+            + (f"  project: {token['project']}" if token.get("project") else "")
+            + (f"  expires: {token['expires_at'][:10]}" if token.get("expires_at") else ""))
+    for m in me.get("memberships") or []:
+        say(f"  project:  {m['project']} ({m['organization']}), {m['role']}")
+
+
+@command()
+def submit(
+    command: Annotated[list[str] | None, typer.Argument(
+        metavar="COMMAND", help="The command to run, after --.", show_default=False)] = None,
+    file: Annotated[str | None, typer.Option(
+        "--file", "-f", metavar="SPEC",
+        help="A spec in YAML or JSON ('-': stdin); flags override its fields.")] = None,
+    project: Annotated[str | None, typer.Option("--project", "-p", help="Project slug.")] = None,
+    name: Annotated[str | None, typer.Option(help="Job name (default: the command's program).")] = None,
+    image: Annotated[str | None, typer.Option(help="Container image, e.g. gpuportal/python:3.11.")] = None,
+    gpus: Annotated[float | None, typer.Option(help="GPUs: 1, 2, ... or a shared 0.125/0.25/0.5.")] = None,
+    gpu_type: Annotated[str | None, typer.Option(help="GPU model, e.g. H100-80GB.")] = None,
+    cpus: Annotated[float | None, typer.Option(help="CPU cores.")] = None,
+    memory_mb: Annotated[int | None, typer.Option(help="Memory in MB.")] = None,
+    time_limit: Annotated[str | None, typer.Option(help="Seconds, 90m, 2h, 1d or D-HH:MM:SS.")] = None,
+    priority: Annotated[str | None, typer.Option(help="low, normal or high.")] = None,
+    preemptible: Annotated[bool | None, typer.Option("--preemptible/--no-preemptible",
+                                                     help="May be stopped for higher-priority work.",
+                                                     show_default=False)] = None,
+    network: Annotated[bool | None, typer.Option("--network/--no-network", help="Network access.",
+                                                 show_default=False)] = None,
+    array: Annotated[str | None, typer.Option(help="Array indexes: 0-99, 1,3,5, with %N to run N at once.")] = None,
+    depends_on: Annotated[list[str] | None, typer.Option(
+        metavar="ID", help="Start after job ID succeeds (repeatable).")] = None,
+    env: Annotated[list[str] | None, typer.Option(
+        "--env", "-e", metavar="NAME=VALUE", help="An environment variable (repeatable).")] = None,
+    template: Annotated[str | None, typer.Option(help="Start from the project's job template.")] = None,
+    idempotency_key: Annotated[str | None, typer.Option(help="Retry-safe: a second submit with the same key "
+                                                             "returns the first job.")] = None,
+    watch: WatchOpt = False,
+    interval: IntervalOpt = 2.0,
+    timeout: TimeoutOpt = None,
+    output: OutputOpt = Format.table,
+):
+    """Submit a job: gpuctl submit -p vision --image IMG --gpus 2 -- python train.py"""
+    flags = {"project": project, "name": name, "image": image, "time_limit": time_limit, "priority": priority,
+             "preemptible": preemptible, "network": network, "array": array, "template": template}
+    spec = build_spec(file, flags, {"gpus": _num(gpus), "gpu_type": gpu_type, "cpus": _num(cpus),
+                                    "memory_mb": memory_mb}, env or [], depends_on or [], command or [])
+    client = _client()
+    job, created = client.submit(spec, idempotency_key=idempotency_key)
+    _finish_submit(client, job, verb="Submitted", created=created, watch=watch, interval=interval, timeout=timeout,
+                   output=output)
+
+
+@command("list")
+def list_jobs(
+    active: Annotated[bool, typer.Option("--active", "-a", help="Only jobs that have not ended.")] = False,
+    project: Annotated[str | None, typer.Option("--project", "-p", help="Only this project.")] = None,
+    state: Annotated[str | None, typer.Option(help="Only these states, e.g. queued,running.")] = None,
+    mine: Annotated[bool, typer.Option("--mine", help="Only jobs you submitted.")] = False,
+    tasks: Annotated[bool, typer.Option("--tasks", help="Also list the tasks of array jobs.")] = False,
+    limit: Annotated[int, typer.Option(min=1, max=500, help="At most this many, newest first.")] = 20,
+    output: OutputOpt = Format.table,
+):
+    """Jobs you may see, newest first."""
+    client = _client()
+    filters = {"project": project, "state": state, "active": "true" if active else None,
+               "user": client.me()["username"] if mine else None, "tasks": None if tasks else "false"}
+    jobs, count = client.jobs(limit=limit, **filters)
+    if output is Format.json:
+        return emit_json(jobs)
+    say(job_table(jobs) if jobs else "No jobs.")
+    if count > len(jobs):
+        say(f"({len(jobs)} of {count} shown; --limit N for more)", err=True)
+
+
+@command()
+def show(
+    job_id: Annotated[int, typer.Argument(metavar="ID")],
+    watch: WatchOpt = False,
+    interval: IntervalOpt = 2.0,
+    timeout: TimeoutOpt = None,
+    output: OutputOpt = Format.table,
+):
+    """A job: its state, why it waits (and its place in the queue), and its timeline."""
+    client = _client()
+    job = client.job(job_id)
+    if watch:
+        job = _watch(client, job, interval=interval, timeout=timeout, json_output=output is Format.json)
+        job = client.job(job_id)  # the final timeline
+    if output is Format.json:
+        emit_json(job)
+    else:
+        say(job_detail(job))
+    if watch:
+        raise typer.Exit(0 if job["state"] == "succeeded" else 1)
+
+
+def _write(text: str) -> None:
+    # Not typer.echo: it strips colour codes the job printed when stdout is not a terminal.
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+@command()
+def logs(
+    job_id: Annotated[int, typer.Argument(metavar="ID")],
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job has ended "
+                                                                "and its log is complete.")] = False,
+    attempt: Annotated[int | None, typer.Option(min=1, help="An earlier attempt (default: the latest).")] = None,
+    interval: IntervalOpt = 1.0,
+    timeout: TimeoutOpt = None,
+    output: OutputOpt = Format.table,
+):
+    """Print a job's log (GET jobs/ID/logs/?offset=N); -f follows it like tail -f."""
+    if follow and output is Format.json:
+        raise SpecError("-f streams text; use -o json without -f for one JSON document")
+    client = _client()
+    if not follow:
+        doc = client.logs(job_id, attempt=attempt)
+        return emit_json(doc) if output is Format.json else _write(doc["data"])
+    poller, offset, current = _Poller(interval, timeout), 0, attempt
+    try:
+        while True:
+            doc = poller.call(lambda: client.logs(job_id, offset=offset, attempt=attempt))
+            if current is not None and doc["attempt"] != current:
+                # Preempted and requeued: the new attempt's log starts again at 0.
+                say(f"--- job {job_id}: attempt {doc['attempt']} ---", err=True)
+                current, offset = doc["attempt"], 0
+                continue
+            current = doc["attempt"]
+            _write(doc["data"])
+            offset = doc["next_offset"]
+            if doc["complete"]:
+                if not doc["data"]:
+                    break
+                continue  # ended: read until a read returns nothing, so the tail is not cut off
+            poller.wait()
+    except _GaveUp:
+        say(f"gave up after {timeout:g} s; job {job_id} has not ended", err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    job = client.job(job_id)
+    say(f"--- job {job_id} {job['state']}: {job_note(job) or 'ended'} ---", err=True)
+
+
+@command()
+def cancel(
+    job_ids: Annotated[list[int], typer.Argument(metavar="ID...", help="One or more job ids.")],
+    output: OutputOpt = Format.table,
+):
+    """Cancel jobs (an array job: all its unfinished tasks). Running jobs are stopped on their node."""
+    client, done, failed = _client(), [], None
+    for job_id in job_ids:
+        try:
+            job = client.cancel(job_id)
+        except ApiError as exc:
+            _print_api_error(exc)
+            failed = failed or exc
+            continue
+        done.append(job)
+        if output is Format.table:
+            say(f"job {job_id}: {job['state']}")
+    if output is Format.json:
+        emit_json(done)
+    if failed:
+        raise typer.Exit(failed.exit_code)
+
+
+@command()
+def resubmit(
+    job_id: Annotated[int, typer.Argument(metavar="ID")],
+    watch: WatchOpt = False,
+    interval: IntervalOpt = 2.0,
+    timeout: TimeoutOpt = None,
+    output: OutputOpt = Format.table,
+):
+    """Submit a job again with the same spec (the original stays as it ended)."""
+    client = _client()
+    job = client.resubmit(job_id)
+    _finish_submit(client, job, verb=f"Resubmitted job {job_id} as", created=True, watch=watch, interval=interval,
+                   timeout=timeout, output=output)
+
+
+@command()
+def quota(
+    project: Annotated[str | None, typer.Option("--project", "-p", help="One project, in detail.")] = None,
+    output: OutputOpt = Format.table,
+):
+    """Your projects' quotas: guaranteed and maximum GPUs, running jobs, time limit, budget."""
+    client = _client()
+    if project:
+        data = client.project(project)
+        return emit_json(data) if output is Format.json else say(project_detail(data))
+    projects = client.projects()
+    if output is Format.json:
+        return emit_json(projects)
+    say(project_table(projects) if projects else "You are in no project yet.")
+
+
+def main() -> None:
+    app(prog_name="gpuctl")

@@ -1,0 +1,1 @@
+# The console has no models of its own.

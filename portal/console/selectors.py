@@ -1,0 +1,104 @@
+"""Reads for the admin console. Every chart reads rollups or small aggregates, never raw samples,
+so the page stays fast with a thousand nodes and a week of history (bench/console_bench.py)."""
+from collections import defaultdict
+from datetime import timedelta, timezone as dt_timezone
+
+from django.conf import settings
+from django.db.models import Count, Max, Sum
+from django.utils import timezone
+from django.utils.html import escape
+from django.utils.safestring import mark_safe
+
+from portal.metrics.models import FleetRollup, GpuRollup, Resolution
+
+
+def fleet_series(*, now=None, days: int = 7) -> list[dict]:
+    """Hourly fleet rows for the last `days` days; minute rows for the last 6 hours when the
+    fleet is younger than two hours of history."""
+    now = now or timezone.now()
+    rows = list(FleetRollup.objects.filter(resolution=Resolution.HOUR, bucket__gte=now - timedelta(days=days))
+                .order_by("bucket").values())
+    if len(rows) < 2:
+        rows = list(FleetRollup.objects.filter(resolution=Resolution.MINUTE, bucket__gte=now - timedelta(hours=6))
+                    .order_by("bucket").values())
+    for r in rows:
+        r["label"] = r["bucket"].astimezone(dt_timezone.utc).strftime("%m-%d %H:%M")
+    return rows
+
+
+def gpu_heat() -> dict:
+    """Per-GPU mean utilization over the latest hour rolled up: {nodes: [(name, [util|None])], hour}."""
+    from portal.nodes.models import GPU
+
+    latest = GpuRollup.objects.filter(resolution=Resolution.HOUR).aggregate(b=Max("bucket"))["b"]
+    util = {}
+    if latest is not None:
+        util = dict(GpuRollup.objects.filter(resolution=Resolution.HOUR, bucket=latest)
+                    .values_list("gpu_id", "util_avg"))
+    nodes: dict[str, list] = defaultdict(list)
+    for pk, node, index in GPU.objects.order_by("node__name", "index").values_list("pk", "node__name", "index"):
+        nodes[node].append(util.get(pk))
+    return {"rows": list(nodes.items()), "hour": latest}
+
+
+def heat_table(rows) -> str:
+    """The heat map's numbers as table rows, built in one pass (thousands of rows; a template
+    loop would cost more than the rest of the page)."""
+    out = []
+    for name, values in rows:
+        cells = "".join("<td>-</td>" if v is None else f"<td>{v:.0f}</td>" for v in values)
+        out.append(f'<tr><th scope="row">{escape(name)}</th>{cells}</tr>')
+    return mark_safe("".join(out))  # names escaped, the rest numbers
+
+
+def unhealthy_gpus() -> list[dict]:
+    from portal.nodes.models import GPU, GPUHealth
+
+    return list(GPU.objects.filter(health=GPUHealth.UNHEALTHY).order_by("node__name", "index")
+                .values("node__name", "index", "uuid", "model", "health_reason")[:500])
+
+
+def idle_allocated_gpus(*, now=None) -> list[dict]:
+    """GPUs held by an allocation for the whole idle window whose utilization never rose above
+    GPU_IDLE_UTIL_PCT in it (from minute rollups)."""
+    from portal.jobs.models import Allocation
+
+    now = now or timezone.now()
+    start = now - timedelta(minutes=settings.GPU_IDLE_MINUTES)
+    held = {a["gpu_id"]: a for a in Allocation.objects.filter(released_at__isnull=True, started_at__lte=start)
+            .values("gpu_id", "gpu__node__name", "gpu__index", "job_id", "job__project__slug", "started_at")}
+    if not held:
+        return []
+    peaks = (GpuRollup.objects.filter(resolution=Resolution.MINUTE, bucket__gte=start, gpu_id__in=list(held))
+             .values("gpu_id").annotate(peak=Max("util_max"), n=Count("id")).order_by())
+    out = []
+    for p in peaks:
+        if p["peak"] < settings.GPU_IDLE_UTIL_PCT:
+            row = held[p["gpu_id"]]
+            out.append({**row, "peak": p["peak"], "minutes": p["n"]})
+    return sorted(out, key=lambda r: (r["gpu__node__name"], r["gpu__index"]))
+
+
+def queue_now() -> list[dict]:
+    """Queued jobs by the reason they wait, most common first."""
+    from portal.jobs.models import Job, JobState
+
+    return list(Job.objects.filter(state=JobState.QUEUED, is_array_parent=False).values("reason_code")
+                .annotate(n=Count("id")).order_by("-n", "reason_code"))
+
+
+def revenue_this_month(*, now=None) -> dict:
+    """Usage and amounts of the current month by organization and by project."""
+    from portal.billing.models import UsageRecord
+
+    now = now or timezone.now()
+    start = now.astimezone(dt_timezone.utc).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    month = UsageRecord.objects.filter(hour__gte=start)
+    by_org = list(month.values("organization__slug").annotate(s=Sum("gpu_seconds"), a=Sum("amount"))
+                  .order_by("-a", "organization__slug"))
+    by_project = list(month.values("organization__slug", "project__slug").annotate(
+        s=Sum("gpu_seconds"), a=Sum("amount")).order_by("-a", "project__slug"))
+    for r in by_org + by_project:
+        r["hours"] = float(r["s"] or 0) / 3600
+        r["a"] = float(r["a"] or 0)
+    return {"month": start, "organizations": by_org, "projects": by_project}

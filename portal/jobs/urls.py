@@ -1,0 +1,17 @@
+"""Job pages (the API is in urls_api.py). Names: jobs:list, jobs:detail, ..."""
+from django.urls import path
+
+from . import views
+
+app_name = "jobs"
+urlpatterns = [
+    path("", views.JobListView.as_view(), name="list"),
+    path("new/", views.JobSubmitView.as_view(), name="submit"),
+    path("cancel/", views.JobBulkCancelView.as_view(), name="bulk-cancel"),
+    path("<int:pk>/", views.JobDetailView.as_view(), name="detail"),
+    path("<int:pk>/status/", views.JobStatusView.as_view(), name="status"),
+    path("<int:pk>/log/", views.JobLogView.as_view(), name="log"),
+    path("<int:pk>/metrics/", views.JobMetricsView.as_view(), name="metrics"),
+    path("<int:pk>/cancel/", views.JobCancelView.as_view(), name="cancel"),
+    path("<int:pk>/resubmit/", views.JobResubmitView.as_view(), name="resubmit"),
+]

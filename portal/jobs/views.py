@@ -1,0 +1,285 @@
+"""Job pages: list, submit, detail with its live parts, and the cancel/resubmit buttons.
+
+Each view loads rows through `Job.objects.for_user` (an outsider gets 404), calls one
+service and renders. htmx polls ask for fragments and carry the version of what they
+show; an unchanged fragment is answered with 204 so nothing on the page moves.
+"""
+from django.contrib import messages
+from django.core.paginator import Paginator
+from django.http import Http404, HttpResponse, JsonResponse
+from django.shortcuts import redirect, render
+from django.template.loader import render_to_string
+from django.urls import reverse
+from django.utils import timezone
+from django.views import View
+from rest_framework import serializers
+
+from portal.core.errors import ServiceError
+from portal.core.pages import PageMixin, refused, scoped_or_404, validation_fields, version
+from portal.core.querysets import user_can
+from portal.tenancy.models import Project
+
+from .forms import JobFilterForm, JobSubmitForm
+from .models import CANCELLABLE, HOLDING, TERMINAL, Job, JobState, JobTemplate
+from .selectors import job_gpu_samples, jobs_for_list, log_read, task_histograms
+from .services import job_cancel, job_resubmit, job_submit
+
+PAGE_SIZE = 50
+POLL_LIST = "every 3s"
+POLL_DETAIL = "every 2s"
+# A finished job's log is still polled this long: the agent may ship the tail after the end.
+LOG_GRACE_S = 30
+STATE_ORDER = {state: i for i, state in enumerate(JobState.values)}
+SAMPLE_KEYS = ("ts", "utilization", "memory_used_mb", "memory_total_mb", "temperature_c", "power_w", "power_limit_w")
+
+
+def histogram_items(counts: dict[str, int] | None) -> list[dict]:
+    """[{state, label, n, percent}] in lifecycle order, for an array's state histogram."""
+    if not counts:
+        return []
+    total = sum(counts.values())
+    labels = dict(JobState.choices)
+    return [{"state": s, "label": labels.get(s, s), "n": n, "percent": round(n * 100 / total, 1)}
+            for s, n in sorted(counts.items(), key=lambda kv: STATE_ORDER.get(kv[0], 99))]
+
+
+def cancellable(job: Job) -> bool:
+    return job.state in CANCELLABLE
+
+
+class JobListView(PageMixin, View):
+    """Jobs of my projects with filters in the URL; htmx polls swap only the rows that changed."""
+
+    def get(self, request):
+        projects = Project.objects.for_user(request.user, "view").order_by("slug")
+        filters = JobFilterForm(request.GET or None, projects=projects)
+        paginator = Paginator(jobs_for_list(user=request.user, **filters.filters()), PAGE_SIZE)
+        page = paginator.get_page(request.GET.get("page"))
+        jobs = list(page.object_list)
+        histograms = task_histograms([j.pk for j in jobs if j.is_array_parent])
+        rows = []
+        for job in jobs:
+            ctx = {"job": job, "hist": histogram_items(histograms.get(job.pk)), "cancellable": cancellable(job)}
+            html = render_to_string("jobs/_job_row.html", ctx, request)
+            rows.append((job.pk, ctx, html, version(html)))
+        versions = ",".join(f"{pk}:{v}" for pk, _, _, v in rows)
+        query = request.GET.copy()
+        query.pop("v", None)
+        poller = {"poll_url": f"{request.path}?{query.urlencode()}", "versions": versions, "trigger": POLL_LIST}
+        if request.htmx and "v" in request.GET:
+            return self._poll_answer(request, rows, poller)
+        query.pop("page", None)
+        return render(request, "jobs/list.html", {
+            "filters": filters, "page": page, "rows": [html for _, _, html, _ in rows], "poller": poller,
+            "query": query.urlencode(), "back": request.get_full_path(),
+        })
+
+    def _poll_answer(self, request, rows, poller):
+        known = dict(part.split(":", 1) for part in request.GET["v"].split(",") if ":" in part)
+        same_rows = [str(pk) for pk, *_ in rows] == list(known)
+        if same_rows:
+            changed = [render_to_string("jobs/_job_row.html", {**ctx, "oob": True}, request)
+                       for pk, ctx, _, v in rows if known.get(str(pk)) != v]
+            if not changed:
+                return HttpResponse(status=204)
+            return render(request, "jobs/_list_poll.html", {"poller": poller, "changed_rows": changed})
+        # Rows came, went or moved: replace the whole body.
+        return render(request, "jobs/_list_poll.html",
+                      {"poller": poller, "replace_all": True, "tbody": [html for _, _, html, _ in rows]})
+
+
+class JobSubmitView(PageMixin, View):
+    """A blank form, or one filled from a template (?template=ID); POST builds the API's dict."""
+
+    def _template(self, request):
+        raw = request.POST.get("template") or request.GET.get("template")
+        if not raw:
+            return None
+        if not str(raw).isdigit():
+            raise Http404("No such template.")
+        return scoped_or_404(JobTemplate, request, pk=int(raw))
+
+    def _render(self, request, form, status=200):
+        return render(request, "jobs/submit.html", {"form": form, "template": form.template,
+                                                    "has_projects": bool(form.fields["project"].choices)},
+                      status=status)
+
+    def _projects(self, request):
+        return Project.objects.for_user(request.user, "submit").select_related("organization").order_by("slug")
+
+    def get(self, request):
+        template = self._template(request)
+        initial = JobSubmitForm.initial_from_template(template) if template else {}
+        return self._render(request, JobSubmitForm(initial=initial, projects=self._projects(request),
+                                                   template=template))
+
+    def post(self, request):
+        template = self._template(request)
+        initial = JobSubmitForm.initial_from_template(template) if template else {}
+        form = JobSubmitForm(request.POST, initial=initial, projects=self._projects(request), template=template)
+        if not form.is_valid():
+            return self._render(request, form)
+        try:
+            job, _ = job_submit(actor=self.actor, data=form.spec())
+        except serializers.ValidationError as exc:
+            form.add_api_errors(validation_fields(exc))
+            return self._render(request, form)
+        except ServiceError as exc:
+            form.add_api_errors(exc.as_fields(), exc.message)
+            return self._render(request, form)
+        what = f"Array job {job.pk} ({job.array})" if job.is_array_parent else f"Job {job.pk}"
+        messages.success(request, f"{what} submitted.")
+        return redirect("jobs:detail", pk=job.pk)
+
+
+def _job(request, pk):
+    return scoped_or_404(Job.objects.select_related("project", "user", "node", "resubmit_of"), request, pk=pk)
+
+
+def status_context(request, job: Job) -> dict:
+    """What the live status block shows; its HTML version decides whether a poll swaps."""
+    body = render_to_string("jobs/_status_body.html", {
+        "job": job,
+        "events": list(job.events.all()),
+        "can_submit": user_can(request.user, "submit", job.project),
+        "cancellable": cancellable(job),
+        "resubmittable": job.state in TERMINAL and job.array_parent_id is None,
+    }, request)
+    return {"job": job, "status_body": body, "status_version": version(body),
+            "status_trigger": "" if job.state in TERMINAL else POLL_DETAIL}
+
+
+def log_context(job: Job, attempt: int, offset: int, text: str, next_offset: int) -> dict:
+    ended_long_ago = job.state in TERMINAL and job.ended_at and \
+        (timezone.now() - job.ended_at).total_seconds() > LOG_GRACE_S
+    return {"job": job, "attempt": attempt, "log_text": text, "offset": next_offset,
+            "log_trigger": "" if ended_long_ago and not text else POLL_DETAIL,
+            "log_complete": bool(ended_long_ago)}
+
+
+class JobDetailView(PageMixin, View):
+    def get(self, request, pk):
+        job = _job(request, pk)
+        text, next_offset = log_read(job, attempt=job.attempt, offset=0)
+        tasks = []
+        if job.is_array_parent:
+            tasks = list(job.tasks.select_related("node").order_by("array_index")[:500])
+        return render(request, "jobs/detail.html", {
+            **status_context(request, job),
+            **log_context(job, job.attempt, 0, text, next_offset),
+            "gpus": job_gpu_samples(job) if not job.is_array_parent else [],
+            "gpus_live": job.state in HOLDING,
+            "charts_live": job.state not in TERMINAL,
+            "depends_on": list(job.depends_on.all()),
+            "tasks": tasks,
+            "histogram": histogram_items(task_histograms([job.pk]).get(job.pk)) if job.is_array_parent else [],
+        })
+
+
+class JobStatusView(PageMixin, View):
+    """The state, reason, queue position, buttons and timeline, for the detail page's poll."""
+
+    def get(self, request, pk):
+        job = _job(request, pk)
+        ctx = status_context(request, job)
+        if request.htmx and request.GET.get("v") == ctx["status_version"]:
+            return HttpResponse(status=204)
+        # The job moved: its GPUs may have changed too (assigned, released), so they come along.
+        gpus = job_gpu_samples(job) if not job.is_array_parent else []
+        return render(request, "jobs/_status_poll.html", {**ctx, "gpus": gpus, "gpus_live": job.state in HOLDING})
+
+
+class JobLogView(PageMixin, View):
+    """htmx: the text after `offset` appended to the log; otherwise the attempt's log as text/plain."""
+
+    def get(self, request, pk):
+        job = _job(request, pk)
+        try:
+            attempt = int(request.GET.get("attempt", job.attempt))
+            offset = max(0, int(request.GET.get("offset", 0)))
+        except ValueError:
+            attempt, offset = job.attempt, 0
+        if not request.htmx:
+            text, _ = log_read(job, attempt=attempt, offset=offset)
+            return HttpResponse(text, content_type="text/plain; charset=utf-8")
+        if attempt != job.attempt:
+            # A new attempt started: show its log from the beginning.
+            text, next_offset = log_read(job, attempt=job.attempt, offset=0)
+            ctx = log_context(job, job.attempt, 0, text, next_offset)
+            return render(request, "jobs/_log_poll.html", {**ctx, "replace": True})
+        text, next_offset = log_read(job, attempt=attempt, offset=offset)
+        ctx = log_context(job, attempt, offset, text, next_offset)
+        if not text and ctx["log_trigger"]:
+            return HttpResponse(status=204)
+        return render(request, "jobs/_log_poll.html", ctx)
+
+
+class JobMetricsView(PageMixin, View):
+    """JSON for the GPU charts: the latest sample of each GPU the job holds (no history store yet)."""
+
+    def get(self, request, pk):
+        job = _job(request, pk)
+        gpus = []
+        for g in job_gpu_samples(job):
+            sample = g["sample"] or {}
+            gpus.append({**{k: g[k] for k in ("uuid", "index", "node", "model", "fraction", "open")},
+                         # Only this GPU's own figures: `processes` may name other tenants' work.
+                         "sample": {k: sample.get(k) for k in SAMPLE_KEYS} if g["sample"] else None})
+        # live: keep polling while the job may still get or hold GPUs.
+        return JsonResponse({"job": job.pk, "state": job.state, "live": job.state not in TERMINAL, "gpus": gpus})
+
+
+class JobCancelView(PageMixin, View):
+    def post(self, request, pk):
+        job = _job(request, pk)
+        back = reverse("jobs:detail", args=[job.pk])
+        try:
+            job = job_cancel(actor=self.actor, job=job)
+        except ServiceError as exc:
+            return refused(request, exc, back=back)
+        messages.success(request, f"Job {job.pk} cancelled.")
+        return redirect(back)
+
+
+class JobResubmitView(PageMixin, View):
+    def post(self, request, pk):
+        job = _job(request, pk)
+        try:
+            new = job_resubmit(actor=self.actor, job=job)
+        except serializers.ValidationError as exc:
+            messages.error(request, "; ".join(f"{k}: {v[0]}" for k, v in validation_fields(exc).items()))
+            return redirect("jobs:detail", pk=job.pk)
+        except ServiceError as exc:
+            return refused(request, exc, back=reverse("jobs:detail", args=[job.pk]))
+        messages.success(request, f"Job {job.pk} resubmitted as job {new.pk}.")
+        return redirect("jobs:detail", pk=new.pk)
+
+
+class JobBulkCancelView(PageMixin, View):
+    """Cancel several jobs: the first POST shows what would be cancelled, the second (confirm) does it."""
+
+    def post(self, request):
+        back = request.POST.get("back", "")
+        list_url = reverse("jobs:list")
+        back = back if back.startswith(list_url + "?") or back == list_url else list_url
+        ids = [int(i) for i in request.POST.getlist("ids") if i.isdigit()][:PAGE_SIZE * 4]
+        jobs = list(Job.objects.for_user(request.user, "view").filter(pk__in=ids)
+                    .select_related("project", "user").order_by("-submitted_at", "-id"))
+        if not jobs:
+            messages.error(request, "Select at least one job to cancel.")
+            return redirect(back)
+        if request.POST.get("confirm") != "yes":
+            return render(request, "jobs/bulk_cancel.html", {"jobs": jobs, "back": back})
+        done, refusals = [], []
+        for job in jobs:
+            try:
+                job_cancel(actor=self.actor, job=job)
+                done.append(job.pk)
+            except ServiceError as exc:
+                refusals.append(f"Job {job.pk}: {exc.message}")
+        if done:
+            messages.success(request, f"Cancelled {len(done)} job{'s' if len(done) != 1 else ''}: "
+                                      f"{', '.join(map(str, done))}.")
+        for text in refusals:
+            messages.error(request, text)
+        return redirect(back)

@@ -1,0 +1,1 @@
+# Samples and rollups are machine data: the console shows them, the admin does not.

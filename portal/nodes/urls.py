@@ -1,0 +1,11 @@
+"""Node pages for site staff (the agent API is urls_agent.py, the REST API urls_api.py)."""
+from django.urls import path
+
+from . import views
+
+app_name = "nodes"
+urlpatterns = [
+    path("", views.NodeListView.as_view(), name="list"),
+    path("<str:name>/drain/", views.NodeDrainView.as_view(), name="drain"),
+    path("<str:name>/undrain/", views.NodeUndrainView.as_view(), name="undrain"),
+]

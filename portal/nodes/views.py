@@ -1,0 +1,46 @@
+"""The nodes page: site staff see every node, GPU and what runs where; drain and undrain."""
+from django import forms
+from django.contrib import messages
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.views import View
+
+from portal.core.errors import ServiceError
+from portal.core.pages import StaffPageMixin, refused
+
+from .models import Node
+from .selectors import nodes_overview
+from .services import node_drain, node_undrain
+
+
+class DrainForm(forms.Form):
+    reason = forms.CharField(required=False, max_length=200, label="Reason")
+
+
+class NodeListView(StaffPageMixin, View):
+    def get(self, request):
+        return render(request, "nodes/list.html", {"nodes": nodes_overview()})
+
+
+class NodeDrainView(StaffPageMixin, View):
+    def post(self, request, name):
+        node = get_object_or_404(Node, name=name)
+        form = DrainForm(request.POST)
+        reason = form.cleaned_data["reason"] if form.is_valid() else ""
+        try:
+            node = node_drain(actor=self.actor, node=node, reason=reason)
+        except ServiceError as exc:
+            return refused(request, exc, back=reverse("nodes:list"))
+        messages.success(request, f"Node {node.name} is {node.state}.")
+        return redirect("nodes:list")
+
+
+class NodeUndrainView(StaffPageMixin, View):
+    def post(self, request, name):
+        node = get_object_or_404(Node, name=name)
+        try:
+            node = node_undrain(actor=self.actor, node=node)
+        except ServiceError as exc:
+            return refused(request, exc, back=reverse("nodes:list"))
+        messages.success(request, f"Node {node.name} is {node.state} again.")
+        return redirect("nodes:list")

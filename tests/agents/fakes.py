@@ -1,0 +1,138 @@
+"""Test doubles for the agent: a portal client and a sandbox driver, both in memory."""
+
+import itertools
+import threading
+
+from agents.client import PortalUnreachable, StaleAttempt
+from agents.sandbox import EXITED, OOM, RUNNING, SandboxError, SandboxHandle
+
+
+class FakePortal:
+    """Speaks the agent API like agents.client.PortalClient, records every call."""
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.last_contact = None
+        self.unreachable = False
+        self.stale: set = set()  # (job_id, attempt) the portal calls stale
+        self.spec: dict = {}  # what confirm returns as the spec
+        self.stop_list: list = []  # returned once by the next heartbeat
+        self.events: list = []
+        self.log_chunks: list = []
+        self.heartbeats: list = []
+        self.confirms: list = []
+
+    def _call(self, key=None):
+        if self.unreachable:
+            raise PortalUnreachable("portal down (fake)")
+        self.last_contact = self.clock()
+        if key is not None and key in self.stale:
+            raise StaleAttempt("stale (fake)", 409)
+
+    def register(self, **body):
+        self._call()
+        self.registered = body
+        return {"node": 7, "heartbeat_interval_s": 5, "lease_s": 30}
+
+    def heartbeat(self, *, samples, jobs):
+        self._call()
+        self.heartbeats.append({"samples": samples, "jobs": jobs})
+        stop, self.stop_list = self.stop_list, []
+        return {"drain": False, "stop": stop}
+
+    def confirm(self, job_id, attempt):
+        self._call((job_id, attempt))
+        self.confirms.append((job_id, attempt))
+        return dict(self.spec)
+
+    def event(self, job_id, attempt, state, *, exit_code=None, message=""):
+        self._call((job_id, attempt))
+        self.events.append((job_id, attempt, state, exit_code, message))
+
+    def logs(self, job_id, attempt, offset, data):
+        self._call((job_id, attempt))
+        self.log_chunks.append((job_id, attempt, offset, data.decode("utf-8", errors="replace")))
+
+    def states(self, job_id):
+        return [e[2] for e in self.events if e[0] == job_id]
+
+    def log_text(self, job_id):
+        return "".join(d for j, _, _, d in sorted(self.log_chunks, key=lambda x: x[2]) if j == job_id)
+
+
+class FakeDriver:
+    name = "fake"
+
+    def __init__(self):
+        self.sandboxes: dict = {}  # ref -> dict(handle, state, code, log)
+        self.launched: list = []
+        self.stopped: list = []
+        self.removed: list = []
+        self.fail_with: str | None = None
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def launch(self, spec):
+        if self.fail_with:
+            raise SandboxError(self.fail_with)
+        with self._lock:
+            if any(s["handle"].job_id == spec.job_id and s["handle"].attempt == spec.attempt
+                   for s in self.sandboxes.values()):
+                raise SandboxError("exists")
+            ref = f"sbx-{next(self._ids)}"
+            h = SandboxHandle(driver="fake", ref=ref, job_id=spec.job_id, attempt=spec.attempt,
+                              started_at=1000.0, time_limit_s=spec.time_limit_s,
+                              gpu_indexes=list(spec.gpu_indexes))
+            self.sandboxes[ref] = {"handle": h, "state": RUNNING, "code": None, "log": b"", "spec": spec}
+            self.launched.append(spec)
+            return h
+
+    def add_existing(self, job_id, attempt, *, gpu_indexes=()):
+        ref = f"old-{job_id}-{attempt}"
+        h = SandboxHandle(driver="fake", ref=ref, job_id=job_id, attempt=attempt, started_at=1000.0,
+                          time_limit_s=3600, gpu_indexes=list(gpu_indexes))
+        self.sandboxes[ref] = {"handle": h, "state": RUNNING, "code": None, "log": b"old output\n"}
+        return h
+
+    def by_job(self, job_id):
+        return next(s for s in self.sandboxes.values() if s["handle"].job_id == job_id)
+
+    def exit(self, job_id, code, state=EXITED):
+        s = self.by_job(job_id)
+        s["state"], s["code"] = state, code
+
+    def oom(self, job_id):
+        self.exit(job_id, 137, OOM)
+
+    def poll(self, h):
+        s = self.sandboxes.get(h.ref)
+        return (EXITED, None) if s is None else (s["state"], s["code"])
+
+    def read_logs(self, h, offset):
+        s = self.sandboxes.get(h.ref)
+        return b"" if s is None else s["log"][offset:]
+
+    def stop(self, h, grace_s):
+        self.stopped.append((h.job_id, h.attempt, grace_s))
+        s = self.sandboxes.get(h.ref)
+        if s and s["state"] == RUNNING:
+            s["state"], s["code"] = EXITED, 143
+
+    def list_own(self):
+        return [(s["handle"].job_id, s["handle"].attempt, s["handle"]) for s in self.sandboxes.values()]
+
+    def remove(self, h):
+        self.removed.append(h.ref)
+        self.sandboxes.pop(h.ref, None)
+
+    def running(self):
+        return sorted((s["handle"].job_id, s["handle"].attempt) for s in self.sandboxes.values()
+                      if s["state"] == RUNNING)
+
+
+class Clock:
+    def __init__(self, t=1000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t

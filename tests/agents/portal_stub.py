@@ -1,0 +1,72 @@
+"""A tiny stand-in for the portal's agent API on 127.0.0.1, for HTTP-level tests."""
+
+import json
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+TOKEN = "gpn_test_token"
+
+
+class PortalStub:
+    def __init__(self):
+        self.requests: list = []  # (path, body, headers)
+        self.fail_next: list[int] = []  # status codes to answer before behaving
+        self.stale: set = set()
+        self.spec: dict = {}
+        self.stop_list: list = []
+        self.lock = threading.Lock()
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                with stub.lock:
+                    stub.requests.append((self.path, body, dict(self.headers)))
+                    status = stub.fail_next.pop(0) if stub.fail_next else None
+                if status:
+                    return self._send(status, {"detail": "injected"})
+                if self.headers.get("Authorization") != f"Bearer {TOKEN}":
+                    return self._send(401, {"detail": "bad token"})
+                self._send(*stub.answer(self.path, body))
+
+            def _send(self, status, payload):
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def answer(self, path, body):
+        p = path.removeprefix("/api/agent/v1")
+        if p == "/register":
+            return 200, {"node": 1, "heartbeat_interval_s": 1, "lease_s": 30}
+        if p == "/heartbeat":
+            with self.lock:
+                stop, self.stop_list = self.stop_list, []
+            return 200, {"drain": False, "stop": stop}
+        m = re.fullmatch(r"/jobs/([^/]+)/(confirm|events|logs)", p)
+        if not m:
+            return 404, {"detail": "no such endpoint"}
+        if (m[1], body.get("attempt")) in self.stale:
+            return 409, {"detail": "stale attempt"}
+        if m[2] == "confirm":
+            return 200, {"spec": self.spec}
+        return 200, {}
+
+    def calls(self, suffix):
+        with self.lock:
+            return [b for p, b, _ in self.requests if p.endswith(suffix)]
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()

@@ -1,0 +1,302 @@
+"""Agent logic with a fake portal and a fake sandbox driver: no Celery, no HTTP."""
+
+import logging
+import threading
+
+import pytest
+
+from agents.probe.sim import SimProbe
+from agents.worker import Agent, _utf8_complete_len
+from tests.agents.fakes import Clock, FakeDriver, FakePortal
+
+SPEC = {"image": "gpuportal/busybox:latest", "command": ["sh", "-c", "train"], "cpus": 2,
+        "memory_mb": 1024, "time_limit_s": 600, "gpu_indexes": [1, 2]}
+
+
+@pytest.fixture
+def env():
+    clock, wall = Clock(), Clock(1000.0)
+    portal, driver = FakePortal(clock), FakeDriver()
+    probe = SimProbe("4xH100-80GB", node_name="n1", clock=wall)
+    agent = Agent(name="n1", client=portal, driver=driver, probe=probe, stop_grace_s=0.0,
+                  background=False, clock=clock, wall=wall)
+    agent.register()
+    return type("Env", (), dict(clock=clock, wall=wall, portal=portal, driver=driver, probe=probe, agent=agent))
+
+
+def test_register_sends_inventory_and_takes_the_portals_timers(env):
+    body = env.portal.registered
+    assert body["name"] == "n1" and body["sandbox"] == "fake" and len(body["gpus"]) == 4
+    assert set(body["gpus"][0]) == {"index", "uuid", "model", "memory_mb", "pci_bus_id"}
+    assert env.agent.heartbeat_interval_s == 5 and env.agent.lease_s == 30 and env.agent.node_id == 7
+
+
+def test_launch_confirms_starts_and_reports(env):
+    assert env.agent.launch("j1", 1, SPEC) == "started"
+    assert env.portal.confirms == [("j1", 1)]
+    assert env.portal.states("j1") == ["starting", "running"]
+    (spec,) = env.driver.launched
+    inv = env.probe.inventory()
+    assert spec.gpu_uuids == [inv[1].uuid, inv[2].uuid] and spec.cpus == 2
+    s = env.probe.sample()
+    assert s[1].utilization > 0 and s[2].utilization > 0 and s[0].utilization == 0
+
+
+def test_confirm_409_starts_nothing(env):
+    env.portal.stale.add(("j1", 1))
+    assert env.agent.launch("j1", 1, SPEC) == "stale"
+    assert env.driver.launched == [] and env.portal.events == []
+
+
+def test_confirm_unreachable_starts_nothing_and_raises_for_retry(env):
+    from agents.client import PortalUnreachable
+
+    env.portal.unreachable = True
+    with pytest.raises(PortalUnreachable):
+        env.agent.launch("j1", 1, SPEC)
+    assert env.driver.launched == []
+    env.portal.unreachable = False
+    assert env.agent.launch("j1", 1, SPEC) == "started"  # the retried task
+
+
+def test_duplicate_launch_starts_nothing_twice(env):
+    assert env.agent.launch("j1", 1, SPEC) == "started"
+    assert env.agent.launch("j1", 1, SPEC) == "duplicate"
+    assert len(env.driver.launched) == 1 and env.portal.confirms == [("j1", 1)]
+
+
+def test_concurrent_duplicate_launches_start_one_sandbox(env):
+    results = []
+    gate = threading.Barrier(8)
+
+    def go():
+        gate.wait()
+        results.append(env.agent.launch("j1", 1, SPEC))
+
+    threads = [threading.Thread(target=go) for _ in range(8)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert sorted(results) == ["duplicate"] * 7 + ["started"]
+    assert len(env.driver.launched) == 1
+
+
+def test_confirmed_spec_wins_over_the_task_argument(env):
+    env.portal.spec = {"memory_mb": 2048, "command": ["echo", "confirmed"]}
+    env.agent.launch("j1", 1, SPEC)
+    (spec,) = env.driver.launched
+    assert spec.memory_mb == 2048 and spec.command == ["echo", "confirmed"] and spec.cpus == 2
+
+
+def test_newer_attempt_stops_the_older_one(env):
+    env.agent.launch("j1", 1, SPEC)
+    env.agent.launch("j1", 2, SPEC)
+    assert ("j1", 1, 143, "superseded by attempt 2") in [(e[0], e[1], e[3], e[4]) for e in env.portal.events]
+    assert env.driver.running() == [("j1", 2)]
+
+
+def test_success_ships_logs_then_reports_and_removes(env):
+    env.agent.launch("j1", 1, SPEC)
+    sbx = env.driver.by_job("j1")
+    sbx["log"] = b"epoch 1\n"
+    env.agent.supervise_once()
+    sbx["log"] += b"epoch 2\ndone\n"
+    env.driver.exit("j1", 0)
+    env.agent.supervise_once()
+    assert env.portal.log_text("j1") == "epoch 1\nepoch 2\ndone\n"
+    assert [lg[2] for lg in env.portal.log_chunks] == [0, 8]  # offsets
+    assert env.portal.events[-1] == ("j1", 1, "succeeded", 0, "")
+    assert env.driver.sandboxes == {} and env.agent.jobs() == {}
+    assert env.probe.sample()[1].utilization == 0  # GPU idle again
+
+
+@pytest.mark.parametrize("how,state,code", [("fail", "failed", 3), ("oom", "oom", 137)])
+def test_failure_and_oom_are_reported_with_exit_code(env, how, state, code):
+    env.agent.launch("j1", 1, SPEC)
+    env.driver.oom("j1") if how == "oom" else env.driver.exit("j1", 3)
+    env.agent.supervise_once()
+    assert env.portal.events[-1][2:4] == (state, code)
+
+
+def test_time_limit_gives_timeout(env):
+    env.agent.launch("j1", 1, SPEC)  # fake handles start at wall time 1000, limit 600 s
+    env.wall.t = 1599
+    env.agent.supervise_once()
+    assert env.driver.stopped == []
+    env.wall.t = 1601
+    env.agent.supervise_once()
+    assert env.driver.stopped == [("j1", 1, 0.0)]
+    j, a, state, code, msg = env.portal.events[-1]
+    assert state == "timeout" and code == 143 and "time limit of 600s" in msg
+
+
+def test_stop_command_terms_and_reports_cancelled(env):
+    env.agent.launch("j1", 1, SPEC)
+    assert env.agent.stop("j1", 1, "cancelled by alice", grace_s=5) is True
+    assert env.driver.stopped == [("j1", 1, 5.0)]
+    assert env.portal.events[-1] == ("j1", 1, "cancelled", 143, "cancelled by alice")
+    assert env.agent.stop("j1", 1, "again") is False  # gone: nothing to stop
+
+
+def test_stale_running_report_stops_the_sandbox(env):
+    # Stale only after confirm: the portal moved on between confirm and the running report.
+    orig = env.portal.event
+
+    def event(job_id, attempt, state, **kw):
+        if state == "running" and job_id == "j1":
+            env.portal.stale.add(("j1", 1))
+        return orig(job_id, attempt, state, **kw)
+
+    env.portal.event = event
+    env.agent.launch("j1", 1, SPEC)
+    assert ("j1", 1) not in env.driver.running() and ("j1", 1) in [s[:2] for s in env.driver.stopped]
+    assert ("j1", 1) not in env.agent.jobs()
+
+
+def test_stale_log_upload_stops_the_sandbox(env):
+    env.agent.launch("j1", 1, SPEC)
+    env.driver.by_job("j1")["log"] = b"x\n"
+    env.portal.stale.add(("j1", 1))
+    env.agent.supervise_once()
+    assert env.driver.stopped and env.agent.jobs() == {}
+
+
+def test_heartbeat_reports_jobs_and_obeys_the_stop_list(env):
+    env.agent.launch("j1", 1, SPEC)
+    env.agent.launch("j2", 1, {**SPEC, "gpu_indexes": [3]})
+    env.portal.stop_list = [{"job_id": "j2", "attempt": 1, "reason": "preempted"}]
+    env.agent.heartbeat_once()
+    hb = env.portal.heartbeats[-1]
+    assert sorted((j["job_id"], j["state"]) for j in hb["jobs"]) == [("j1", "running"), ("j2", "running")]
+    assert len(hb["samples"]) == 4 and hb["samples"][1]["gpu_uuid"] == env.probe.inventory()[1].uuid
+    assert env.driver.running() == [("j1", 1)]
+    assert env.portal.events[-1][:3] == ("j2", 1, "cancelled") and env.portal.events[-1][4] == "preempted"
+
+
+def test_reconcile_adopts_labelled_sandboxes_and_stops_stale_ones(env):
+    env.driver.add_existing("old", 1, gpu_indexes=[0])
+    env.driver.add_existing("stale", 4, gpu_indexes=[3])
+    assert sorted(env.agent.reconcile()) == [("old", 1), ("stale", 4)]
+    env.portal.stop_list = [{"job_id": "stale", "attempt": 4, "reason": "attempt 5 runs elsewhere"}]
+    env.agent.heartbeat_once()
+    reported = {(j["job_id"], j["attempt"]) for j in env.portal.heartbeats[-1]["jobs"]}
+    assert reported == {("old", 1), ("stale", 4)}
+    assert env.driver.running() == [("old", 1)]
+    # A launch for an adopted attempt (task redelivered after the restart) starts nothing.
+    assert env.agent.launch("old", 1, SPEC) == "duplicate" and env.driver.launched == []
+    env.agent.supervise_once()
+    assert env.portal.log_text("old") == "old output\n"  # re-shipped from offset 0
+
+
+def test_lease_expiry_stops_every_sandbox_and_says_so(env, caplog):
+    env.agent.launch("j1", 1, SPEC)
+    env.agent.launch("j2", 1, {**SPEC, "gpu_indexes": [3]})
+    env.portal.unreachable = True
+    env.clock.t += 25
+    env.agent.heartbeat_once()
+    assert env.driver.running() == [("j1", 1), ("j2", 1)]  # within the 30 s lease
+    env.clock.t += 10
+    with caplog.at_level(logging.ERROR):
+        env.agent.heartbeat_once()
+    assert "LEASE EXPIRED" in caplog.text
+    assert env.driver.running() == [] and env.agent.fenced
+    # The reports wait (with the sandboxes, for their logs) until the portal is back.
+    assert set(env.agent.jobs()) == {("j1", 1), ("j2", 1)}
+    env.portal.unreachable = False
+    env.agent.heartbeat_once()
+    assert not env.agent.fenced
+    env.agent.supervise_once()
+    assert env.agent.jobs() == {}
+    finals = [e for e in env.portal.events if e[2] == "failed"]
+    assert len(finals) == 2 and "portal unreachable" in finals[0][4]
+
+
+def test_supervisor_checks_the_lease_even_when_heartbeats_hang(env):
+    env.agent.launch("j1", 1, SPEC)
+    env.portal.unreachable = True
+    env.clock.t += 31
+    env.agent.supervise_once()
+    assert env.driver.running() == []
+
+
+def test_terminal_report_is_retried_until_the_portal_takes_it(env):
+    env.agent.launch("j1", 1, SPEC)
+    env.driver.by_job("j1")["log"] = b"tail\n"
+    env.driver.exit("j1", 0)
+    env.portal.unreachable = True
+    env.agent.supervise_once()
+    assert ("j1", 1) in env.agent.jobs() and env.driver.sandboxes  # kept, logs still readable
+    env.portal.unreachable = False
+    env.agent.supervise_once()
+    assert env.portal.states("j1")[-1] == "succeeded" and env.portal.log_text("j1") == "tail\n"
+    assert env.agent.jobs() == {}
+
+
+def test_sandbox_error_is_reported_as_failed(env):
+    env.driver.fail_with = "this node's Docker engine has no NVIDIA GPU support"
+    assert env.agent.launch("j1", 1, SPEC) == "failed"
+    assert env.portal.events[-1][2] == "failed" and "no NVIDIA GPU support" in env.portal.events[-1][4]
+
+
+def test_bad_gpu_in_spec_is_reported_as_failed(env):
+    assert env.agent.launch("j1", 1, {**SPEC, "gpu_indexes": [9]}) == "failed"
+    assert "no GPU 9" in env.portal.events[-1][4] and env.driver.launched == []
+
+
+def test_stop_that_overtakes_its_launch_is_applied(env):
+    orig = env.portal.confirm
+
+    def confirm(job_id, attempt):
+        assert env.agent.stop(job_id, attempt, "cancelled early") is True
+        return orig(job_id, attempt)
+
+    env.portal.confirm = confirm
+    env.agent.launch("j1", 1, SPEC)
+    assert env.driver.running() == [] and env.portal.events[-1][2] == "cancelled"
+
+
+def test_logs_never_split_a_utf8_character(env):
+    env.agent.log_chunk_bytes = 5
+    env.agent.launch("j1", 1, SPEC)
+    text = "héllo wörld ✓ 日本語\n"
+    env.driver.by_job("j1")["log"] = text.encode()
+    env.agent.supervise_once()
+    env.driver.exit("j1", 0)
+    env.agent.supervise_once()
+    assert env.portal.log_text("j1") == text
+    assert all("\ufffd" not in d for *_, d in env.portal.log_chunks)
+
+
+def test_utf8_complete_len():
+    assert _utf8_complete_len(b"abc") == 3
+    assert _utf8_complete_len("é".encode()[:1]) == 0
+    assert _utf8_complete_len(b"a" + "✓".encode()[:2]) == 1
+    assert _utf8_complete_len(b"a" + "✓".encode()) == 4
+    assert _utf8_complete_len(b"\x80\x80\x80\x80\x80") == 5
+
+
+def test_xids_survive_a_failed_heartbeat(env):
+    env.probe.inject_xid(2, 48)
+    env.portal.unreachable = True
+    env.agent.heartbeat_once()
+    env.portal.unreachable = False
+    env.agent.heartbeat_once()
+    samples = env.portal.heartbeats[-1]["samples"]
+    assert samples[2]["xid_errors"] == [48]
+
+
+def test_a_failed_stop_is_tried_again(env):
+    env.agent.launch("j1", 1, SPEC)
+    real_stop, calls = env.driver.stop, []
+
+    def flaky_stop(h, grace_s):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("engine hiccup")
+        real_stop(h, grace_s)
+
+    env.driver.stop = flaky_stop
+    env.wall.t = 2000  # past the 600 s limit
+    env.agent.supervise_once()
+    assert ("j1", 1) in env.agent.jobs() and env.driver.running() == [("j1", 1)]
+    env.agent.supervise_once()
+    assert env.driver.running() == [] and env.portal.events[-1][2] == "timeout"

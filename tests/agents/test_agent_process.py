@@ -1,0 +1,95 @@
+"""The whole agent as it runs in production: ``python -m agents`` as a process,
+the portal's HTTP API (a stub on 127.0.0.1), a Celery broker (filesystem
+transport in a temp dir) and the real Docker engine."""
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from celery import Celery
+
+from tests.agents.conftest import JOB_IMAGE
+from tests.agents.portal_stub import TOKEN, PortalStub
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def wait_for(pred, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def stack(tmp_path, docker_client, node_name):
+    stub = PortalStub()
+    folder = tmp_path / "broker"
+    folder.mkdir()
+    log = open(tmp_path / "agent.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agents", "--portal", stub.url, "--token", TOKEN,
+         "--broker", "filesystem://", "--broker-folder", str(folder), "--name", node_name,
+         "--gpus", "sim:2xH100-80GB", "--sandbox", "docker", "--stop-grace", "1"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    producer = Celery("portal-side", broker="filesystem://")
+    producer.conf.broker_transport_options = {"data_folder_in": str(folder), "data_folder_out": str(folder)}
+
+    def send(name, *args):
+        producer.send_task(name, args=list(args), queue=f"node.{node_name}")
+
+    def agent_log():
+        log.seek(0)
+        return log.read()
+
+    try:
+        wait_for(lambda: "ready." in agent_log() or proc.poll() is not None, 30, "the Celery worker")
+        assert proc.poll() is None, agent_log()
+        yield type("Stack", (), dict(stub=stub, send=send, log=agent_log, proc=proc))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        stub.close()
+        for c in docker_client.containers.list(all=True, filters={"label": [f"gpuportal.node={node_name}"]}):
+            c.remove(force=True)
+
+
+def test_agent_runs_a_job_end_to_end(stack):
+    s = stack
+    reg = s.stub.calls("/register")[0]
+    assert reg["sandbox"] == "docker" and len(reg["gpus"]) == 2 and s.stub.calls("/heartbeat")
+    s.stub.stale.add(("stale-1", 1))
+    s.send("agent.launch", "stale-1", 1, {"image": JOB_IMAGE, "command": ["true"]})
+    s.send("agent.launch", "e2e-1", 1, {"image": JOB_IMAGE, "command": ["sh", "-c", "echo hello from $GPUPORTAL_JOB_ID"],
+                                        "cpus": 0.5, "memory_mb": 64, "time_limit_s": 30})
+
+    def states():
+        return [e["state"] for e in s.stub.calls("/jobs/e2e-1/events")]
+
+    wait_for(lambda: "succeeded" in states(), 30, f"e2e-1 to succeed; log:\n{s.log()}")
+    assert states() == ["starting", "running", "succeeded"]
+    assert "".join(c["data"] for c in s.stub.calls("/jobs/e2e-1/logs")) == "hello from e2e-1\n"
+    assert s.stub.calls("/jobs/stale-1/events") == []  # confirm said 409: nothing started
+
+    # A job past its time limit is stopped and reported as timeout.
+    s.send("agent.launch", "e2e-2", 1, {"image": JOB_IMAGE, "command": ["sleep", "300"], "memory_mb": 64,
+                                        "time_limit_s": 1})
+    wait_for(lambda: any(e["state"] == "timeout" for e in s.stub.calls("/jobs/e2e-2/events")), 30,
+             f"e2e-2 to time out; log:\n{s.log()}")
+
+    # agent.stop from the queue.
+    s.send("agent.launch", "e2e-3", 1, {"image": JOB_IMAGE, "command": ["sleep", "300"], "memory_mb": 64})
+    wait_for(lambda: any(e["state"] == "running" for e in s.stub.calls("/jobs/e2e-3/events")), 30, "e2e-3 running")
+    s.send("agent.stop", "e2e-3", 1, "cancelled by alice", 1.0)
+    wait_for(lambda: any(e["state"] == "cancelled" for e in s.stub.calls("/jobs/e2e-3/events")), 30,
+             f"e2e-3 cancelled; log:\n{s.log()}")
+    (ev,) = [e for e in s.stub.calls("/jobs/e2e-3/events") if e["state"] == "cancelled"]
+    assert ev["message"] == "cancelled by alice"

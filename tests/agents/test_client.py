@@ -1,0 +1,89 @@
+import pytest
+
+from agents.client import PortalClient, PortalError, PortalUnreachable, StaleAttempt
+from tests.agents.portal_stub import TOKEN, PortalStub
+
+
+@pytest.fixture
+def stub():
+    s = PortalStub()
+    yield s
+    s.close()
+
+
+def client(url, **kw):
+    kw.setdefault("sleep", lambda s: None)
+    return PortalClient(url, TOKEN, timeout_s=5, **kw)
+
+
+def test_calls_use_the_node_token_and_json(stub):
+    c = client(stub.url)
+    assert c.last_contact is None
+    resp = c.register(name="n1", cpus=8, memory_mb=1000, sandbox="docker",
+                      gpus=[{"index": 0, "uuid": "GPU-x", "model": "m", "memory_mb": 1, "pci_bus_id": "b"}])
+    assert resp == {"node": 1, "heartbeat_interval_s": 1, "lease_s": 30}
+    path, body, headers = stub.requests[0]
+    assert path == "/api/agent/v1/register" and body["gpus"][0]["uuid"] == "GPU-x"
+    assert headers["Authorization"] == f"Bearer {TOKEN}" and headers["Content-Type"] == "application/json"
+    assert c.last_contact is not None
+
+
+def test_every_endpoint_and_body(stub):
+    stub.spec = {"image": "i"}
+    c = client(stub.url)
+    assert c.heartbeat(samples=[{"gpu_uuid": "GPU-x"}], jobs=[{"job_id": "1", "attempt": 1, "state": "running"}]) \
+        == {"drain": False, "stop": []}
+    assert c.confirm("job/1", 2) == {"image": "i"}
+    c.event("job/1", 2, "failed", exit_code=3, message="boom")
+    c.logs("job/1", 2, 10, b"ok \xff\n")
+    paths = [p for p, _, _ in stub.requests]
+    assert paths == ["/api/agent/v1/heartbeat", "/api/agent/v1/jobs/job%2F1/confirm",
+                     "/api/agent/v1/jobs/job%2F1/events", "/api/agent/v1/jobs/job%2F1/logs"]
+    assert stub.requests[2][1] == {"attempt": 2, "state": "failed", "exit_code": 3, "message": "boom"}
+    assert stub.requests[3][1] == {"attempt": 2, "offset": 10, "data": "ok \ufffd\n"}
+    with pytest.raises(ValueError):
+        c.event("1", 1, "exploded")
+
+
+def test_409_is_a_stale_attempt_and_counts_as_contact(stub):
+    stub.stale.add(("7", 1))
+    c = client(stub.url)
+    with pytest.raises(StaleAttempt):
+        c.confirm("7", 1)
+    assert c.last_contact is not None and len(stub.requests) == 1  # not retried
+
+
+def test_5xx_is_retried_with_backoff(stub):
+    sleeps = []
+    stub.fail_next = [503, 502]
+    c = client(stub.url, sleep=sleeps.append, backoff_s=0.5)
+    c.event("1", 1, "running")
+    assert len(stub.requests) == 3 and sleeps == [0.5, 1.0]
+
+
+def test_persistent_5xx_is_unreachable_and_no_contact(stub):
+    stub.fail_next = [503] * 10
+    c = client(stub.url, retries=2)
+    with pytest.raises(PortalUnreachable):
+        c.heartbeat(samples=[], jobs=[])
+    assert c.last_contact is None and len(stub.requests) == 3
+
+
+def test_connection_refused_is_retried_then_unreachable():
+    sleeps = []
+    stub = PortalStub()
+    url = stub.url
+    stub.close()  # nothing listens there now
+    c = client(url, retries=3, sleep=sleeps.append, backoff_s=1, max_backoff_s=3)
+    with pytest.raises(PortalUnreachable, match="4 tries"):
+        c.heartbeat(samples=[], jobs=[])
+    assert sleeps == [1, 2, 3]
+
+
+def test_auth_failure_is_not_retried(stub):
+    c = PortalClient(stub.url, "gpn_wrong", sleep=lambda s: None)
+    with pytest.raises(PortalError) as e:
+        c.heartbeat(samples=[], jobs=[])
+    assert e.value.status == 401 and "bad token" in str(e.value) and len(stub.requests) == 1
+    with pytest.raises(ValueError):
+        PortalClient(stub.url, "gpp_user_token")

@@ -1,0 +1,190 @@
+"""The docker sandbox against the real engine (see conftest: no engine = failure)."""
+
+import time
+
+import pytest
+
+from agents.sandbox import EXITED, OOM, RUNNING, SandboxError
+from agents.sandbox.docker_driver import SandboxExists
+from tests.agents.conftest import make_spec
+
+
+def wait_done(driver, handle, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state, code = driver.poll(handle)
+        if state != RUNNING:
+            return state, code
+        time.sleep(0.05)
+    raise AssertionError(f"sandbox still running after {timeout}s")
+
+
+def wait_log(driver, handle, text, timeout=15):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in driver.read_logs(handle, 0):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} never appeared in the log: {driver.read_logs(handle, 0)!r}")
+
+
+def test_job_output_and_exit_code_come_back(docker_driver):
+    h = docker_driver.launch(make_spec(command=["sh", "-c", "echo hello; echo oops >&2"]))
+    assert wait_done(docker_driver, h) == (EXITED, 0)
+    logs = docker_driver.read_logs(h, 0)
+    assert b"hello\n" in logs and b"oops\n" in logs
+    assert docker_driver.read_logs(h, 6) == logs[6:]
+
+
+def test_failing_command_gives_its_exit_code(docker_driver):
+    h = docker_driver.launch(make_spec(command=["sh", "-c", "exit 7"]))
+    assert wait_done(docker_driver, h) == (EXITED, 7)
+
+
+def test_missing_executable_fails_with_a_readable_error(docker_driver):
+    # docker-init execs the command, so this is an exit (127) with a message, not a start error.
+    h = docker_driver.launch(make_spec(command=["no-such-binary"]))
+    state, code = wait_done(docker_driver, h)
+    assert state == EXITED and code != 0
+    assert b"no-such-binary" in docker_driver.read_logs(h, 0)
+
+
+def test_memory_over_the_limit_is_oom(docker_driver):
+    # sort holds its whole input: 200 MB against a 32 MB limit.
+    h = docker_driver.launch(make_spec(memory_mb=32, command=["sh", "-c", "head -c 200000000 /dev/zero | sort"]))
+    state, code = wait_done(docker_driver, h, timeout=60)
+    assert state == OOM and code == 137
+
+
+def test_stop_sends_sigterm_first(docker_driver):
+    h = docker_driver.launch(make_spec(command=[
+        "sh", "-c", "trap 'echo got-TERM; exit 0' TERM; echo ready; while :; do sleep 0.1; done"]))
+    wait_log(docker_driver, h, b"ready")
+    t0 = time.monotonic()
+    docker_driver.stop(h, grace_s=10)
+    assert time.monotonic() - t0 < 5
+    assert wait_done(docker_driver, h) == (EXITED, 0)
+    assert b"got-TERM" in docker_driver.read_logs(h, 0)
+
+
+def test_stop_kills_after_the_grace_period(docker_driver):
+    h = docker_driver.launch(make_spec(command=[
+        "sh", "-c", "trap '' TERM; echo ready; while :; do sleep 0.1; done"]))
+    wait_log(docker_driver, h, b"ready")
+    t0 = time.monotonic()
+    docker_driver.stop(h, grace_s=1.0)
+    took = time.monotonic() - t0
+    assert 1.0 <= took < 8, took
+    assert wait_done(docker_driver, h) == (EXITED, 137)
+
+
+def test_container_is_hardened(docker_driver, docker_client, node_name):
+    spec = make_spec(job_id="hard-1", attempt=3, memory_mb=96, cpus=1.5, pids_limit=77,
+                     command=["sh", "-c", "sleep 30"])
+    h = docker_driver.launch(spec)
+    a = docker_client.api.inspect_container(h.ref)
+    hc, cfg = a["HostConfig"], a["Config"]
+    assert hc["NetworkMode"] == "none"
+    assert hc["CapDrop"] == ["ALL"] and not hc["CapAdd"]
+    assert "no-new-privileges" in hc["SecurityOpt"]
+    assert not any("unconfined" in o for o in hc["SecurityOpt"])
+    assert hc["ReadonlyRootfs"] is True and hc["Privileged"] is False
+    assert cfg["User"] == "65534:65534"
+    assert hc["Memory"] == 96 * 1024 * 1024 and hc["MemorySwap"] == hc["Memory"]
+    assert hc["PidsLimit"] == 77 and hc["NanoCpus"] == 1_500_000_000
+    assert hc["RestartPolicy"]["Name"] in ("", "no")
+    assert not hc["Binds"] and not a["Mounts"]  # nothing of the host, least of all docker.sock
+    assert set(hc["Tmpfs"]) == {"/work", "/tmp"}
+    assert not hc.get("DeviceRequests") and not hc["Devices"]
+    assert cfg["Labels"] == {"gpuportal.job": "hard-1", "gpuportal.attempt": "3",
+                             "gpuportal.node": node_name, "gpuportal.time_limit_s": "60",
+                             "gpuportal.gpus": ""}
+    env = dict(e.split("=", 1) for e in cfg["Env"])
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "void"
+
+
+def test_inside_the_container_nothing_is_allowed(docker_driver):
+    h = docker_driver.launch(make_spec(command=["sh", "-c", (
+        "grep -E '^(CapEff|NoNewPrivs|Seccomp):' /proc/self/status; id -u; "
+        "touch /rootfs 2>/dev/null && echo ROOT-WRITABLE; "
+        "touch /work/f && echo work-ok; ls /sys/class/net")]))
+    assert wait_done(docker_driver, h) == (EXITED, 0)
+    out = docker_driver.read_logs(h, 0).decode()
+    assert "CapEff:\t0000000000000000" in out and "NoNewPrivs:\t1" in out and "Seccomp:\t2" in out
+    assert "65534" in out and "ROOT-WRITABLE" not in out and "work-ok" in out
+    assert out.split()[-1] == "lo"  # network none: loopback only
+
+
+def test_job_env_is_ours_not_the_tenants(docker_driver):
+    spec = make_spec(array_index=4, env={"FOO": "bar", "LD_PRELOAD": "/x.so", "CUDA_VISIBLE_DEVICES": "7"},
+                     rendezvous={"MASTER_ADDR": "job-1-0", "MASTER_PORT": 29500, "WORLD_SIZE": 2,
+                                 "NODE_RANK": 0, "LOCAL_WORLD_SIZE": 1},
+                     command=["env"])
+    h = docker_driver.launch(spec)
+    wait_done(docker_driver, h)
+    env = dict(l.split("=", 1) for l in docker_driver.read_logs(h, 0).decode().splitlines() if "=" in l)
+    assert env["FOO"] == "bar" and "LD_PRELOAD" not in env and env["CUDA_VISIBLE_DEVICES"] == ""
+    assert env["GPUPORTAL_JOB_ID"] == spec.job_id and env["GPUPORTAL_ATTEMPT"] == "1"
+    assert env["GPUPORTAL_ARRAY_INDEX"] == "4" and env["MASTER_PORT"] == "29500" and env["WORLD_SIZE"] == "2"
+
+
+def test_gpu_job_without_nvidia_runtime_fails_clearly(docker_driver, docker_client, node_name):
+    if docker_driver.gpu_support():
+        pytest.fail("this engine has NVIDIA support; this test is for engines without it", pytrace=False)
+    spec = make_spec(gpu_indexes=[0], gpu_uuids=["GPU-00000000-0000-0000-0000-000000000000"])
+    with pytest.raises(SandboxError, match="no NVIDIA GPU support"):
+        docker_driver.launch(spec)
+    # The engine's own refusal gives the same message (and leaves nothing behind).
+    docker_driver._gpu_support = True
+    with pytest.raises(SandboxError, match="no NVIDIA GPU support.*could not select device driver"):
+        docker_driver.launch(spec)
+    assert docker_client.containers.list(all=True, filters={"label": [f"gpuportal.node={node_name}"]}) == []
+    # CPU jobs still run on the same engine.
+    h = docker_driver.launch(make_spec())
+    assert wait_done(docker_driver, h) == (EXITED, 0)
+
+
+def test_gpu_request_names_only_the_allocated_gpus(docker_driver):
+    spec = make_spec(gpu_indexes=[2, 5], gpu_uuids=["GPU-a", "GPU-b"], gpu_fraction=0.5, gpu_memory_mb=8000)
+    kw = docker_driver._create_kwargs(spec)
+    (req,) = kw["device_requests"]
+    assert req["Driver"] == "nvidia" and req["DeviceIDs"] == ["GPU-a", "GPU-b"] and req["Capabilities"] == [["gpu"]]
+    env = kw["environment"]
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["NVIDIA_VISIBLE_DEVICES"] == "GPU-a,GPU-b"
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=8000M,1=8000M"
+
+
+def test_list_own_finds_containers_by_label(docker_driver, docker_client, node_name):
+    from agents.sandbox.docker_driver import DockerDriver
+
+    h1 = docker_driver.launch(make_spec(job_id="a", attempt=1, command=["sleep", "30"]))
+    h2 = docker_driver.launch(make_spec(job_id="b", attempt=2, command=["true"]))
+    other = DockerDriver(node=node_name + "-other", client=docker_client)
+    h3 = other.launch(make_spec(job_id="c", command=["true"]))
+    try:
+        # A restarted agent (a new driver object) sees its own sandboxes only.
+        found = DockerDriver(node=node_name, client=docker_client).list_own()
+        assert sorted((j, a) for j, a, _ in found) == [("a", 1), ("b", 2)]
+        by_job = {j: h for j, _, h in found}
+        assert by_job["a"].ref == h1.ref and by_job["a"].time_limit_s == 60
+        assert abs(by_job["a"].started_at - h1.started_at) < 5
+        assert docker_driver.poll(by_job["a"]) == (RUNNING, None)
+    finally:
+        other.remove(h3)
+    docker_driver.remove(h1)
+    docker_driver.remove(h2)
+    assert docker_driver.list_own() == []
+    assert docker_driver.poll(h1) == (EXITED, None)  # gone: no exit code
+
+
+def test_same_attempt_cannot_start_twice(docker_driver):
+    spec = make_spec(command=["sleep", "30"])
+    docker_driver.launch(spec)
+    with pytest.raises(SandboxExists):
+        docker_driver.launch(spec)
+
+
+def test_missing_image_is_reported(docker_driver):
+    with pytest.raises(SandboxError, match="not present on node"):
+        docker_driver.launch(make_spec(image="gpuportal/does-not-exist:1"))

@@ -1,0 +1,84 @@
+import logging
+import time
+
+import pytest
+
+from agents.sandbox import EXITED, RUNNING, SandboxError
+from agents.sandbox.process_driver import ProcessDriver
+from tests.agents.conftest import make_spec
+
+
+@pytest.fixture
+def driver(tmp_path):
+    return ProcessDriver(node="p", state_dir=str(tmp_path))
+
+
+def wait_done(driver, handle, timeout=15):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state, code = driver.poll(handle)
+        if state != RUNNING:
+            return state, code
+        time.sleep(0.02)
+    raise AssertionError("still running")
+
+
+def test_runs_a_command_and_returns_output_and_exit_code(driver, caplog):
+    with caplog.at_level(logging.WARNING):
+        h = driver.launch(make_spec(command=["sh", "-c", "echo out; echo err >&2; echo $GPUPORTAL_JOB_ID; exit 3"],
+                                    env={"LD_PRELOAD": "x"}))
+    assert "NO ISOLATION" in caplog.text
+    assert wait_done(driver, h) == (EXITED, 3)
+    logs = driver.read_logs(h, 0)
+    assert logs.startswith(b"out\nerr\n") and h.job_id.encode() in logs
+    assert driver.read_logs(h, 4) == logs[4:]
+
+
+def test_gpu_job_sees_host_indexes(driver):
+    h = driver.launch(make_spec(gpu_indexes=[3, 5], gpu_uuids=["GPU-a", "GPU-b"],
+                                command=["sh", "-c", "echo $CUDA_VISIBLE_DEVICES"]))
+    wait_done(driver, h)
+    assert driver.read_logs(h, 0) == b"3,5\n"
+
+
+def test_stop_terms_then_kills_the_whole_group(driver):
+    # The child ignores TERM too: only the group-wide SIGKILL ends it.
+    h = driver.launch(make_spec(command=["sh", "-c", "trap '' TERM; sleep 300 & echo ready; wait"]))
+    deadline = time.monotonic() + 5
+    while b"ready" not in driver.read_logs(h, 0) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    driver.stop(h, grace_s=0.5)
+    assert 0.5 <= time.monotonic() - t0 < 5
+    assert wait_done(driver, h) == (EXITED, 137)
+
+
+def test_sigterm_ends_a_cooperative_job_quickly(driver):
+    h = driver.launch(make_spec(command=["sleep", "300"]))
+    t0 = time.monotonic()
+    driver.stop(h, grace_s=10)
+    assert time.monotonic() - t0 < 3
+    assert wait_done(driver, h) == (EXITED, 143)
+
+
+def test_list_own_survives_an_agent_restart(driver, tmp_path):
+    h = driver.launch(make_spec(job_id="j9", attempt=2, command=["sleep", "300"]))
+    again = ProcessDriver(node="p", state_dir=str(tmp_path))
+    ((job, attempt, h2),) = again.list_own()
+    assert (job, attempt, h2.ref) == ("j9", 2, h.ref)
+    assert again.poll(h2) == (RUNNING, None)
+    again.stop(h2, grace_s=2)
+    driver.poll(h)  # reap our child so it is not left a zombie
+    assert again.poll(h2) == (EXITED, None)  # not our child: no exit code
+    again.remove(h2)
+    assert again.list_own() == []
+
+
+def test_duplicate_and_bad_command(driver):
+    spec = make_spec(command=["sleep", "5"])
+    h = driver.launch(spec)
+    with pytest.raises(SandboxError):
+        driver.launch(spec)
+    driver.remove(h)
+    with pytest.raises(SandboxError, match="no-such-binary"):
+        driver.launch(make_spec(command=["no-such-binary"]))

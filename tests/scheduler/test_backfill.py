@@ -1,0 +1,50 @@
+"""EASY backfill: the head job's reservation, and who may jump ahead of it."""
+from scheduler.core import schedule
+
+from .factories import NOW, job, nodes, running, snapshot, started
+
+H = 3600.0
+
+
+def cluster_with_head_blocked():
+    """n0 busy for 2 h; n1 half busy for 1 h: an 8-GPU head job can start in 1 h on n1."""
+    cluster = nodes(2)
+    busy = [running(job("r0", 8, time_limit=3 * H), [f"n0-{i}" for i in range(8)], start=NOW - H),
+            running(job("r1", 4, time_limit=2 * H), [f"n1-{i}" for i in range(4)], start=NOW - H)]
+    return cluster, busy
+
+
+def test_head_job_gets_a_reservation_at_its_earliest_start():
+    cluster, busy = cluster_with_head_blocked()
+    plan = schedule(snapshot(cluster, [job("head", 8, submit=NOW - 500)], busy, policy="fifo"))
+    (res,) = plan.reservations
+    assert res.job_id == "head" and res.start_time == NOW + H
+    assert sorted(res.gpu_ids) == sorted(f"n1-{i}" for i in range(8))
+
+
+def test_a_short_job_backfills_and_a_long_one_waits():
+    cluster, busy = cluster_with_head_blocked()
+    q = [job("head", 8, submit=NOW - 500), job("short", 2, submit=NOW - 400, time_limit=H / 2),
+         job("long", 2, submit=NOW - 300, time_limit=4 * H)]
+    plan = schedule(snapshot(cluster, q, busy, policy="fifo"))
+    assert list(started(plan)) == ["short"]
+    assert plan.waiting["long"].code == "reservation"
+    assert "time limit under 1 h" in plan.waiting["long"].message
+    assert plan.waiting["head"].position == 1 and plan.waiting["long"].position == 2
+
+
+def test_a_long_job_may_use_gpus_the_reservation_does_not_need():
+    cluster, busy = cluster_with_head_blocked()
+    cluster += nodes(1, prefix="m")
+    busy.append(running(job("r2", 6, time_limit=5 * H), [f"m0-{i}" for i in range(6)], start=NOW - H))
+    q = [job("head", 8, submit=NOW - 500), job("long", 2, submit=NOW - 300, time_limit=10 * H)]
+    plan = schedule(snapshot(cluster, q, busy, policy="fifo"))
+    assert started(plan) == {"long": ["m0-6", "m0-7"]}
+
+
+def test_without_backfill_the_head_blocks_everyone():
+    cluster, busy = cluster_with_head_blocked()
+    q = [job("head", 8, submit=NOW - 500), job("short", 1, submit=NOW - 400, time_limit=60)]
+    plan = schedule(snapshot(cluster, q, busy, policy="fifo", backfill=False))
+    assert plan.starts == [] and plan.reservations == []
+    assert plan.waiting["short"].code == "priority"
