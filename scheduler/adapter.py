@@ -332,7 +332,7 @@ def run_pass() -> dict:
         rest = plan.starts
         if connection.vendor == "postgresql":
             done, rest = _apply_whole_starts(plan.starts, context, now)
-            started += len(done)
+            started += len({job_id for _, job_id, _ in done})  # a gang has one launch per node
             launches += done
         for start in rest:
             done = _apply_start(start, context, now)

@@ -156,16 +156,38 @@ def test_quotas_and_borrowing_are_respected(snap):
             assert arr <= 2
 
 
+def share_of(job: Job, gpu: GPU, fraction: float | None) -> float:
+    """How much of `gpu` a job holds: 1 for a whole GPU, else its fraction or
+    its memory share, whichever is larger."""
+    if fraction is None:
+        return 1.0
+    return max(fraction, job.gpu_memory_mb / gpu.memory_mb if job.gpu_memory_mb else 0.0)
+
+
 @SETTINGS
 @given(st.one_of(snapshots(), snapshots(contended=True)))
 def test_a_backfilled_job_never_delays_a_reservation(snap):
+    """At a reservation's start its GPUs must have room for the job, counting
+    everything still running then at its time limit, starts of this pass included."""
     plan = schedule(snap)
     jobs = {j.id: j for j in snap.queued}
+    gpus = gpus_by_id(snap)
+    preempted = {p.job_id for p in plan.preemptions}
     for r in plan.reservations:
         assert r.start_time >= snap.now
-        for s in plan.starts:
-            if set(s.gpu_ids) & set(r.gpu_ids):
-                assert snap.now + jobs[s.job_id].time_limit <= r.start_time + 1e-6, (s, r)
+        job = jobs[r.job_id]
+        for gid in r.gpu_ids:
+            gpu = gpus[gid][0]
+            held = 0.0
+            for a in snap.running:
+                end = snap.now if a.job.id in preempted else max(snap.now, a.start_time + a.job.time_limit)
+                if gid in a.gpu_ids and end > r.start_time + 1e-6:
+                    held += share_of(a.job, gpu, a.fractions.get(gid) if a.fractions else None)
+            for s in plan.starts:
+                if gid in s.gpu_ids and snap.now + jobs[s.job_id].time_limit > r.start_time + 1e-6:
+                    held += share_of(jobs[s.job_id], gpu, s.fractions.get(gid) if s.fractions else None)
+            need = share_of(job, gpu, job.gpus if job.gpus < 1 else None)
+            assert held + need <= 1.0 + 1e-3, (r, gid, held, need)
     if not snap.config.backfill:
         assert plan.reservations == []
     assert len(plan.reservations) <= snap.config.max_reservations
