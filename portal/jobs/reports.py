@@ -106,6 +106,8 @@ def stale_reports(*, node, reported: list[dict]) -> list[dict]:
     """Of the jobs an agent says it runs, those it must stop (cancelled, requeued, moved)."""
     keys = [(str(r.get("job_id")), int(r.get("attempt") or 0)) for r in reported
             if r.get("state") not in AGENT_TERMINAL]
+    if not keys:
+        return []  # an idle node's heartbeat: no query at all
     ids = [int(j) for j, _ in keys if j.isdigit()]
     current = {str(pk): (state, attempt) for pk, state, attempt in
                Job.objects.filter(pk__in=ids).values_list("pk", "state", "attempt")}
