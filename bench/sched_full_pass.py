@@ -83,7 +83,7 @@ def main():
             t = time.perf_counter()
             result = run_pass()
             print(f"pass {i + 1}: {time.perf_counter() - t:.2f}s total  build {result['build_s']:.2f}s  "
-                  f"core {result['core_s']:.2f}s  started {result['started']}  waiting {result['waiting']}  "
+                  f"core {result['core_s']:.2f}s  apply {result['apply_s']:.2f}s  commit+publish {result['commit_publish_s']:.2f}s  started {result['started']}  waiting {result['waiting']}  "
                   f"reasons written {result['reasons_written']}")
     finally:
         connection.creation.destroy_test_db(old_name, verbosity=0)

@@ -343,11 +343,14 @@ def run_pass() -> dict:
         reasons = _write_reasons(plan, context)
         crashpoint("schedule.before_commit")
         launches += _resend_stale_launches(now)
+        t_applied = time.perf_counter()
         transaction.on_commit(lambda: _publish(launches, stops))
+    t_published = time.perf_counter()
     return {
         "started": started, "preempted": len(plan.preemptions), "waiting": len(plan.waiting),
         "reasons_written": reasons, "dependents_cancelled": cancelled, "queued": len(snapshot.queued),
         "build_s": round(t_built - t0, 4), "core_s": round(t_planned - t_built, 4),
+        "apply_s": round(t_applied - t_planned, 4), "commit_publish_s": round(t_published - t_applied, 4),
         "total_s": round(time.perf_counter() - t0, 4),
     }
 

@@ -3,11 +3,14 @@
 Publishing is best effort: a lost launch is re-sent by a later scheduling pass and a lost
 stop by the heartbeat answer (the portal tells the agent which attempts to stop).
 """
+import contextvars
 import logging
 
 from portal.celery import app, node_queue
 
 log = logging.getLogger(__name__)
+# The producer of a batch in progress (send_launches), so _send keeps one simple signature.
+_producer: contextvars.ContextVar = contextvars.ContextVar("producer", default=None)
 
 
 def send_launch(node_name: str, job_id: int, attempt: int) -> None:
@@ -21,11 +24,20 @@ def send_launches(launches: list[tuple[str, int, int]]) -> None:
     if not launches:
         return
     specs = launch_specs([(node, job_id) for node, job_id, _ in launches])
-    for node_name, job_id, attempt in launches:
-        spec = specs.get((node_name, job_id))
-        if spec is None or spec["attempt"] != attempt:
-            continue  # the job moved on before we published: nothing to launch
-        _send("agent.launch", node_name, [str(job_id), attempt, spec])
+    try:
+        # One broker connection for the whole batch: a pass may start thousands of jobs.
+        with app.producer_or_acquire() as producer:
+            token = _producer.set(producer)
+            try:
+                for node_name, job_id, attempt in launches:
+                    spec = specs.get((node_name, job_id))
+                    if spec is None or spec["attempt"] != attempt:
+                        continue  # the job moved on before we published: nothing to launch
+                    _send("agent.launch", node_name, [str(job_id), attempt, spec])
+            finally:
+                _producer.reset(token)
+    except Exception as exc:  # the broker is down: later passes re-send what was not confirmed
+        log.warning("could not publish %d launches: %s", len(launches), exc)
 
 
 def send_stop(node_name: str, job_id: int, attempt: int, reason: str, grace_s: int | None = None) -> None:
@@ -37,6 +49,6 @@ def send_stop(node_name: str, job_id: int, attempt: int, reason: str, grace_s: i
 
 def _send(task: str, node_name: str, args: list) -> None:
     try:
-        app.send_task(task, args=args, queue=node_queue(node_name), retry=False)
+        app.send_task(task, args=args, queue=node_queue(node_name), retry=False, producer=_producer.get())
     except Exception as exc:  # an unreachable broker must not undo committed work
         log.warning("could not publish %s%s to %s: %s", task, args[:2], node_name, exc)

@@ -21,7 +21,7 @@ IMAGE = "gpuportal/busybox:latest"
 def sent(monkeypatch):
     """Commands the portal publishes to node queues."""
     calls = []
-    monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args: calls.append((task, node, args)))
+    monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args, **kw: calls.append((task, node, args)))
     return calls
 
 

@@ -37,7 +37,7 @@ def register(client):
 
 @pytest.fixture
 def placed(node, demo, monkeypatch):
-    monkeypatch.setattr("scheduler.dispatch._send", lambda *a: None)
+    monkeypatch.setattr("scheduler.dispatch._send", lambda *a, **k: None)
     assert register(node).status_code == 200
     job, _ = job_submit(actor=Actor(user=demo.users["alice"]), data={
         "project": "vision", "name": "j", "image": IMAGE, "command": ["echo", "hi"], "resources": {"gpus": 1}})

@@ -32,7 +32,7 @@ def _needs_postgres():
 
 @pytest.fixture
 def quiet(monkeypatch):
-    monkeypatch.setattr("scheduler.dispatch._send", lambda *a: None)
+    monkeypatch.setattr("scheduler.dispatch._send", lambda *a, **k: None)
 
 
 def _submit(demo, n, gpus, user="alice", project="vision"):
