@@ -1,16 +1,26 @@
 """KVM sandbox through libvirt: one transient VM per job attempt, its GPUs
 passed through whole by PCI address (VFIO).
 
-What is here: the domain XML (``domain_xml``, pure, tested without libvirt)
-and the lifecycle over a libvirt connection, tested against libvirt's test
-driver (``test:///default``). What is not: a guest image and the in-guest
-runner that would read the job's command from the domain metadata, run it and
-print ``GPUPORTAL-JOB-EXIT rc=N`` on the serial console (the exit-code protocol
-``poll`` reads). Booting is also untested here: the development machines have
-no VFIO and a PVM-only /dev/kvm (shared/notes/sandboxes.md section 2).
+The guest is the project's own boot image (``agents/sandbox/kvm_image.py``:
+a Debian kernel plus a busybox initramfs, cached in ``var/kvm``). Per launch the
+driver prepends the job's command and environment to a copy of the initramfs
+(``kvm_image.job_overlay``) and starts a transient domain (``createXML``). The
+guest's init prints ``GPUPORTAL-JOB-START``, runs the job with its output on the
+serial console, prints ``GPUPORTAL-JOB-EXIT rc=N`` and powers off, which ends
+the domain. libvirt writes the serial console to ``<log_dir>/<name>.log``;
+``read_logs`` returns only what lies between the two markers (no kernel noise)
+and ``poll`` reads the exit code once the domain is gone.
 
-Needs ``libvirt-python`` (and libvirt on the host); imported lazily so the rest
-of the agent runs without it.
+Domain type: ``kvm`` only when KVM really works here (a hardware-virtualisation
+module, not PVM, and libvirt agrees); otherwise libvirt's ``qemu`` type (TCG,
+software emulation, a few seconds per boot), and the driver says so in its log
+(shared/notes/sandboxes.md section 2: /dev/kvm on the development machines is
+PVM, which hangs stock kernels). ``job.image`` is not used: every VM boots the
+same busybox guest. GPUs pass through by VFIO; the development machines have
+no VFIO, so only the XML is tested there.
+
+Needs ``libvirt-python`` (and libvirtd for ``qemu:///system``; .ci/kvm.sh);
+imported lazily so the rest of the agent runs without it.
 """
 
 from __future__ import annotations
@@ -25,14 +35,21 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from agents.sandbox import EXITED, RUNNING, LaunchSpec, SandboxError, SandboxHandle, sandbox_name
+from agents.sandbox import (
+    EXITED, RUNNING, LaunchSpec, SandboxError, SandboxHandle, job_env, sandbox_name,
+)
+from agents.sandbox.kvm_image import EXIT_MARKER, START_MARKER
 
 log = logging.getLogger(__name__)
 
 METADATA_NS = "https://gpuportal.dev/xmlns/agent/1"
-EXIT_RE = re.compile(rb"GPUPORTAL-JOB-EXIT rc=(\d+)")
+EXIT_RE = re.compile(re.escape(EXIT_MARKER) + rb"(\d+)")
 ET.register_namespace("gpuportal", METADATA_NS)
 _PCI_RE = re.compile(r"^(?:([0-9a-fA-F]{4,8}):)?([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")
+# A Debian kernel plus the initramfs needs about this much to boot; smaller specs get this.
+MIN_MEMORY_MB = 128
+# Kernel command line: serial console, no boot chatter, power off (not reboot) on panic.
+CMDLINE = "console=ttyS0 quiet panic=-1 8250.nr_uarts=1"
 
 
 def pci_address(bus_id: str) -> dict[str, str]:
@@ -46,11 +63,13 @@ def pci_address(bus_id: str) -> dict[str, str]:
 
 
 def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: str, initrd: str,
-               console_log: str, domain_type: str = "kvm", started_at: float | None = None) -> str:
+               console_log: str, domain_type: str = "kvm", started_at: float | None = None,
+               job_network: str | None = None) -> str:
     """The libvirt domain for one job attempt.
 
-    No NIC unless the job may use the network (then still none here: a per-job
-    network with egress policy is the portal's to define). Memory is locked
+    No NIC unless the job may use the network; then one virtio NIC on
+    ``job_network`` (a libvirt network name; ``"user"`` is QEMU's user-mode
+    NAT), or still none when the node has no job network. Memory is locked
     when GPUs are passed through, because VFIO DMA needs pinned guest memory.
     """
     d = ET.Element("domain", type=domain_type)
@@ -59,15 +78,15 @@ def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: s
         "job": spec.job_id, "attempt": str(spec.attempt), "node": node,
         "time_limit_s": str(spec.time_limit_s), "gpus": ",".join(map(str, spec.gpu_indexes)),
         "started_at": f"{time.time() if started_at is None else started_at:.3f}"})
-    # The in-guest runner reads its command and environment from here.
-    md.text = json.dumps({"command": spec.command, "env": spec.env, "image": spec.image})
-    ET.SubElement(d, "memory", unit="MiB").text = str(spec.memory_mb)
+    # For reconcile and people reading `virsh dumpxml`; the guest gets its command from the initrd.
+    md.text = json.dumps({"command": spec.command, "image": spec.image})
+    ET.SubElement(d, "memory", unit="MiB").text = str(max(MIN_MEMORY_MB, spec.memory_mb))
     ET.SubElement(d, "vcpu").text = str(max(1, math.ceil(spec.cpus)))
     os_ = ET.SubElement(d, "os")
     ET.SubElement(os_, "type", arch="x86_64", machine="q35").text = "hvm"
     ET.SubElement(os_, "kernel").text = kernel
     ET.SubElement(os_, "initrd").text = initrd
-    ET.SubElement(os_, "cmdline").text = f"console=ttyS0 panic=-1 gpuportal.job={spec.job_id}"
+    ET.SubElement(os_, "cmdline").text = f"{CMDLINE} gpuportal.job={spec.job_id}"
     feats = ET.SubElement(d, "features")
     ET.SubElement(feats, "acpi")  # without it poweroff never ends the domain (sandboxes.md)
     if spec.gpu_uuids:
@@ -79,41 +98,108 @@ def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: s
     for ev in ("on_poweroff", "on_reboot", "on_crash"):
         ET.SubElement(d, ev).text = "destroy"
     dev = ET.SubElement(d, "devices")
-    serial = ET.SubElement(dev, "serial", type="pty")
-    ET.SubElement(serial, "log", file=console_log, append="off")
+    # The console goes to a plain file that libvirt opens: it holds every byte from the first one
+    # (a pty drops what nobody reads), and the agent reads it without a libvirt stream.
+    serial = ET.SubElement(dev, "serial", type="file")
+    ET.SubElement(serial, "source", path=console_log, append="off")
     ET.SubElement(serial, "target", port="0")
-    ET.SubElement(ET.SubElement(dev, "console", type="pty"), "target", type="serial", port="0")
+    ET.SubElement(ET.SubElement(dev, "console", type="file"), "target", type="serial", port="0")
+    if spec.network and job_network:
+        if job_network == "user":
+            nic = ET.SubElement(dev, "interface", type="user")
+        else:
+            nic = ET.SubElement(dev, "interface", type="network")
+            ET.SubElement(nic, "source", network=job_network)
+        ET.SubElement(nic, "model", type="virtio")
     for bus_id in pci_bus_ids:
         hd = ET.SubElement(dev, "hostdev", mode="subsystem", type="pci", managed="yes")
         ET.SubElement(hd, "driver", name="vfio")
         ET.SubElement(ET.SubElement(hd, "source"), "address", pci_address(bus_id))
         ET.SubElement(hd, "rom", bar="off")
+    ET.SubElement(dev, "controller", type="usb", model="none")
     ET.SubElement(dev, "memballoon", model="none")
     return ET.tostring(d, encoding="unicode")
+
+
+def kvm_works(conn=None) -> tuple[bool, str]:
+    """Whether libvirt domains of type 'kvm' can run a stock kernel here, and why (not)."""
+    if not os.path.exists("/dev/kvm"):
+        return False, "/dev/kvm does not exist"
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return False, "/dev/kvm is not readable and writable"
+    if os.path.isdir("/sys/module/kvm_pvm"):
+        return False, ("/dev/kvm is PVM (module kvm_pvm), which runs only PVM-built guest kernels: "
+                       "a stock kernel hangs or hits 'KVM internal error ... emulation failure'")
+    hw = [m for m in ("kvm_intel", "kvm_amd") if os.path.isdir(f"/sys/module/{m}")]
+    if not hw:
+        return False, "neither kvm_intel nor kvm_amd is loaded"
+    if conn is not None:
+        try:
+            conn.getDomainCapabilities(None, "x86_64", None, "kvm", 0)
+        except Exception as exc:  # libvirtError
+            return False, f"libvirt cannot run kvm domains: {exc}"
+    return True, f"{hw[0]} is loaded and libvirt offers kvm domains"
 
 
 class KvmDriver:
     name = "kvm"
 
-    def __init__(self, *, node: str, uri: str = "qemu:///system", domain_type: str = "kvm",
-                 kernel: str = "/var/lib/gpuportal/vm/vmlinux", initrd: str = "/var/lib/gpuportal/vm/initrd.img",
-                 log_dir: str | None = None, pci_bus_ids: dict[int, str] | None = None):
+    def __init__(self, *, node: str, uri: str = "qemu:///system", domain_type: str = "auto",
+                 kernel: str | None = None, initrd: str | None = None, image_dir: str | None = None,
+                 log_dir: str | None = None, pci_bus_ids: dict[int, str] | None = None,
+                 job_network: str | None = "user"):
         try:
             import libvirt
         except ImportError as exc:
             raise SandboxError("the kvm sandbox needs libvirt-python (pip install libvirt-python)") from exc
         self._libvirt = libvirt
+        # libvirt's default handler prints every error to stderr, "Domain not found" for each look at a
+        # VM that has ended included; the driver turns the ones that matter into SandboxError.
+        libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
         self.node = node
-        self.domain_type = domain_type
+        if kernel is None or initrd is None:
+            from agents.sandbox import kvm_image
+
+            img_dir = Path(image_dir) if image_dir else kvm_image.DEFAULT_DIR
+            try:
+                m = json.loads((img_dir / "manifest.json").read_text())
+                kernel, initrd = kernel or m["kernel"], initrd or m["initrd"]
+            except (OSError, ValueError, KeyError):
+                kernel, initrd = kernel or str(img_dir / "vmlinux"), initrd or str(img_dir / "initramfs.cpio.gz")
         self.kernel, self.initrd = kernel, initrd
+        self.job_network = job_network
         self.log_dir = Path(log_dir or Path(tempfile.gettempdir()) / f"gpuportal-kvm-{node}")
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        # QEMU runs as its own user (libvirt-qemu): libvirt hands it the per-job initrd and the console
+        # file by ownership, but every directory above them must let it through.
+        if not self.log_dir.is_dir():
+            self.log_dir.mkdir(parents=True)
+            self.log_dir.chmod(0o711)
+        blocked = [str(p) for p in [self.log_dir.resolve(), *self.log_dir.resolve().parents]
+                   if not p.stat().st_mode & 0o001]
+        if blocked and not uri.startswith("test:"):
+            log.warning("kvm sandbox: %s is not searchable by other users: QEMU (if it does not run as root) "
+                        "cannot open the VM's initrd and console under %s", blocked[0], self.log_dir)
         # GPU index -> PCI bus id, from the probe's inventory (set by the caller).
         self.pci_bus_ids = dict(pci_bus_ids or {})
         try:
             self.conn = libvirt.open(uri)
         except libvirt.libvirtError as exc:
             raise SandboxError(f"libvirt at {uri} is not answering: {exc}") from exc
+        self._auto = domain_type == "auto"
+        if self._auto:
+            ok, why = kvm_works(self.conn)
+            if ok:
+                self.domain_type = "kvm"
+                log.info("kvm sandbox: libvirt domain type 'kvm' (%s)", why)
+            else:
+                self.domain_type = "qemu"
+                log.warning("kvm sandbox: KVM does not work here (%s); falling back to libvirt domain type "
+                            "'qemu' (TCG software emulation: jobs run, several times slower)", why)
+        else:
+            self.domain_type = domain_type
+            log.info("kvm sandbox: libvirt domain type %r (configured)", domain_type)
+
+    # -- Driver interface -----------------------------------------------------
 
     def launch(self, spec: LaunchSpec) -> SandboxHandle:
         try:
@@ -121,17 +207,72 @@ class KvmDriver:
         except KeyError as exc:
             raise SandboxError(f"no PCI address known for GPU {exc.args[0]}") from None
         name = sandbox_name(spec.job_id, spec.attempt)
+        if self._dom(name) is not None:
+            raise SandboxError(f"VM {name} already exists")
+        console = self.log_dir / f"{name}.log"
+        initrd = self._job_initrd(spec, name)
         started = time.time()
-        xml = domain_xml(spec, node=self.node, pci_bus_ids=buses, kernel=self.kernel, initrd=self.initrd,
-                         console_log=str(self.log_dir / f"{name}.log"), domain_type=self.domain_type,
-                         started_at=started)
         try:
-            self.conn.createXML(xml, 0)
-        except self._libvirt.libvirtError as exc:
-            raise SandboxError(f"could not start the VM: {exc.get_error_message()}") from None
+            console.unlink()  # a stale console from an earlier VM of this name must not be read as this one's
+        except FileNotFoundError:
+            pass
+        try:
+            self._create(spec, name, buses, initrd, console, started)
+        finally:
+            if initrd != self.initrd:
+                # QEMU has read it into guest memory by now (or the start failed): it is litter.
+                _unlink(initrd)
+        log.info("job %s attempt %s: VM %s started (domain type %s)", spec.job_id, spec.attempt, name,
+                 self.domain_type)
         return SandboxHandle(driver=self.name, ref=name, job_id=spec.job_id, attempt=spec.attempt,
                              started_at=started, time_limit_s=spec.time_limit_s,
                              gpu_indexes=list(spec.gpu_indexes))
+
+    def _create(self, spec, name, buses, initrd, console, started):
+        libvirt = self._libvirt
+        while True:
+            xml = domain_xml(spec, node=self.node, pci_bus_ids=buses, kernel=self.kernel, initrd=initrd,
+                             console_log=str(console), domain_type=self.domain_type, started_at=started,
+                             job_network=self.job_network)
+            try:
+                self.conn.createXML(xml, 0)
+                return
+            except libvirt.libvirtError as exc:
+                msg = exc.get_error_message()
+                if self._auto and self.domain_type == "kvm" and "kvm" in msg.lower():
+                    log.warning("kvm sandbox: libvirt refused a kvm domain (%s); falling back to domain "
+                                "type 'qemu' (TCG software emulation) from now on", msg)
+                    self.domain_type = "qemu"
+                    continue
+                if exc.get_error_code() == libvirt.VIR_ERR_OPERATION_FAILED and "already exists" in msg:
+                    raise SandboxError(f"VM {name} already exists") from None
+                raise SandboxError(f"could not start the VM: {msg}") from None
+
+    def _job_initrd(self, spec: LaunchSpec, name: str) -> str:
+        """A copy of the image's initramfs with the job's command and environment prepended."""
+        from agents.sandbox.kvm_image import job_overlay
+
+        try:
+            base = Path(self.initrd).read_bytes()
+        except OSError as exc:
+            if self.domain_type == "test":
+                return self.initrd  # libvirt's test driver boots nothing
+            raise SandboxError(f"the VM image is missing ({exc}); build it with "
+                               f"`python -m agents.sandbox.kvm_image --out var/kvm` (.ci/kvm.sh does)") from None
+        if not Path(self.kernel).is_file() and self.domain_type != "test":
+            raise SandboxError(f"the VM kernel {self.kernel} is missing; build it with "
+                               f"`python -m agents.sandbox.kvm_image --out var/kvm` (.ci/kvm.sh does)")
+        n = len(spec.gpu_uuids)
+        env = job_env(spec, visible_devices=[str(i) for i in range(n)])
+        env.setdefault("HOME", "/work")
+        path = self.log_dir / f"{name}.initrd"
+        # 0600: it holds the job's environment; libvirt gives it to QEMU's user for the start.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            # Uncompressed cpio first, then the gzip one: the kernel unpacks both (as with early microcode).
+            f.write(job_overlay(spec.command, env))
+            f.write(base)
+        return str(path)
 
     def _dom(self, ref: str):
         try:
@@ -139,35 +280,55 @@ class KvmDriver:
         except self._libvirt.libvirtError:
             return None  # transient domains vanish once stopped
 
-    def poll(self, handle: SandboxHandle) -> tuple[str, int | None]:
-        dom = self._dom(handle.ref)
-        if dom is not None and dom.isActive():
-            return RUNNING, None
-        m = EXIT_RE.search(self.read_logs(handle, 0))
-        return EXITED, (int(m.group(1)) if m else None)
-
-    def read_logs(self, handle: SandboxHandle, offset: int) -> bytes:
+    def _active(self, ref: str) -> bool:
+        dom = self._dom(ref)
         try:
-            with open(self.log_dir / f"{handle.ref}.log", "rb") as f:
-                f.seek(offset)
-                return f.read()
+            return dom is not None and bool(dom.isActive())
+        except self._libvirt.libvirtError:
+            return False
+
+    def _console(self, handle: SandboxHandle) -> bytes:
+        try:
+            return (self.log_dir / f"{handle.ref}.log").read_bytes()
         except FileNotFoundError:
             return b""
 
+    def poll(self, handle: SandboxHandle) -> tuple[str, int | None]:
+        if self._active(handle.ref):
+            return RUNNING, None
+        return EXITED, _exit_code(self._console(handle))
+
+    def read_logs(self, handle: SandboxHandle, offset: int) -> bytes:
+        """The job's output from ``offset``: only what the guest printed between its markers.
+
+        While the VM runs, a trailing partial line and anything from an exit
+        marker on are held back (it may be the real marker, or a job's line
+        that merely starts like one): what was returned never changes later.
+        """
+        final = not self._active(handle.ref)  # first: a gone VM's console is complete
+        return _job_output(self._console(handle), final)[offset:]
+
     def stop(self, handle: SandboxHandle, grace_s: float) -> None:
-        """ACPI power button (the guest's init sends SIGTERM to the job), then destroy."""
+        """ACPI power button (the guest's acpid sends SIGTERM to the job), then destroy after ``grace_s``."""
         dom = self._dom(handle.ref)
-        if dom is None or not dom.isActive():
+        if dom is None or not self._active(handle.ref):
             return
-        try:
-            dom.shutdown()
-        except self._libvirt.libvirtError:
-            pass
-        deadline = time.monotonic() + max(0.0, grace_s)
-        while time.monotonic() < deadline:
-            if self._dom(handle.ref) is None or not dom.isActive():
-                return
-            time.sleep(0.1)
+        if grace_s > 0:
+            deadline = time.monotonic() + grace_s
+            press = 0.0
+            while time.monotonic() < deadline:
+                if not self._active(handle.ref):
+                    return
+                if time.monotonic() >= press:
+                    # Pressed again each second: a press before the guest watches the button is lost.
+                    try:
+                        dom.shutdownFlags(self._libvirt.VIR_DOMAIN_SHUTDOWN_ACPI_POWER_BTN)
+                    except self._libvirt.libvirtError as exc:
+                        log.debug("VM %s: power button: %s", handle.ref, exc)
+                    press = time.monotonic() + 1.0
+                time.sleep(0.1)
+            log.info("job %s attempt %s: VM still running %.1fs after the power button, destroying",
+                     handle.job_id, handle.attempt, grace_s)
         try:
             dom.destroy()
         except self._libvirt.libvirtError:
@@ -176,18 +337,23 @@ class KvmDriver:
     def list_own(self) -> list[tuple[str, int, SandboxHandle]]:
         out = []
         for dom in self.conn.listAllDomains():
+            if not dom.name().startswith("gpuportal-"):
+                continue
             try:
                 md = ET.fromstring(dom.metadata(self._libvirt.VIR_DOMAIN_METADATA_ELEMENT, METADATA_NS))
             except (self._libvirt.libvirtError, ET.ParseError):
                 continue  # not ours
             if md.get("node") != self.node:
                 continue
-            job_id, attempt = md.get("job"), int(md.get("attempt"))
-            out.append((job_id, attempt, SandboxHandle(
-                driver=self.name, ref=dom.name(), job_id=job_id, attempt=attempt,
-                started_at=float(md.get("started_at") or time.time()),
-                time_limit_s=float(md.get("time_limit_s") or 0) or None,
-                gpu_indexes=[int(i) for i in (md.get("gpus") or "").split(",") if i])))
+            try:
+                job_id, attempt = md.get("job"), int(md.get("attempt"))
+                out.append((job_id, attempt, SandboxHandle(
+                    driver=self.name, ref=dom.name(), job_id=job_id, attempt=attempt,
+                    started_at=float(md.get("started_at") or time.time()),
+                    time_limit_s=float(md.get("time_limit_s") or 0) or None,
+                    gpu_indexes=[int(i) for i in (md.get("gpus") or "").split(",") if i])))
+            except (TypeError, ValueError):
+                log.warning("VM %s has our node in its metadata but bad job fields", dom.name())
         return out
 
     def remove(self, handle: SandboxHandle) -> None:
@@ -200,7 +366,36 @@ class KvmDriver:
                     dom.undefine()
             except self._libvirt.libvirtError as exc:
                 log.warning("could not remove VM %s: %s", handle.ref, exc)
-        try:
-            os.unlink(self.log_dir / f"{handle.ref}.log")
-        except FileNotFoundError:
-            pass
+        for suffix in (".log", ".initrd"):
+            _unlink(self.log_dir / f"{handle.ref}{suffix}")
+
+
+def _job_output(raw: bytes, final: bool) -> bytes:
+    """The job's output in a console log: between the start marker and the exit marker.
+
+    ``final`` (the VM is gone): up to the last exit marker, the guest's own.
+    Before that, up to the first exit marker or the last complete line,
+    whichever comes first, so what was returned once never changes.
+    """
+    i = raw.find(START_MARKER + b"\n")
+    if i < 0:
+        return b""
+    body = raw[i + len(START_MARKER) + 1:]
+    ends = [m.start() for m in EXIT_RE.finditer(body)]
+    if final:
+        return body[:ends[-1]] if ends else body
+    cut = body.rfind(b"\n") + 1
+    return body[:min([cut] + ends)]
+
+
+def _exit_code(raw: bytes) -> int | None:
+    i = raw.find(START_MARKER + b"\n")
+    ends = list(EXIT_RE.finditer(raw, max(i, 0)))
+    return int(ends[-1].group(1)) if ends else None
+
+
+def _unlink(path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,344 @@
+"""The KVM sandbox's boot image: a Debian kernel plus a busybox initramfs, built
+locally with no registry and no network beyond ``apt-get download`` (Debian's
+own client, for the kernel package when none is cached).
+
+    python -m agents.sandbox.kvm_image --out var/kvm [--force] [--kernel-deb PATH]
+
+Writes into ``--out``:
+
+- ``vmlinux``: the kernel's uncompressed ELF, cut out of the Debian bzImage.
+  QEMU boots it through PVH, which skips the decompressor (about 3 s under TCG,
+  shared/notes/sandboxes.md section 2). ``vmlinuz`` is kept as well, and used
+  when the ELF cannot be cut out;
+- ``initramfs.cpio.gz``: busybox-static, the two modules ACPI power-button
+  handling needs (``button``, ``evdev``), and ``/init`` (``INIT`` below);
+- ``manifest.json``: what was built from what. A second run with the same
+  inputs does nothing (the cache).
+
+Per job, the driver prepends a small uncompressed cpio (``job_overlay``) to a
+copy of the initramfs: the kernel unpacks concatenated archives into one
+rootfs, so ``/gpuportal/job.sh`` (the command and environment) needs no disk,
+no virtio module and no length limit of the kernel command line.
+
+The guest protocol, all on the serial console (ttyS0):
+``GPUPORTAL-JOB-START`` on a line of its own, then the job's stdout and stderr
+byte for byte (output post-processing is off), then ``GPUPORTAL-JOB-EXIT rc=N``
+and an ACPI power-off. The ACPI power button (libvirt ``shutdown``) sends
+SIGTERM to the job (``power_button`` in INIT, a read of the button's evdev
+device), which then ends the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import hashlib
+import io
+import json
+import logging
+import lzma
+import os
+import re
+import shlex
+import shutil
+import stat
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_DIR = Path(os.environ.get("GPUPORTAL_KVM_IMAGE_DIR") or REPO / "var" / "kvm")
+BUSYBOX = "/bin/busybox"
+START_MARKER = b"GPUPORTAL-JOB-START"
+EXIT_MARKER = b"GPUPORTAL-JOB-EXIT rc="
+# Modules (relative to lib/modules/<version>/kernel) the power button needs in the guest.
+MODULES = ("drivers/acpi/button.ko", "drivers/input/evdev.ko")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+INIT = r"""#!/bin/sh
+# gpuportal KVM sandbox init (agents/sandbox/kvm_image.py). Runs /gpuportal/job.sh once.
+export PATH=/bin:/sbin:/usr/bin:/usr/sbin
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+mkdir -p /dev/pts /dev/shm
+mount -t tmpfs -o mode=1777 tmpfs /tmp
+mount -t tmpfs -o mode=0755 tmpfs /run
+mount -t tmpfs -o mode=0700 tmpfs /work
+# Keep kernel messages out of the job's output, and pass its bytes through untouched.
+echo 1 > /proc/sys/kernel/printk
+exec </dev/null >/dev/ttyS0 2>/dev/null  # the shell's own "Terminated" is not the job's output
+stty -F /dev/ttyS0 -opost 2>/dev/null
+for m in /lib/modules/evdev.ko /lib/modules/button.ko; do [ -f "$m" ] && insmod "$m" 2>/dev/null; done
+hostname sandbox
+power_button() {  # the ACPI power button (libvirt shutdown) sends SIGTERM to the job
+  i=0
+  while [ $i -lt 300 ]; do  # the button's input device appears a moment after insmod
+    for ev in /sys/class/input/event*; do
+      if [ "$(cat "$ev/device/name" 2>/dev/null)" = "Power Button" ]; then
+        dd if="/dev/input/${ev##*/}" of=/dev/null bs=64 count=1 2>/dev/null && kill -TERM "$1"
+        return
+      fi
+    done
+    i=$((i + 1)); sleep 0.1
+  done
+}
+echo "GPUPORTAL-JOB-START"
+( cd /work && exec sh /gpuportal/job.sh ) 2>&1 &
+job=$!
+power_button "$job" &
+wait "$job"
+rc=$?
+echo "GPUPORTAL-JOB-EXIT rc=$rc"
+sync
+poweroff -f
+sleep 5
+echo o > /proc/sysrq-trigger
+"""
+
+# Bump when INIT or the layout changes: invalidates every cache.
+BUILD_VERSION = 2
+
+
+@dataclass
+class Image:
+    kernel: str
+    initrd: str
+    kernel_version: str
+
+
+class ImageError(Exception):
+    pass
+
+
+# -- cpio (newc) --------------------------------------------------------------
+
+class Cpio:
+    """A newc archive writer: what the kernel's initramfs unpacker reads."""
+
+    def __init__(self):
+        self.buf = io.BytesIO()
+        self.ino = 1
+        self.dirs: set[str] = set()
+
+    def _entry(self, name: str, mode: int, data: bytes = b"", rdev: tuple[int, int] = (0, 0)):
+        name = name.lstrip("/")
+        hdr = "070701" + "".join(f"{v:08x}" for v in (
+            self.ino, mode, 0, 0, 2 if stat.S_ISDIR(mode) else 1, 0, len(data), 0, 0, rdev[0], rdev[1],
+            len(name) + 1, 0))
+        self.ino += 1
+        self.buf.write(hdr.encode() + name.encode() + b"\0")
+        self.buf.write(b"\0" * (-self.buf.tell() % 4))
+        self.buf.write(data)
+        self.buf.write(b"\0" * (-self.buf.tell() % 4))
+
+    def dir(self, name: str, perm: int = 0o755):
+        name = name.strip("/")
+        if not name or name in self.dirs:
+            return
+        self.dir(os.path.dirname(name))
+        self.dirs.add(name)
+        self._entry(name, stat.S_IFDIR | perm)
+
+    def file(self, name: str, data: bytes, perm: int = 0o644):
+        self.dir(os.path.dirname(name.strip("/")))
+        self._entry(name, stat.S_IFREG | perm, data)
+
+    def symlink(self, name: str, target: str):
+        self.dir(os.path.dirname(name.strip("/")))
+        self._entry(name, stat.S_IFLNK | 0o777, target.encode())
+
+    def chardev(self, name: str, major: int, minor: int, perm: int = 0o600):
+        self.dir(os.path.dirname(name.strip("/")))
+        self._entry(name, stat.S_IFCHR | perm, rdev=(major, minor))
+
+    def finish(self) -> bytes:
+        self._entry("TRAILER!!!", 0)
+        self.buf.write(b"\0" * (-self.buf.tell() % 512))
+        return self.buf.getvalue()
+
+
+def job_overlay(command: list[str], env: dict[str, str]) -> bytes:
+    """The per-job cpio: ``/gpuportal/job.sh`` execs the command with its environment."""
+    lines = ["# written by the gpuportal kvm driver"]
+    for k, v in env.items():
+        if not _ENV_NAME.match(k):
+            log.warning("dropping env name %r: not a shell variable name", k)
+            continue
+        lines.append(f"export {k}={shlex.quote(v)}")
+    lines.append("exec " + " ".join(shlex.quote(a) for a in command))
+    c = Cpio()
+    c.file("gpuportal/job.sh", ("\n".join(lines) + "\n").encode(), 0o755)
+    return c.finish()
+
+
+# -- kernel -------------------------------------------------------------------
+
+def _kernel_deb(out: Path) -> Path:
+    debs = sorted(out.glob("linux-image-*-amd64_*.deb"))
+    if debs:
+        return debs[-1]
+    dep = subprocess.run(["apt-cache", "depends", "linux-image-amd64"], capture_output=True, text=True)
+    m = re.search(r"Depends: (linux-image-[0-9][^\s]*)", dep.stdout)
+    if not m:
+        raise ImageError("cannot tell which kernel linux-image-amd64 depends on "
+                         f"(apt-cache: {dep.stderr.strip() or dep.stdout.strip()}); run apt-get update")
+    log.info("downloading %s with apt-get download", m.group(1))
+    r = subprocess.run(["apt-get", "download", "-q", m.group(1)], cwd=out, capture_output=True, text=True)
+    debs = sorted(out.glob("linux-image-*-amd64_*.deb"))
+    if r.returncode or not debs:
+        raise ImageError(f"apt-get download {m.group(1)} failed: {r.stderr.strip()}")
+    return debs[-1]
+
+
+def _extract_from_deb(deb: Path, out: Path) -> tuple[Path, str, dict[str, bytes]]:
+    """vmlinuz and the MODULES out of a linux-image .deb, with dpkg-deb and tarfile."""
+    p = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", str(deb)], stdout=subprocess.PIPE)
+    vmlinuz, version, mods = None, None, {}
+    with tarfile.open(fileobj=p.stdout, mode="r|") as tf:
+        for m in tf:
+            name = m.name.lstrip("./")
+            if re.fullmatch(r"boot/vmlinuz-.+", name) and m.isfile():
+                version = name.split("vmlinuz-", 1)[1]
+                vmlinuz = out / "vmlinuz"
+                vmlinuz.write_bytes(tf.extractfile(m).read())
+            for mod in MODULES:
+                if m.isfile() and name.endswith("/kernel/" + mod):
+                    mods[os.path.basename(mod)] = tf.extractfile(m).read()
+    if p.wait() != 0 or vmlinuz is None:
+        raise ImageError(f"{deb} holds no boot/vmlinuz-* (dpkg-deb rc {p.returncode})")
+    return vmlinuz, version, mods
+
+
+def _host_kernel() -> tuple[Path, str, dict[str, bytes]] | None:
+    """A Debian kernel already installed in /boot (with its modules), if any."""
+    for vmlinuz in sorted(glob.glob("/boot/vmlinuz-*-amd64"), reverse=True):
+        version = vmlinuz.split("vmlinuz-", 1)[1]
+        mods = {}
+        for mod in MODULES:
+            p = Path(f"/lib/modules/{version}/kernel/{mod}")
+            if p.is_file():
+                mods[p.name] = p.read_bytes()
+        return Path(vmlinuz), version, mods
+    return None
+
+
+def extract_vmlinux(vmlinuz: bytes) -> bytes | None:
+    """The ELF inside an xz-compressed bzImage, or None (then boot the bzImage)."""
+    off = vmlinuz.find(b"\xfd7zXZ\x00")
+    while off >= 0:
+        d = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
+        try:
+            elf = d.decompress(vmlinuz[off:])
+            if elf[:4] == b"\x7fELF":
+                return elf
+        except lzma.LZMAError:
+            pass
+        off = vmlinuz.find(b"\xfd7zXZ\x00", off + 1)
+    return None
+
+
+# -- build --------------------------------------------------------------------
+
+def _initramfs(mods: dict[str, bytes]) -> bytes:
+    c = Cpio()
+    for d in ("bin", "sbin", "usr/bin", "usr/sbin", "proc", "sys", "dev", "tmp", "run", "work", "etc",
+              "root", "lib/modules", "gpuportal"):
+        c.dir(d)
+    c.chardev("dev/console", 5, 1)
+    c.chardev("dev/null", 1, 3, 0o666)
+    c.file("bin/busybox", Path(BUSYBOX).read_bytes(), 0o755)
+    listing = subprocess.run([BUSYBOX, "--list-full"], capture_output=True, text=True, check=True).stdout
+    for path in listing.split():
+        if path != "bin/busybox":
+            c.symlink(path, "/bin/busybox")
+    c.file("init", INIT.encode(), 0o755)
+    c.file("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n")
+    c.file("etc/group", b"root:x:0:\n")
+    for name, data in sorted(mods.items()):
+        c.file(f"lib/modules/{name}", data)
+    return gzip.compress(c.finish(), compresslevel=6, mtime=0)
+
+
+def build(out: str | Path = DEFAULT_DIR, *, force: bool = False, kernel_deb: str | None = None) -> Image:
+    """Build (or find cached) kernel + initramfs in ``out``; returns their paths."""
+    out = Path(out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if not Path(BUSYBOX).is_file():
+        raise ImageError(f"{BUSYBOX} is missing: apt-get install busybox-static (.ci/kvm.sh does)")
+    bb = Path(BUSYBOX).stat()
+    manifest = out / "manifest.json"
+    key = {"build_version": BUILD_VERSION, "init_sha256": hashlib.sha256(INIT.encode()).hexdigest(),
+           "busybox": [bb.st_size, int(bb.st_mtime)]}
+    if not force and manifest.is_file():
+        try:
+            m = json.loads(manifest.read_text())
+            if all(m.get(k) == v for k, v in key.items()) and Path(m["kernel"]).is_file() \
+                    and Path(m["initrd"]).is_file():
+                return Image(m["kernel"], m["initrd"], m["kernel_version"])
+        except (ValueError, KeyError):
+            pass
+    t0 = time.monotonic()
+    host = None if kernel_deb else _host_kernel()
+    if host:
+        vmlinuz_src, version, mods = host
+        vmlinuz = out / "vmlinuz"
+        shutil.copyfile(vmlinuz_src, vmlinuz)
+        source = str(vmlinuz_src)
+    else:
+        deb = Path(kernel_deb) if kernel_deb else _kernel_deb(out)
+        vmlinuz, version, mods = _extract_from_deb(deb, out)
+        source = str(deb)
+    elf = extract_vmlinux(vmlinuz.read_bytes())
+    kernel = vmlinuz
+    if elf is not None:
+        kernel = out / "vmlinux"
+        _atomic_write(kernel, elf)
+    else:
+        log.warning("could not cut an ELF vmlinux out of %s: booting the bzImage (slower under TCG)", vmlinuz)
+    if len(mods) != len(MODULES):
+        log.warning("kernel %s lacks some of %s: the ACPI power button will not reach the job", version, MODULES)
+    initrd = out / "initramfs.cpio.gz"
+    _atomic_write(initrd, _initramfs(mods))
+    for p in (out, kernel, initrd):  # qemu runs as libvirt-qemu: it must be able to read these
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    m = dict(key, kernel=str(kernel), initrd=str(initrd), kernel_version=version, kernel_source=source,
+             modules=sorted(mods), built_s=round(time.monotonic() - t0, 2))
+    _atomic_write(manifest, json.dumps(m, indent=1).encode())
+    log.info("built the KVM sandbox image in %s (%.1f s): kernel %s", out, m["built_s"], version)
+    return Image(str(kernel), str(initrd), version)
+
+
+def _atomic_write(path: Path, data: bytes):
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(DEFAULT_DIR), help="cache directory (default: var/kvm)")
+    ap.add_argument("--force", action="store_true", help="rebuild even when the cache is current")
+    ap.add_argument("--kernel-deb", help="a linux-image-*.deb to use instead of /boot or apt-get download")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="kvm_image: %(message)s")
+    try:
+        img = build(args.out, force=args.force, kernel_deb=args.kernel_deb)
+    except (ImageError, OSError, subprocess.CalledProcessError) as exc:
+        print(f"kvm_image: ERROR: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps({"kernel": img.kernel, "initrd": img.initrd, "kernel_version": img.kernel_version}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
