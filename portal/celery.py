@@ -21,6 +21,7 @@ app.conf.task_routes = {
     "nodes.reap_nodes": {"queue": "scheduler"},
     "billing.*": {"queue": "scheduler"},
     "metrics.*": {"queue": "scheduler"},
+    "jobs.flag_idle": {"queue": "scheduler"},
 }
 app.autodiscover_tasks(["portal.core", "portal.accounts", "portal.tenancy", "portal.nodes", "portal.jobs"])
 app.autodiscover_tasks(["scheduler"], related_name="tasks")
@@ -34,6 +35,8 @@ app.conf.beat_schedule = {
     "rollup-metrics-minute": {"task": "metrics.rollup_minute", "schedule": 60.0, "options": {"queue": "scheduler"}},
     "rollup-metrics-hour": {"task": "metrics.rollup_hour", "schedule": 300.0, "options": {"queue": "scheduler"}},
     "prune-metrics": {"task": "metrics.prune", "schedule": 3600.0, "options": {"queue": "scheduler"}},
+    # Reads the minute rollups; flags (and, where a project asks, cancels) jobs idling on GPUs.
+    "flag-idle-jobs": {"task": "jobs.flag_idle", "schedule": 60.0, "options": {"queue": "scheduler"}},
 }
 
 

@@ -328,7 +328,6 @@ JOB_ARRAY_MAX_TASKS = env_int("JOB_ARRAY_MAX_TASKS", 1000, minimum=1)
 JOB_DEFAULT_TIME_LIMIT_S = env_int("JOB_DEFAULT_TIME_LIMIT_S", 3600, minimum=1)
 SCHEDULER_POLICY = env_str("SCHEDULER_POLICY", "multifactor")
 SCHEDULER_PLACEMENT = env_str("SCHEDULER_PLACEMENT", "bestfit")
-SCHEDULER_INTERVAL_S = env_float("SCHEDULER_INTERVAL_S", 5.0)
 SCHEDULER_MIN_RUNTIME_S = env_int("SCHEDULER_MIN_RUNTIME_S", 600, minimum=0)
 SCHEDULER_FAIRSHARE_HALF_LIFE_S = env_int("SCHEDULER_FAIRSHARE_HALF_LIFE_S", 7 * 86400, minimum=60)
 LAUNCH_RESEND_S = env_int("LAUNCH_RESEND_S", 60, minimum=1)
@@ -350,6 +349,23 @@ if SCHEDULER_PLACEMENT not in ("bestfit", "spread"):
 
 DEMO_PASSWORD = env_str("DEMO_PASSWORD", "demo-pass-123")
 
+# Email (job notifications, sent by the `jobs.notify` task): SMTP unless EMAIL_BACKEND says
+# otherwise; a development server prints mails to its console instead.
+EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend" if DEBUG
+                        else "django.core.mail.backends.smtp.EmailBackend")
+EMAIL_HOST = env_str("EMAIL_HOST", "localhost")
+EMAIL_PORT = env_int("EMAIL_PORT", 25, minimum=1)
+EMAIL_HOST_USER = env_str("EMAIL_HOST_USER")
+EMAIL_HOST_PASSWORD = env_str("EMAIL_HOST_PASSWORD")
+EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", False)
+EMAIL_USE_SSL = env_bool("EMAIL_USE_SSL", False)
+if EMAIL_USE_TLS and EMAIL_USE_SSL:
+    raise ImproperlyConfigured("EMAIL_USE_TLS and EMAIL_USE_SSL: set one (STARTTLS on 587, or TLS on 465), not both")
+EMAIL_TIMEOUT = env_int("EMAIL_TIMEOUT", 10, minimum=1)  # a stuck SMTP server must not hold a worker
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "gpuportal <noreply@localhost>")
+# The portal's public address, for links in emails (e.g. https://gpu.example.com); empty: paths only.
+PORTAL_URL = env_str("PORTAL_URL").rstrip("/")
+
 # Billing (docs/billing.md): currency of new rate cards, budget warning share. Metering runs
 # every 60 s from beat (portal/celery.py).
 BILLING_CURRENCY = env_str("BILLING_CURRENCY", "USD")
@@ -369,6 +385,8 @@ METRICS_INGEST_FLUSH_S = env_float("METRICS_INGEST_FLUSH_S", 2.0)
 GPU_HEALTH_MAX_TEMP_C = env_float("GPU_HEALTH_MAX_TEMP_C", 90.0)
 GPU_HEALTH_MAX_ECC_ERRORS = env_int("GPU_HEALTH_MAX_ECC_ERRORS", 0, minimum=0)
 GPU_HEALTH_IGNORED_XIDS = [int(x) for x in env_list("GPU_HEALTH_IGNORED_XIDS", []) if x.isdigit()]
+# A GPU turning unhealthy drains its node (no new jobs there) when on; off, only the GPU is avoided.
+GPU_HEALTH_AUTO_DRAIN = env_bool("GPU_HEALTH_AUTO_DRAIN", False)
 # A GPU under a running job whose utilization stays below this for this long is flagged idle.
 GPU_IDLE_UTIL_PCT = env_float("GPU_IDLE_UTIL_PCT", 5.0)
 GPU_IDLE_MINUTES = env_int("GPU_IDLE_MINUTES", 30, minimum=1)

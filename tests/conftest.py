@@ -68,3 +68,13 @@ def _clear_cache():
 
     cache.clear()
     yield
+
+
+@pytest.fixture(autouse=True)
+def _drop_buffered_samples():
+    """GPU samples buffered by a test's heartbeats must not leak into the next test (or be
+    flushed at exit into a test database that no longer exists)."""
+    yield
+    from portal.metrics.services import BUFFER
+
+    BUFFER.drain()

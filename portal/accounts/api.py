@@ -4,11 +4,11 @@ from rest_framework import mixins, serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from portal.core.api import ActorMixin, StrictSerializer, TenantViewSet
+from portal.core.api import ActorMixin, StrictModelSerializer, StrictSerializer, TenantViewSet
 from portal.tenancy.models import Membership, Project
 
-from .models import ApiToken, Scope
-from .services import token_issue, token_revoke
+from .models import ApiToken, NotificationPreference, Scope
+from .services import notification_preferences_update, token_issue, token_revoke
 
 
 class TokenSerializer(serializers.ModelSerializer):
@@ -100,3 +100,32 @@ class MeView(ActorMixin, APIView):
             },
             "token_max_expiry_days": settings.TOKEN_MAX_EXPIRY_DAYS,
         })
+
+
+class NotificationPreferenceSerializer(StrictModelSerializer):
+    class Meta:
+        model = NotificationPreference
+        fields = ["job_succeeded", "job_failed", "job_preempted", "job_idle"]
+        extra_kwargs = {
+            "job_succeeded": {"help_text": "Email when a job of yours succeeds (default off)."},
+            "job_failed": {"help_text": "Email when one fails, times out, runs out of memory or loses its node."},
+            "job_preempted": {"help_text": "Email when one is preempted or requeued off a faulty GPU or node."},
+            "job_idle": {"help_text": "Email when one is flagged idle (its GPUs unused)."},
+        }
+
+
+class NotificationPreferenceView(ActorMixin, APIView):
+    """Your email preferences for job events. Array jobs mail once, when the array ends."""
+
+    @extend_schema(responses=NotificationPreferenceSerializer)
+    def get(self, request):
+        prefs = NotificationPreference.objects.filter(user=request.user).first() \
+            or NotificationPreference(user=request.user)
+        return Response(NotificationPreferenceSerializer(prefs).data)
+
+    @extend_schema(request=NotificationPreferenceSerializer, responses=NotificationPreferenceSerializer)
+    def patch(self, request):
+        data = NotificationPreferenceSerializer(data=request.data, partial=True)
+        data.is_valid(raise_exception=True)
+        prefs = notification_preferences_update(actor=self.actor, user=request.user, **data.validated_data)
+        return Response(NotificationPreferenceSerializer(prefs).data)

@@ -63,3 +63,28 @@ class ApiToken(models.Model):
 
     def has_scope(self, scope: str) -> bool:
         return scope in self.scopes
+
+
+class NotificationPreference(models.Model):
+    """Which job events a person is emailed about (portal/jobs/notifications.py sends them).
+
+    No row means the defaults: failures, preemption and idle flags on, success off (a
+    person who submits hundreds of jobs wants to hear about the few that need them).
+    """
+
+    user = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE,
+                                related_name="notification_preference")
+    job_succeeded = models.BooleanField(default=False)
+    # failed, timeout, oom or node_fail
+    job_failed = models.BooleanField(default=True)
+    # preempted, or requeued because its GPU turned unhealthy or its node went silent
+    job_preempted = models.BooleanField(default=True)
+    job_idle = models.BooleanField(default=True)
+
+    KINDS = ("succeeded", "failed", "preempted", "idle")
+
+    def __str__(self) -> str:
+        return f"notification preferences of {self.user}"
+
+    def wants(self, kind: str) -> bool:
+        return bool(getattr(self, f"job_{kind}", False))

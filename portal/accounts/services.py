@@ -71,3 +71,16 @@ def token_authenticate(secret: str) -> ApiToken | None:
         ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)
         token.last_used_at = now
     return token
+
+
+def notification_preferences_update(*, actor: Actor, user, **changes):
+    """Set a person's email preferences (job_succeeded, job_failed, job_preempted, job_idle)."""
+    from .models import NotificationPreference
+
+    with transaction.atomic():
+        prefs, _ = NotificationPreference.objects.select_for_update().get_or_create(user=user)
+        for key, value in changes.items():
+            setattr(prefs, key, value)
+        prefs.save()
+        audit_record(actor=actor, action="notifications.update", obj=prefs, **changes)
+    return prefs

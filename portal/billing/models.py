@@ -76,7 +76,26 @@ class UsageRecord(models.Model):
             # The ledger's idempotency key: a retried metering run can never bill an hour twice.
             models.UniqueConstraint(fields=["allocation", "hour"], name="usagerecord_unique_allocation_hour"),
         ]
-        indexes = [models.Index(fields=["organization", "hour"]), models.Index(fields=["project", "hour"])]
+        indexes = [models.Index(fields=["organization", "hour"]), models.Index(fields=["project", "hour"]),
+                   models.Index(fields=["hour"])]  # UsageDay rebuilds read recent hours of every project
+
+
+class UsageDay(models.Model):
+    """The ledger summed per project and UTC day: what the console's revenue charts read.
+
+    Rebuilt by usage_meter, in its transaction, for every day from the earliest hour that run
+    rewrote, so it always equals the sum of its UsageRecords; reading a month is ~31 rows per
+    project instead of one per allocation and hour. Invoices and budgets still read the ledger.
+    """
+
+    day = models.DateField()
+    project = models.ForeignKey("tenancy.Project", on_delete=models.PROTECT, related_name="+")
+    organization = models.ForeignKey("tenancy.Organization", on_delete=models.PROTECT, related_name="+")
+    gpu_seconds = models.DecimalField(max_digits=18, decimal_places=3)
+    amount = models.DecimalField(max_digits=18, decimal_places=6)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["day", "project"], name="usageday_unique_project_day")]
 
 
 class AllocationMeter(models.Model):

@@ -109,6 +109,8 @@ def usage_meter(*, now: datetime | None = None, batch: int = 500) -> dict:
             w, c = _meter_batch(rows[i:i + batch], now, rates)
             written += w
             closed += c
+        if rows:
+            usage_days_rebuild(since=min(_first_rewritten_hour(row) for row in rows))
         alerts = budgets_check(now=now)
     return {"allocations": len(rows), "records": written, "closed": closed, "budget_alerts": alerts}
 
@@ -156,6 +158,33 @@ def _meter_batch(rows: list[dict], now: datetime, rates: RateBook) -> tuple[int,
     AllocationMeter.objects.bulk_create(meters, update_conflicts=True, unique_fields=["allocation"],
                                         update_fields=["metered_until", "closed"])
     return len(records), closed
+
+
+def _first_rewritten_hour(row: dict) -> datetime:
+    """The earliest hour _meter_batch rewrites for a pending allocation: every hour of a released
+    or never-metered one (a released one is re-priced whole), else from the last run's hour."""
+    if row["released_at"] is not None or row["meter__metered_until"] is None:
+        return hour_floor(row["started_at"])
+    return hour_floor(row["meter__metered_until"])
+
+
+def usage_days_rebuild(*, since: datetime) -> int:
+    """Recompute UsageDay rows from the UTC day of `since` on, from the ledger (call it in the
+    metering transaction, after the ledger is written). Returns the rows written."""
+    from django.db.models.functions import TruncDate
+
+    from .models import UsageDay
+
+    day = since.astimezone(dt_timezone.utc).date()
+    start = datetime(day.year, day.month, day.day, tzinfo=dt_timezone.utc)
+    sums = (UsageRecord.objects.filter(hour__gte=start).annotate(day=TruncDate("hour", tzinfo=dt_timezone.utc))
+            .values("day", "project_id", "organization_id").annotate(s=Sum("gpu_seconds"), a=Sum("amount"))
+            .order_by())
+    days = [UsageDay(day=r["day"], project_id=r["project_id"], organization_id=r["organization_id"],
+                     gpu_seconds=r["s"], amount=r["a"]) for r in sums]
+    UsageDay.objects.filter(day__gte=day).delete()
+    UsageDay.objects.bulk_create(days, batch_size=2000)
+    return len(days)
 
 
 def gpu_hours_billed(project_ids, *, month: date) -> dict[int, float]:

@@ -51,6 +51,16 @@ def heat_table(rows) -> str:
     return mark_safe("".join(out))  # names escaped, the rest numbers
 
 
+def idle_table(rows) -> str:
+    """The idle-but-allocated rows in one pass, like heat_table (a busy fleet has thousands)."""
+    out = []
+    for r in rows:
+        flagged = r["job__idle_since"].strftime("%Y-%m-%d %H:%M") if r["job__idle_since"] else "-"
+        out.append(f"<tr><td>{escape(r['gpu__node__name'])}</td><td>{r['gpu__index']}</td><td>{r['job_id']}</td>"
+                   f"<td>{escape(r['job__project__slug'])}</td><td>{r['peak']:.1f}</td><td>{flagged}</td></tr>")
+    return mark_safe("".join(out))  # names escaped, the rest numbers and dates
+
+
 def unhealthy_gpus() -> list[dict]:
     from portal.nodes.models import GPU, GPUHealth
 
@@ -60,13 +70,15 @@ def unhealthy_gpus() -> list[dict]:
 
 def idle_allocated_gpus(*, now=None) -> list[dict]:
     """GPUs held by an allocation for the whole idle window whose utilization never rose above
-    GPU_IDLE_UTIL_PCT in it (from minute rollups)."""
+    GPU_IDLE_UTIL_PCT in it (from minute rollups). job__idle_since: when the idle detector
+    flagged the job (jobs.services.jobs_flag_idle), None while not (yet) flagged."""
     from portal.jobs.models import Allocation
 
     now = now or timezone.now()
     start = now - timedelta(minutes=settings.GPU_IDLE_MINUTES)
     held = {a["gpu_id"]: a for a in Allocation.objects.filter(released_at__isnull=True, started_at__lte=start)
-            .values("gpu_id", "gpu__node__name", "gpu__index", "job_id", "job__project__slug", "started_at")}
+            .values("gpu_id", "gpu__node__name", "gpu__index", "job_id", "job__project__slug", "started_at",
+                    "job__idle_since")}
     if not held:
         return []
     peaks = (GpuRollup.objects.filter(resolution=Resolution.MINUTE, bucket__gte=start, gpu_id__in=list(held))
@@ -88,12 +100,14 @@ def queue_now() -> list[dict]:
 
 
 def revenue_this_month(*, now=None) -> dict:
-    """Usage and amounts of the current month by organization and by project."""
-    from portal.billing.models import UsageRecord
+    """Usage and amounts of the current month by organization and by project, from the per-day
+    sums metering keeps (billing.UsageDay): a page load reads ~31 rows per project, not the
+    ledger's row per allocation and hour. As fresh as the last metering run (60 s)."""
+    from portal.billing.models import UsageDay
 
     now = now or timezone.now()
     start = now.astimezone(dt_timezone.utc).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-    month = UsageRecord.objects.filter(hour__gte=start)
+    month = UsageDay.objects.filter(day__gte=start.date())
     by_org = list(month.values("organization__slug").annotate(s=Sum("gpu_seconds"), a=Sum("amount"))
                   .order_by("-a", "organization__slug"))
     by_project = list(month.values("organization__slug", "project__slug").annotate(

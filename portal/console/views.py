@@ -19,6 +19,7 @@ class ConsoleView(StaffRequiredMixin, TemplateView):
         fleet = selectors.fleet_series()
         labels = [r["label"] for r in fleet]
         heat = selectors.gpu_heat()
+        idle = selectors.idle_allocated_gpus()
         revenue = selectors.revenue_this_month()
         return {
             **super().get_context_data(**kwargs),
@@ -35,7 +36,8 @@ class ConsoleView(StaffRequiredMixin, TemplateView):
             "heat_table": selectors.heat_table(heat["rows"]),
             "heat_columns": range(max((len(v) for _, v in heat["rows"]), default=0)),
             "unhealthy": selectors.unhealthy_gpus(),
-            "idle": selectors.idle_allocated_gpus(),
+            "idle": idle,
+            "idle_table": selectors.idle_table(idle),
             "queue": selectors.queue_now(),
             "revenue": revenue,
             "org_chart": charts.bar_chart([(r["organization__slug"], r["a"]) for r in revenue["organizations"]],

@@ -15,6 +15,12 @@ class Actor:
         return bool(self.user is not None and self.user.is_staff)
 
     @property
+    def is_system(self) -> bool:
+        """The portal acting on its own (health rules, idle detection): no user, a label.
+        actor_from_request never sets a label, so no request can pass for one."""
+        return self.user is None and bool(self.label)
+
+    @property
     def restricted_project_id(self) -> int | None:
         return getattr(self.token, "project_id", None)
 

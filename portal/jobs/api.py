@@ -38,7 +38,10 @@ class JobSerializer(serializers.ModelSerializer):
         fields = ["id", "project", "user", "name", "image", "command", "env", "resources", "time_limit", "priority",
                   "preemptible", "sandbox", "network", "array", "is_array_parent", "array_parent", "array_index",
                   "array_limit", "depends_on", "template", "resubmit_of", "state", "slurm_code", "attempt", "reason",
-                  "queue_position", "node", "exit_code", "submitted_at", "started_at", "ended_at", "tasks"]
+                  "queue_position", "node", "exit_code", "submitted_at", "started_at", "ended_at", "tasks",
+                  "idle_since"]
+        extra_kwargs = {"idle_since": {"help_text": "Set while every GPU of the running job has stayed under "
+                                                    "the idle threshold (GPU_IDLE_UTIL_PCT, GPU_IDLE_MINUTES)."}}
 
     def get_resources(self, job) -> dict:
         return {"gpus": float(job.gpus), "gpu_type": job.gpu_type, "gpu_memory_mb": job.gpu_memory_mb,

@@ -90,6 +90,9 @@ class Job(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     ended_at = models.DateTimeField(null=True, blank=True)
     state_changed_at = models.DateTimeField(auto_now_add=True)
+    # Set by the idle detector (jobs_flag_idle) while every GPU of the running job has stayed
+    # under GPU_IDLE_UTIL_PCT for GPU_IDLE_MINUTES; cleared when the GPUs work again.
+    idle_since = models.DateTimeField(null=True, blank=True)
 
     objects = JobQuerySet.as_manager()
 
@@ -123,6 +126,18 @@ class JobEvent(models.Model):
         ordering = ["at", "id"]
         constraints = [models.UniqueConstraint(fields=["job"], condition=models.Q(terminal=True),
                                                name="jobevent_one_terminal_per_job")]
+
+
+class NotificationSent(models.Model):
+    """One email sent about a job: the unique key makes a retried or doubled task mail once."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="+")
+    attempt = models.PositiveIntegerField()
+    kind = models.CharField(max_length=16)  # succeeded, failed, preempted, idle
+    sent_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["job", "attempt", "kind"], name="notificationsent_unique")]
 
 
 class Allocation(models.Model):

@@ -128,7 +128,7 @@ def _dependencies(project: Project, ids: list[int]) -> list[Job]:
 def job_cancel(*, actor: Actor, job: Job, reason: str = "") -> Job:
     """Cancel a job (or every unfinished task of an array). Holders get a stop command."""
     own = job.user_id == getattr(actor.user, "pk", None) and user_can(actor.user, "submit", job.project)
-    if not own and not user_can(actor.user, "manage", job.project):
+    if not actor.is_system and not own and not user_can(actor.user, "manage", job.project):
         raise Forbidden("You can cancel your own jobs; project owners and admins can cancel any.")
     targets = list(job.tasks.filter(state__in=CANCELLABLE)) if job.is_array_parent else [job]
     if not job.is_array_parent and job.state not in CANCELLABLE:
@@ -210,6 +210,46 @@ def template_delete(*, actor: Actor, template: JobTemplate) -> None:
     with transaction.atomic():
         audit_record(actor=actor, action="jobtemplate.delete", obj=template, project=template.project)
         template.delete()
+
+
+def jobs_flag_idle(*, now=None) -> dict:
+    """Flag running jobs whose GPUs all sat idle (the `jobs.flag_idle` beat task, every minute).
+
+    1. Find them from the minute rollups (selectors.idle_job_ids).
+    2. Flag the new ones: idle_since is set by a conditional UPDATE, so a job is flagged once
+       however often this runs; active jobs whose GPUs work again are unflagged.
+    3. Each newly flagged job gets a timeline event, and in a project whose quota has
+       idle_auto_cancel it is cancelled by the system with the reason.
+    """
+    from django.conf import settings
+    from django.utils import timezone
+
+    from .models import ACTIVE, JobEvent
+    from .notifications import notify_on_commit
+    from .selectors import idle_job_ids
+
+    now = now or timezone.now()
+    idle = idle_job_ids(now=now)
+    unflagged = Job.objects.filter(idle_since__isnull=False, state__in=ACTIVE).exclude(pk__in=idle).update(
+        idle_since=None)
+    why = f"its GPUs stayed under {settings.GPU_IDLE_UTIL_PCT:g}% utilization for {settings.GPU_IDLE_MINUTES} minutes"
+    flagged = cancelled = 0
+    for job in Job.objects.filter(pk__in=idle, idle_since__isnull=True).select_related("project__quota"):
+        with transaction.atomic():
+            if not Job.objects.filter(pk=job.pk, idle_since__isnull=True, state=JobState.RUNNING).update(
+                    idle_since=now):
+                continue  # ended or flagged meanwhile
+            JobEvent.objects.create(job=job, attempt=job.attempt, state=job.state, message=f"Flagged idle: {why}.")
+            notify_on_commit(job.pk, job.attempt, "idle")
+            flagged += 1
+        if job.project.quota.idle_auto_cancel:
+            try:
+                job_cancel(actor=Actor(user=None, label="idle-detector"), job=job,
+                           reason=f"Cancelled as idle: {why}, and project {job.project.slug} cancels idle jobs.")
+                cancelled += 1
+            except Conflict:
+                pass  # it ended on its own meanwhile
+    return {"idle": len(idle), "flagged": flagged, "unflagged": unflagged, "cancelled": cancelled}
 
 
 def request_schedule_pass() -> None:

@@ -4,6 +4,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from .models import HOLDING, TERMINAL, Allocation, Job, JobEvent, JobState
+from .notifications import notification_kind, notify_on_commit
 
 
 def transition(job_id: int, *, to: str, from_states, attempt: int | None = None, message: str = "",
@@ -12,8 +13,9 @@ def transition(job_id: int, *, to: str, from_states, attempt: int | None = None,
 
     One `UPDATE ... WHERE id=%s AND state IN (...) [AND attempt=%s]`; a row count of 0 means
     another actor moved the job first, and nothing else is written. On success the timeline
-    gets its event, and GPUs are released when the job leaves the holding states. A terminal
-    event is unique per job in the database, so a job can end only once.
+    gets its event, GPUs are released when the job leaves the holding states, and the
+    submitter's email (end, preemption) is queued after commit. A terminal event is unique
+    per job in the database, so a job can end only once.
     """
     now = timezone.now()
     with transaction.atomic():
@@ -32,6 +34,9 @@ def transition(job_id: int, *, to: str, from_states, attempt: int | None = None,
         row = Job.objects.values("attempt", "array_parent_id").get(pk=job_id)
         JobEvent.objects.create(job_id=job_id, attempt=row["attempt"], state=to, terminal=to in TERMINAL,
                                 message=message[:300])
+        kind = notification_kind(to, fields.get("reason_code", ""))
+        if kind and not row["array_parent_id"]:  # an array mails once, when its parent ends
+            notify_on_commit(job_id, row["attempt"], kind)
         if to not in HOLDING:
             Allocation.objects.filter(job_id=job_id, released_at__isnull=True).update(released_at=now)
         if to in TERMINAL and row["array_parent_id"]:

@@ -45,13 +45,20 @@ def _num(value, default=0.0) -> float:
     return out if out == out and abs(out) < 1e12 else default  # NaN and absurd values: default
 
 
+def _list(value) -> list:
+    """A list field as an agent may send it: a list, one bare value, or nothing."""
+    if value is None or value == "":
+        return []
+    return value if isinstance(value, list) else [value]
+
+
 def sample_rows(gpu_ids: dict[str, int], samples: list[dict], now: datetime) -> list[tuple]:
     rows = []
     for s in samples:
         gpu_id = gpu_ids.get(str(s.get("gpu_uuid")))
         if gpu_id is None:
             continue  # a GPU not (or no longer) registered on this node
-        xids = [int(x) for x in (s.get("xid_errors") or []) if isinstance(x, int) or str(x).isdigit()][:32]
+        xids = [int(x) for x in _list(s.get("xid_errors")) if isinstance(x, int) or str(x).isdigit()][:32]
         rows.append((gpu_id, _ts(s.get("ts"), now), min(100.0, max(0.0, _num(s.get("utilization")))),
                      int(_num(s.get("memory_used_mb"))), int(_num(s.get("memory_total_mb"))),
                      _num(s.get("temperature_c")), _num(s.get("power_w")), int(_num(s.get("ecc_errors"))), xids))
@@ -152,7 +159,7 @@ def samples_ingest(*, node, samples: list[dict], now: datetime | None = None) ->
 
 def health_verdict(sample: dict) -> str | None:
     """Why a sample makes its GPU unhealthy, or None when it is fine (DESIGN.md section 6)."""
-    xids = [int(x) for x in (sample.get("xid_errors") or []) if str(x).lstrip("-").isdigit()]
+    xids = [int(x) for x in _list(sample.get("xid_errors")) if str(x).lstrip("-").isdigit()]
     xids = [x for x in xids if x not in settings.GPU_HEALTH_IGNORED_XIDS]
     if xids:
         return f"Xid error {', '.join(str(x) for x in xids[:5])} reported by the driver"
@@ -168,7 +175,8 @@ def health_verdict(sample: dict) -> str | None:
 def gpu_health_apply(*, node, samples: list[dict], gpus: dict[str, tuple]) -> int:
     """Mark GPUs unhealthy by the rules; a GPU unhealthy only for heat comes back once it has
     cooled 5 °C under the limit. Xid and ECC verdicts stay until an operator clears them (an
-    Xid usually means the GPU needs a reset). Only changes are written; a change asks for a pass."""
+    Xid usually means the GPU needs a reset). Only changes are written; a change asks for a pass,
+    and a GPU turning unhealthy has its jobs requeued or warned (nodes.services.gpu_unhealthy_handle)."""
     from portal.nodes.models import GPU, GPUHealth
 
     changed = 0
@@ -190,6 +198,10 @@ def gpu_health_apply(*, node, samples: list[dict], gpus: dict[str, tuple]) -> in
                 gpu = GPU.objects.select_related("node").get(pk=pk)
                 audit_record(actor=Actor(user=None, label=f"node:{node.name}"), action=f"gpu.{new[0]}", obj=gpu,
                              reason=new[1] or reason)
+                if new[0] == GPUHealth.UNHEALTHY:
+                    from portal.nodes.services import gpu_unhealthy_handle
+
+                    gpu_unhealthy_handle(gpu=gpu, reason=new[1])  # requeue or warn its jobs, maybe drain
                 changed += 1
                 gpus[uuid] = (pk, new[0], new[1])
     if changed:

@@ -28,7 +28,8 @@ def parse_gpu_spec(text: str) -> tuple[int, str, int]:
 
 
 def _require_staff(actor: Actor) -> None:
-    if not actor.is_staff and actor.label != "manage.py":
+    # People need is_staff; the portal itself (health rules, manage.py) acts as an operator.
+    if not actor.is_staff and not actor.is_system:
         raise Forbidden("Only site staff operate nodes.")
 
 
@@ -182,6 +183,51 @@ def agent_heartbeat(*, node: Node, samples: list[dict], jobs: list[dict]) -> dic
         samples_ingest(node=node, samples=samples)
     return {"drain": node.state in (NodeState.DRAINING, NodeState.DRAINED), "stop": stale_reports(node=node,
                                                                                               reported=jobs)}
+
+
+def gpu_unhealthy_handle(*, gpu: GPU, reason: str) -> dict:
+    """What follows a GPU turning unhealthy (DESIGN.md section 6); runs in the caller's transaction.
+
+    1. Each job holding the GPU: a preemptible one with attempts left goes back to the queue as
+       a new attempt (reason `gpu_unhealthy`, the scheduler places it elsewhere) and its old
+       attempt gets `agent.stop` after commit. Any other job is not killed for a fault that may
+       not touch it: it keeps running, with a warning on its timeline and as its reason.
+    2. With GPU_HEALTH_AUTO_DRAIN on, a ready node is drained: no new job lands on it.
+    """
+    from django.conf import settings
+
+    from portal.jobs.models import HOLDING, Allocation, Job, JobEvent, JobState
+    from portal.jobs.states import transition
+    from scheduler.dispatch import send_stop
+
+    node = Node.objects.get(pk=gpu.node_id)
+    what = f"GPU {gpu.index} of node {node.name} is unhealthy ({reason})"
+    job_ids = Allocation.objects.filter(gpu=gpu, released_at__isnull=True, job__state__in=HOLDING).values("job_id")
+    requeued, warned, stops = [], [], []
+    for job in Job.objects.filter(pk__in=job_ids).order_by("pk"):
+        nodes = sorted(set(Allocation.objects.filter(job=job, released_at__isnull=True)
+                           .values_list("gpu__node__name", flat=True)))
+        if job.preemptible and job.attempt < settings.JOB_MAX_ATTEMPTS:
+            if transition(job.pk, to=JobState.QUEUED, from_states=HOLDING, attempt=job.attempt, node=None,
+                          message=f"{what}. Requeued as attempt {job.attempt + 1}.", reason_code="gpu_unhealthy",
+                          reason_message=f"{what}. Requeued to run on other GPUs."):
+                Job.objects.filter(pk=job.pk).update(attempt=job.attempt + 1)
+                stops += [(name, job.pk, job.attempt) for name in nodes]
+                requeued.append(job.pk)
+            continue
+        why = "it is not preemptible" if not job.preemptible else "it has no attempts left"
+        note = f"{what}. The job keeps running because {why}; check its results."[:300]
+        if Job.objects.filter(pk=job.pk, attempt=job.attempt, state__in=HOLDING).update(
+                reason_code="gpu_unhealthy", reason_message=note):
+            JobEvent.objects.create(job=job, attempt=job.attempt, state=job.state, message=note)
+            warned.append(job.pk)
+    for name, job_id, attempt in stops:
+        transaction.on_commit(lambda n=name, j=job_id, a=attempt: send_stop(n, j, a, "gpu_unhealthy"))
+    drained = False
+    if settings.GPU_HEALTH_AUTO_DRAIN and node.state == NodeState.READY:
+        node_drain(actor=Actor(user=None, label="gpu-health"), node=node, reason=f"Auto-drained: {what}"[:200])
+        drained = True
+    return {"requeued": requeued, "warned": warned, "drained": drained}
 
 
 def nodes_reap() -> dict:

@@ -53,7 +53,7 @@ class QuotaSerializer(StrictModelSerializer):
     class Meta:
         model = Quota
         fields = ["guaranteed_gpus", "max_gpus", "max_running_jobs", "max_time_limit_s", "gpu_hours_budget",
-                  "budget_hard_stop", "allowed_gpu_types", "allowed_images", "network_allowed"]
+                  "budget_hard_stop", "allowed_gpu_types", "allowed_images", "network_allowed", "idle_auto_cancel"]
 
 
 class ProjectSerializer(StrictModelSerializer):

@@ -143,6 +143,8 @@ class Quota(models.Model):
     allowed_gpu_types = models.JSONField(default=list, blank=True)  # empty: any model
     allowed_images = models.JSONField(default=list, blank=True)
     network_allowed = models.BooleanField(default=False)
+    # Cancel running jobs the idle detector flags (GPUs under GPU_IDLE_UTIL_PCT for GPU_IDLE_MINUTES).
+    idle_auto_cancel = models.BooleanField(default=False)
 
     objects = QuotaQuerySet.as_manager()
 

@@ -113,6 +113,7 @@ def test_billing_invariant_after_a_mixed_run(fleet, clock, settings):
     for alloc in allocs:
         assert abs(billed_seconds(alloc) - allocated_seconds(alloc, now)) <= 1.0, alloc.pk
     assert reconcile() == []
+    assert_usage_days_match_the_ledger()
     # Fractions are billed by fraction.
     (q,) = Allocation.objects.filter(job=quarter)
     assert abs(billed_seconds(q) - (now - q.started_at).total_seconds() * 0.25) <= 1.0
@@ -130,6 +131,18 @@ def test_billing_invariant_after_a_mixed_run(fleet, clock, settings):
             s=Sum("gpu_seconds"), a=Sum("amount"))
         assert invoice.total == records["a"] and invoice.gpu_seconds == records["s"]
         assert sum(line.amount for line in invoice.lines.all()) == invoice.total
+
+
+def assert_usage_days_match_the_ledger():
+    """The console's per-day sums (billing.UsageDay) equal the ledger's, per project and day."""
+    from django.db.models.functions import TruncDate
+
+    from portal.billing.models import UsageDay
+
+    ledger = {(r["d"], r["project_id"]): (r["s"], r["a"]) for r in UsageRecord.objects.annotate(
+        d=TruncDate("hour")).values("d", "project_id").annotate(s=Sum("gpu_seconds"), a=Sum("amount"))}
+    days = {(d.day, d.project_id): (d.gpu_seconds, d.amount) for d in UsageDay.objects.all()}
+    assert days == ledger and ledger
 
 
 def test_hour_buckets_and_price(fleet, clock):

@@ -18,7 +18,7 @@ from scheduler.adapter import run_pass
 
 @pytest.fixture
 def busy(demo, monkeypatch):
-    monkeypatch.setattr("scheduler.dispatch._send", lambda *a: None)
+    monkeypatch.setattr("scheduler.dispatch._send", lambda *a, **k: None)
     node, _ = node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="2xH100-80GB")
     gpus = list(node.gpus.order_by("index"))
     job, _ = job_submit(actor=Actor(user=demo.users["alice"]), data={

@@ -49,6 +49,9 @@ def page(method, url, expect):
 
 MATRIX = {
     "api:me": [e("GET", "/api/v1/me/", ALL_200)],
+    # Personal settings: everyone reads and changes only their own (there is no other URL).
+    "api:me-notifications": [e("GET", "/api/v1/me/notifications/", ALL_200),
+                             e("PATCH", "/api/v1/me/notifications/", ALL_200, body={"job_succeeded": True})],
     "api:organization-list": [
         e("GET", "/api/v1/organizations/", ALL_200),
         e("POST", "/api/v1/organizations/", roles(401, 403, 403, 403, 403, 201), body={"slug": "initech", "name": "Initech"}),

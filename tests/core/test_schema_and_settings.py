@@ -7,6 +7,7 @@ from django.conf import settings
 
 EXPECTED_PATHS = {
     "/api/v1/me/": {"get"},
+    "/api/v1/me/notifications/": {"get", "patch"},
     "/api/v1/organizations/": {"get", "post"},
     "/api/v1/organizations/{slug}/": {"get"},
     "/api/v1/projects/": {"get", "post"},

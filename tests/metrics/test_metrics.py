@@ -27,7 +27,7 @@ def sample(gpu, **over):
 
 @pytest.fixture
 def node(demo, monkeypatch, settings):
-    monkeypatch.setattr("scheduler.dispatch._send", lambda *a: None)
+    monkeypatch.setattr("scheduler.dispatch._send", lambda *a, **k: None)
     settings.METRICS_INGEST_BATCH = 1  # write through: the tests read rows right after a heartbeat
     node, secret = node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="2xH100-80GB")
     client = APIClient()

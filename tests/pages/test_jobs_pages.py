@@ -178,7 +178,7 @@ def test_metrics_reads_the_latest_sample_from_the_cache(demo, browser, submit, d
                                                          monkeypatch):
     from scheduler.adapter import run_pass
 
-    monkeypatch.setattr("scheduler.dispatch._send", lambda *a: None)
+    monkeypatch.setattr("scheduler.dispatch._send", lambda *a, **k: None)
     node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="2xH100-80GB")
     job = submit(resources={"gpus": 1})
     with django_capture_on_commit_callbacks(execute=True):

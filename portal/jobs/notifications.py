@@ -1,0 +1,94 @@
+"""Email to a job's submitter when it ends, is preempted or is flagged idle.
+
+Triggers: `states.transition()` for state changes (one place, every path through it) and
+`services.jobs_flag_idle()` for the idle flag. Both call notify_on_commit(), which queues the
+`jobs.notify` task on the `default` queue once the change is committed. The task takes ids
+and re-reads the job; NotificationSent's unique (job, attempt, kind) key makes a retried or
+doubled task mail once. Array tasks are not mailed one by one: their parent is, when it ends.
+"""
+import logging
+
+from django.conf import settings
+from django.core.mail import send_mail
+from django.db import IntegrityError, transaction
+from django.urls import reverse
+
+from .models import Job, JobState, NotificationSent
+
+log = logging.getLogger(__name__)
+
+FAILED = frozenset({JobState.FAILED, JobState.TIMEOUT, JobState.OOM, JobState.NODE_FAIL})
+# A running attempt taken away and requeued, by the scheduler or by the portal's health rules.
+REQUEUE_REASONS = frozenset({"gpu_unhealthy", "node_fail"})
+
+
+def notification_kind(to: str, reason_code: str = "") -> str | None:
+    """The kind of email a transition to `to` may send (preferences decide), or None."""
+    if to == JobState.SUCCEEDED:
+        return "succeeded"
+    if to in FAILED:
+        return "failed"
+    if to == JobState.PREEMPTED or (to == JobState.QUEUED and reason_code in REQUEUE_REASONS):
+        return "preempted"
+    return None
+
+
+def notify_on_commit(job_id: int, attempt: int, kind: str) -> None:
+    transaction.on_commit(lambda: _publish(job_id, attempt, kind))
+
+
+def _publish(job_id: int, attempt: int, kind: str) -> None:
+    from .tasks import notify
+
+    try:
+        notify.apply_async(args=[job_id, attempt, kind], queue="default", retry=False)
+    except Exception as exc:  # kombu raises several types for an unreachable broker
+        log.warning("could not queue the %s notification of job %s: %s", kind, job_id, exc)
+
+
+def job_notify(*, job_id: int, attempt: int, kind: str) -> bool:
+    """Mail the submitter about (job, attempt, kind) unless they opted out or it was sent already.
+
+    The NotificationSent row and the mail share one transaction: a failed send rolls the row
+    back so a retry can send; a concurrent duplicate waits on the unique index and stops.
+    Returns True when a mail went out.
+    """
+    from portal.accounts.models import NotificationPreference
+
+    job = Job.objects.select_related("user", "project").filter(pk=job_id).first()
+    if job is None or not job.user.email:
+        return False
+    prefs = NotificationPreference.objects.filter(user=job.user).first() or NotificationPreference(user=job.user)
+    if not prefs.wants(kind):
+        return False
+    subject, body = render(job, attempt, kind)
+    try:
+        with transaction.atomic():
+            NotificationSent.objects.create(job=job, attempt=attempt, kind=kind)
+            send_mail(subject, body, settings.DEFAULT_FROM_EMAIL, [job.user.email])
+    except IntegrityError:
+        return False  # sent already
+    return True
+
+
+def render(job: Job, attempt: int, kind: str) -> tuple[str, str]:
+    """Subject and plain-text body. Read when sending, so the body says where the job is now."""
+    what = {
+        "succeeded": "succeeded",
+        "failed": f"ended {job.get_state_display().lower()}",
+        "preempted": f"was stopped and requeued (attempt {attempt})",
+        "idle": "is holding GPUs it does not use",
+    }[kind]
+    subject = f"[gpuportal] Job {job.pk} ({job.name}) {what}"
+    lines = [f"Job {job.pk} ({job.name}) in project {job.project.slug} {what}.", ""]
+    if job.reason_message:
+        lines.append(job.reason_message)
+    if kind == "idle":
+        lines.append(f"Its GPUs stayed under {settings.GPU_IDLE_UTIL_PCT:g}% utilization for "
+                     f"{settings.GPU_IDLE_MINUTES} minutes. Cancel it if it no longer needs them.")
+    if job.exit_code is not None and kind in ("succeeded", "failed"):
+        lines.append(f"Exit code: {job.exit_code}")
+    lines.append(f"Now: {job.get_state_display()} (attempt {job.attempt}).")
+    lines += ["", f"Details: {settings.PORTAL_URL}{reverse('jobs:detail', args=[job.pk])}",
+              "", "Choose which emails you get: PATCH /api/v1/me/notifications/"]
+    return subject, "\n".join(lines)
