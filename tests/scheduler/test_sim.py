@@ -3,7 +3,6 @@ import json
 import math
 from pathlib import Path
 
-import pytest
 
 from scheduler.sim.__main__ import main
 from scheduler.sim.engine import Simulator, make_projects
