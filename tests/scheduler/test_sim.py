@@ -3,7 +3,6 @@ import json
 import math
 from pathlib import Path
 
-
 from scheduler.sim.__main__ import main
 from scheduler.sim.engine import Simulator, make_projects
 from scheduler.sim.runner import ReplaySpec, replay
