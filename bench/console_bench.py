@@ -17,11 +17,14 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 os.environ.setdefault("DEBUG", "0")
 os.environ.setdefault("SECRET_KEY", "bench-" + "x" * 60)
 os.environ.setdefault("ALLOWED_HOSTS", "testserver")
 os.environ.setdefault("SECURE_SSL_REDIRECT", "0")
+
+from benchdb import throwaway_database  # noqa: E402
 
 
 def main() -> None:
@@ -33,15 +36,8 @@ def main() -> None:
     import django
 
     django.setup()
-    from django.db import connection
-
-    if connection.vendor != "postgresql":
-        sys.exit("Set DATABASE_URL to a PostgreSQL server.")
-    connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
-    try:
+    with throwaway_database("gpuportal_bench_console"):
         run(args)
-    finally:
-        connection.creation.destroy_test_db(connection.settings_dict["NAME"], verbosity=0)
 
 
 def _copy(model, columns, rows) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 os.environ.setdefault("DEBUG", "1")
 
@@ -29,6 +30,7 @@ import django  # noqa: E402
 django.setup()
 
 import requests  # noqa: E402
+from benchdb import throwaway_database  # noqa: E402
 from django.db import connection  # noqa: E402
 
 DB_NAME = "gpuportal_bench_hb"
@@ -56,82 +58,78 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--agents", type=int, default=1000)
     ap.add_argument("--duration", type=float, default=20.0)
-    ap.add_argument("--threads", type=int, default=24)
-    ap.add_argument("--workers", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=12)
+    ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--port", type=int, default=8799)
     args = ap.parse_args()
 
-    assert connection.vendor == "postgresql", "set DATABASE_URL to PostgreSQL"
-    old = connection.settings_dict["NAME"]
-    connection.settings_dict.setdefault("TEST", {})["NAME"] = DB_NAME
-    connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
     server = None
-    try:
-        t0 = time.perf_counter()
-        nodes = setup_nodes(args.agents)
-        from portal.nodes.models import GPU
+    with throwaway_database(DB_NAME):
+        try:
+            t0 = time.perf_counter()
+            nodes = setup_nodes(args.agents)
+            from portal.nodes.models import GPU
 
-        uuids: dict[str, list[str]] = {}
-        for name, uuid_ in GPU.objects.values_list("node__name", "uuid"):
-            uuids.setdefault(name, []).append(uuid_)
-        print(f"{args.agents} nodes x 8 GPUs registered in {time.perf_counter() - t0:.1f}s")
-        db = connection.settings_dict
-        env = {**os.environ, "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{DB_NAME}",
-               "DEBUG": "1", "LOG_LEVEL": "WARNING"}
-        server = subprocess.Popen([sys.executable, "-m", "gunicorn", "portal.wsgi", "-b", f"127.0.0.1:{args.port}",
-                                   "-w", str(args.workers), "--log-level", "warning"], cwd=ROOT, env=env)
-        url = f"http://127.0.0.1:{args.port}/api/agent/v1/heartbeat"
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                requests.get(f"http://127.0.0.1:{args.port}/login/", timeout=10)
-                break
-            except (requests.ConnectionError, requests.Timeout):
-                if time.monotonic() > deadline:
-                    raise SystemExit("gunicorn did not start")
-                time.sleep(0.2)
+            uuids: dict[str, list[str]] = {}
+            for name, uuid_ in GPU.objects.values_list("node__name", "uuid"):
+                uuids.setdefault(name, []).append(uuid_)
+            print(f"{args.agents} nodes x 8 GPUs registered in {time.perf_counter() - t0:.1f}s")
+            db = connection.settings_dict
+            env = {**os.environ, "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{DB_NAME}",
+                   "DEBUG": "1", "LOG_LEVEL": "WARNING"}
+            server = subprocess.Popen([sys.executable, "-m", "gunicorn", "portal.wsgi", "-b", f"127.0.0.1:{args.port}",
+                                       "-w", str(args.workers), "--log-level", "warning"], cwd=ROOT, env=env)
+            url = f"http://127.0.0.1:{args.port}/api/agent/v1/heartbeat"
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    requests.get(f"http://127.0.0.1:{args.port}/login/", timeout=10)
+                    break
+                except (requests.ConnectionError, requests.Timeout):
+                    if time.monotonic() > deadline:
+                        raise SystemExit("gunicorn did not start")
+                    time.sleep(0.2)
 
-        latencies: list[float] = []
-        errors = [0]
-        lock = threading.Lock()
-        stop_at = time.monotonic() + args.duration
+            latencies: list[float] = []
+            errors = [0]
+            lock = threading.Lock()
+            stop_at = time.monotonic() + args.duration
 
-        def worker(k: int):
-            session = requests.Session()
-            mine = nodes[k::args.threads]
-            i = 0
-            while time.monotonic() < stop_at:
-                name, token = mine[i % len(mine)]
-                i += 1
-                body = {"samples": [sample(u, i) for u in uuids[name]], "jobs": []}
-                t = time.perf_counter()
-                r = session.post(url, json=body, headers={"Authorization": f"Bearer {token}"}, timeout=30)
-                dt = time.perf_counter() - t
-                with lock:
-                    if r.status_code == 200:
-                        latencies.append(dt)
-                    else:
-                        errors[0] += 1
+            def worker(k: int):
+                session = requests.Session()
+                mine = nodes[k::args.threads]
+                i = 0
+                while time.monotonic() < stop_at:
+                    name, token = mine[i % len(mine)]
+                    i += 1
+                    body = {"samples": [sample(u, i) for u in uuids[name]], "jobs": []}
+                    t = time.perf_counter()
+                    r = session.post(url, json=body, headers={"Authorization": f"Bearer {token}"}, timeout=30)
+                    dt = time.perf_counter() - t
+                    with lock:
+                        if r.status_code == 200:
+                            latencies.append(dt)
+                        else:
+                            errors[0] += 1
 
-        threads = [threading.Thread(target=worker, args=(k,)) for k in range(args.threads)]
-        start = time.monotonic()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        elapsed = time.monotonic() - start
-        rate = len(latencies) / elapsed
-        q = statistics.quantiles(latencies, n=100)
-        print(f"heartbeats: {len(latencies)} in {elapsed:.1f}s = {rate:.0f}/s ({rate * 8:.0f} GPU samples/s), "
-              f"errors {errors[0]}; latency p50 {q[49] * 1000:.0f} ms, p99 {q[98] * 1000:.0f} ms "
-              f"(gunicorn {args.workers} workers, {args.threads} client threads)")
-        need = args.agents / 5
-        print(f"target: {args.agents} agents every 5 s = {need:.0f}/s -> {'MET' if rate >= need else 'NOT MET'}")
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait(10)
-        connection.creation.destroy_test_db(old, verbosity=0)
+            threads = [threading.Thread(target=worker, args=(k,)) for k in range(args.threads)]
+            start = time.monotonic()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            elapsed = time.monotonic() - start
+            rate = len(latencies) / elapsed
+            q = statistics.quantiles(latencies, n=100)
+            print(f"heartbeats: {len(latencies)} in {elapsed:.1f}s = {rate:.0f}/s ({rate * 8:.0f} GPU samples/s), "
+                  f"errors {errors[0]}; latency p50 {q[49] * 1000:.0f} ms, p99 {q[98] * 1000:.0f} ms "
+                  f"(gunicorn {args.workers} workers, {args.threads} client threads)")
+            need = args.agents / 5
+            print(f"target: {args.agents} agents every 5 s = {need:.0f}/s -> {'MET' if rate >= need else 'NOT MET'}")
+        finally:
+            if server is not None:
+                server.terminate()
+                server.wait(10)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,12 @@ from datetime import datetime, timedelta, timezone as dt_timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 os.environ.setdefault("DEBUG", "1")
+
+
+from benchdb import throwaway_database  # noqa: E402
 
 
 def main() -> None:
@@ -32,15 +36,8 @@ def main() -> None:
     import django
 
     django.setup()
-    from django.db import connection
-
-    if connection.vendor != "postgresql":
-        sys.exit("Set DATABASE_URL to a PostgreSQL server: this benchmark measures PostgreSQL.")
-    connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
-    try:
+    with throwaway_database("gpuportal_bench_ingest"):
         run(args)
-    finally:
-        connection.creation.destroy_test_db(connection.settings_dict["NAME"], verbosity=0)
 
 
 def run(args) -> None:

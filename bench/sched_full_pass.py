@@ -16,6 +16,7 @@ from decimal import Decimal
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 os.environ.setdefault("DEBUG", "1")
 os.environ.setdefault("LAUNCH_RESEND_S", "3600")  # measure passes, not re-sends of the first pass
@@ -25,7 +26,7 @@ import django  # noqa: E402
 django.setup()
 
 from django.core.management import call_command  # noqa: E402
-from django.db import connection  # noqa: E402
+from benchdb import throwaway_database  # noqa: E402
 from django.utils import timezone  # noqa: E402
 
 NODES, GPUS_PER_NODE, QUEUED = 1000, 8, 10_000
@@ -70,11 +71,7 @@ def fill():
 def main():
     from scheduler.adapter import run_pass
 
-    old_name = connection.settings_dict["NAME"]
-    assert connection.vendor == "postgresql", "set DATABASE_URL to PostgreSQL"
-    connection.settings_dict.setdefault("TEST", {})["NAME"] = "gpuportal_bench"  # never a test run's database
-    name = connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
-    try:
+    with throwaway_database("gpuportal_bench") as name:
         t0 = time.perf_counter()
         fill()
         print(f"filled {NODES} nodes x {GPUS_PER_NODE} GPUs, {NODES} running, {QUEUED} queued "
@@ -85,8 +82,6 @@ def main():
             print(f"pass {i + 1}: {time.perf_counter() - t:.2f}s total  build {result['build_s']:.2f}s  "
                   f"core {result['core_s']:.2f}s  apply {result['apply_s']:.2f}s  commit+publish {result['commit_publish_s']:.2f}s  started {result['started']}  waiting {result['waiting']}  "
                   f"reasons written {result['reasons_written']}")
-    finally:
-        connection.creation.destroy_test_db(old_name, verbosity=0)
 
 
 if __name__ == "__main__":
