@@ -97,10 +97,11 @@ class PortalClient:
 
     # -- the API ----------------------------------------------------------------
 
-    def register(self, *, name: str, cpus: int, memory_mb: int, sandbox: str, gpus: list[dict]) -> dict:
+    def register(self, *, name: str, cpus: int, memory_mb: int, sandbox: str, gpus: list[dict],
+                 capabilities: dict | None = None) -> dict:
         """-> {node, heartbeat_interval_s, lease_s}"""
         return self._post("/register", {"name": name, "cpus": cpus, "memory_mb": memory_mb,
-                                        "sandbox": sandbox, "gpus": gpus})
+                                        "sandbox": sandbox, "gpus": gpus, "capabilities": capabilities or {}})
 
     def heartbeat(self, *, samples: list[dict], jobs: list[dict]) -> dict:
         """-> {drain: bool, stop: [{job_id, attempt, reason}]}"""

@@ -90,7 +90,7 @@ class Agent:
     def register(self) -> dict:
         gpus = [g.as_dict() for g in self.probe.inventory()]
         resp = self.client.register(name=self.name, cpus=os.cpu_count() or 1, memory_mb=_memory_mb(),
-                                    sandbox=self.driver.name, gpus=gpus)
+                                    sandbox=self.driver.name, gpus=gpus, capabilities=capabilities(self.probe))
         self.node_id = resp.get("node")
         self.heartbeat_interval_s = float(resp.get("heartbeat_interval_s") or self.heartbeat_interval_s)
         self.lease_s = float(resp.get("lease_s") or self.lease_s)
@@ -428,6 +428,14 @@ def _utf8_complete_len(b: bytes) -> int:
         need = 1 if c < 0x80 else 2 if c >= 0xC0 and c < 0xE0 else 3 if c < 0xF0 else 4
         return len(b) - back if need > back else len(b)
     return len(b)  # not UTF-8 at all: send as is, it becomes U+FFFD either way
+
+
+def capabilities(probe) -> dict:
+    """What this node can enforce. A GPU share (fractional job) is enforced only through CUDA MPS,
+    which needs a real driver and the MPS control daemon; simulated GPUs never can."""
+    import shutil
+
+    return {"mps": probe.kind == "nvml" and shutil.which("nvidia-cuda-mps-control") is not None}
 
 
 def _memory_mb() -> int:

@@ -32,6 +32,8 @@ class JobSerializer(serializers.ModelSerializer):
     time_limit = serializers.IntegerField(source="time_limit_s", read_only=True)
     slurm_code = serializers.CharField(read_only=True)
     tasks = serializers.SerializerMethodField(help_text="Array parents: count of tasks per state.")
+    warnings = serializers.ListField(child=serializers.CharField(), read_only=True,
+                                     help_text="What the node could not enforce (e.g. a GPU share without CUDA MPS).")
 
     class Meta:
         model = Job
@@ -39,7 +41,7 @@ class JobSerializer(serializers.ModelSerializer):
                   "preemptible", "sandbox", "network", "array", "is_array_parent", "array_parent", "array_index",
                   "array_limit", "depends_on", "template", "resubmit_of", "state", "slurm_code", "attempt", "reason",
                   "queue_position", "node", "exit_code", "submitted_at", "started_at", "ended_at", "tasks",
-                  "idle_since"]
+                  "idle_since", "warnings"]
         extra_kwargs = {"idle_since": {"help_text": "Set while every GPU of the running job has stayed under "
                                                     "the idle threshold (GPU_IDLE_UTIL_PCT, GPU_IDLE_MINUTES)."}}
 

@@ -111,6 +111,15 @@ class Job(models.Model):
     def slurm_code(self) -> str:
         return SLURM_CODES.get(self.state, "")
 
+    @property
+    def warnings(self) -> list[str]:
+        """What the job's node could not enforce, for the API and the job page."""
+        out = []
+        if 0 < self.gpus < 1 and self.node is not None and not self.node.capabilities.get("mps"):
+            out.append(f"Node {self.node.name} cannot enforce this job's GPU share (no CUDA MPS): its "
+                       f"{self.gpus.normalize()} of a GPU is a scheduling limit only; memory and compute are not capped.")
+        return out
+
 
 class JobEvent(models.Model):
     """The timeline: one row per transition. At most one terminal row per job (exactly-once end)."""

@@ -40,6 +40,7 @@ class RegisterSerializer(StrictSerializer):
     memory_mb = serializers.IntegerField(min_value=0)
     sandbox = serializers.CharField(max_length=16)
     gpus = GpuInventorySerializer(many=True)
+    capabilities = serializers.DictField(child=serializers.BooleanField(), required=False, default=dict)
 
 
 class RegisterView(AgentView):

@@ -114,7 +114,8 @@ def node_authenticate(secret: str) -> Node | None:
     return Node.objects.filter(token_digest=tokens.digest(secret)).first()
 
 
-def agent_register(*, node: Node, name: str, cpus: int, memory_mb: int, sandbox: str, gpus: list[dict]) -> Node:
+def agent_register(*, node: Node, name: str, cpus: int, memory_mb: int, sandbox: str, gpus: list[dict],
+                   capabilities: dict | None = None) -> Node:
     """The agent's real inventory replaces what the operator declared; a down node comes back."""
     from django.utils import timezone
 
@@ -144,7 +145,8 @@ def agent_register(*, node: Node, name: str, cpus: int, memory_mb: int, sandbox:
         for index, gpu in existing.items():
             if index not in seen:
                 GPU.objects.filter(pk=gpu.pk).update(health="unhealthy", health_reason="missing from the agent's inventory")
-        updates = {"cpus": cpus, "memory_mb": memory_mb, "sandbox": sandbox[:16], "last_heartbeat_at": timezone.now()}
+        updates = {"cpus": cpus, "memory_mb": memory_mb, "sandbox": sandbox[:16], "last_heartbeat_at": timezone.now(),
+                   "capabilities": capabilities or {}}
         if node.state == NodeState.DOWN:
             updates.update(state=NodeState.READY, state_reason="")
         Node.objects.filter(pk=node.pk).update(**updates)

@@ -147,3 +147,36 @@ def test_mass_silence_marks_nothing(demo, settings):
     result = nodes_reap()
     assert result["down"] == 0 and result["suspected_portal_failure"] == 4
     assert not Node.objects.filter(state="down").exists()
+
+
+def test_unenforceable_gpu_share_is_said_on_the_job(demo, api, monkeypatch):
+    """A node without CUDA MPS cannot cap a fractional job: the API and the job page say so."""
+    monkeypatch.setattr("scheduler.dispatch._send", lambda *a, **k: None)
+    node, secret = node_add(actor=Actor(user=demo.users["admin"]), name="gpu-s", gpus="1xA100-80GB", shared=True)
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    body = {"name": "gpu-s", "cpus": 8, "memory_mb": 1, "sandbox": "docker",
+            "gpus": [{"index": 0, "uuid": "GPU-s0", "model": "NVIDIA A100 80GB", "memory_mb": 81920}],
+            "capabilities": {"mps": False}}
+    assert post(client, "register", body).status_code == 200
+    from portal.nodes.models import GPU as GPURow
+
+    GPURow.objects.filter(node=node).update(mode="shared")
+    job, _ = job_submit(actor=Actor(user=demo.users["alice"]), data={
+        "project": "vision", "name": "frac", "image": IMAGE, "command": ["true"], "resources": {"gpus": 0.25}})
+    run_pass()
+    detail = api("alice").get(f"/api/v1/jobs/{job.pk}/").json()
+    assert detail["state"] == "assigned"
+    assert len(detail["warnings"]) == 1 and "cannot enforce" in detail["warnings"][0]
+    page = api("alice").get(f"/jobs/{job.pk}/")
+    assert b"Not enforced:" in page.content
+    # A node with MPS: nothing to warn about.
+    assert post(client, "register", {**body, "capabilities": {"mps": True}}).status_code == 200
+    assert api("alice").get(f"/api/v1/jobs/{job.pk}/").json()["warnings"] == []
+
+
+def test_agent_reports_no_mps_for_simulated_gpus():
+    from agents.probe import make_probe
+    from agents.worker import capabilities
+
+    assert capabilities(make_probe("sim:2xH100-80GB")) == {"mps": False}
