@@ -153,13 +153,16 @@ def build_snapshot(now=None):
 
 def _cpu_node(context) -> str | None:
     """A CPU-only job runs on the ready node with the fewest active jobs."""
-    load = context.setdefault("cpu_load", {
-        name: 0 for name in Node.objects.filter(state=NodeState.READY).values_list("name", flat=True)})
+    load = context.get("cpu_load")
+    if load is None:
+        # Counted once per pass; each placement below adds to it.
+        load = context["cpu_load"] = {
+            name: 0 for name in Node.objects.filter(state=NodeState.READY).values_list("name", flat=True)}
+        for name, count in Job.objects.filter(state__in=HOLDING, node__name__in=list(load)).values_list(
+                "node__name").annotate(n=Count("id")).order_by():
+            load[name] = count
     if not load:
         return None
-    for name, count in Job.objects.filter(state__in=HOLDING, node__name__in=list(load)).values_list(
-            "node__name").annotate(n=Count("id")):
-        load[name] = max(load[name], count)
     name = min(load, key=lambda n: (load[n], n))
     load[name] += 1
     return name

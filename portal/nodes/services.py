@@ -250,8 +250,10 @@ def nodes_reap() -> dict:
     cutoff = now - timedelta(seconds=settings.NODE_TIMEOUT_S)
     live = Node.objects.filter(state__in=[NodeState.READY, NodeState.DRAINING, NodeState.DRAINED])
     total = live.count()
-    silent = list(live.filter(last_heartbeat_at__lt=cutoff)) + list(live.filter(last_heartbeat_at__isnull=True,
-                                                                               created_at__lt=cutoff))
+    from django.db.models import Q
+
+    silent = list(live.filter(Q(last_heartbeat_at__lt=cutoff) | Q(last_heartbeat_at__isnull=True,
+                                                                    created_at__lt=cutoff)))
     if not silent:
         return {"down": 0}
     if total >= 3 and len(silent) > total * settings.NODE_MASS_FAILURE_FRACTION:

@@ -178,7 +178,8 @@ def test_duplicate_launch_starts_nothing_twice(stack):
     job = Job.objects.get(pk=job_id)
     send_launch(stack.name, job.pk, job.attempt)
     send_launch(stack.name, job.pk, job.attempt)
-    wait_for(lambda: stack.log("agent").count(f"launch {job_id}") >= 3 or "duplicate" in stack.log("agent"), 20,
+    # Both duplicates must have been handled (the agent logs each) before the count means anything.
+    wait_for(lambda: stack.log("agent").count(f"job {job_id} attempt {job.attempt}: duplicate launch") >= 2, 30,
              f"the duplicate launches to arrive; log:\n{stack.log('agent')[-2000:]}")
     assert len(stack.containers(job_id)) == 1
 
