@@ -38,6 +38,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--name", default=env("GPUPORTAL_NODE_NAME") or os.uname().nodename)
     ap.add_argument("--gpus", default="auto", help="auto | nvml | sim:<N>x<MODEL>-<MEM>GB")
     ap.add_argument("--sandbox", default="docker", choices=["docker", "kvm", "process"])
+    ap.add_argument("--gang-network-driver", choices=["bridge", "overlay"],
+                    default=env("GPUPORTAL_GANG_NETWORK_DRIVER") or "bridge",
+                    help="docker: the network a multi-node gang's parts share when its project allows "
+                         "network (overlay needs the nodes' engines in one swarm)")
+    ap.add_argument("--gang-network-internal", action="store_true",
+                    default=env("GPUPORTAL_GANG_NETWORK_INTERNAL", "") in ("1", "true", "yes"),
+                    help="docker: a gang's network reaches only its own parts (no egress)")
     ap.add_argument("--stop-grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     ap.add_argument("--concurrency", type=int, default=4, help="Celery worker threads")
     ap.add_argument("--log-level", default="INFO")
@@ -69,8 +76,12 @@ def main(argv=None) -> int:
     try:
         probe = make_probe(args.gpus, node_name=args.name)
         # A VM gets its GPUs by PCI address, which only the probe knows.
-        extra = ({"pci_bus_ids": {g.index: g.pci_bus_id for g in probe.inventory()}}
-                 if args.sandbox == "kvm" else {})
+        extra = {}
+        if args.sandbox == "kvm":
+            extra = {"pci_bus_ids": {g.index: g.pci_bus_id for g in probe.inventory()}}
+        elif args.sandbox == "docker":
+            extra = {"gang_network_driver": args.gang_network_driver,
+                     "gang_network_internal": args.gang_network_internal}
         driver = make_driver(args.sandbox, node=args.name, **extra)
     except (ValueError, SandboxError) as exc:
         print(f"agent: {exc}", file=sys.stderr)

@@ -174,10 +174,20 @@ def job_env(spec: LaunchSpec, *, visible_devices: list[str]) -> dict[str, str]:
     return env
 
 
-def sandbox_name(job_id: str, attempt: int) -> str:
-    """A name the engine keeps unique, so one attempt can never run twice."""
+def sandbox_name(job_id: str, attempt: int, rank: int | None = None) -> str:
+    """A name the engine keeps unique, so one attempt can never run twice.
+
+    A multi-node gang's parts add their rank: two nodes may share one engine.
+    """
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", job_id)[:100]
-    return f"gpuportal-{safe}-{attempt}"
+    return f"gpuportal-{safe}-{attempt}" + (f"-rank{rank}" if rank is not None else "")
+
+
+def node_rank(spec: LaunchSpec) -> int | None:
+    """This part's rank in a gang spread over several nodes, else None."""
+    if not spec.rendezvous or spec.rendezvous.get("NODE_RANK") is None:
+        return None
+    return int(spec.rendezvous["NODE_RANK"])
 
 
 def make_driver(name: str, *, node: str, **kwargs) -> Driver:

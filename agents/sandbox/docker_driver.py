@@ -5,12 +5,23 @@ the job asked and the project allowed it, every capability dropped,
 no-new-privileges, read-only root with tmpfs /work and /tmp, a non-root user,
 memory (no swap), pids and CPU limits, and only the allocated GPUs by UUID.
 ``docker inspect`` of a job container shows all of it (tests/agents assert it).
+
+A gang spread over several nodes whose project allows network gets a
+job-private network instead of the engine's default bridge: one per (job,
+attempt), named ``gpuportal-job-<id>-<attempt>`` and labelled like the
+containers. Each part joins it under the alias ``rank<NODE_RANK>`` and
+``MASTER_ADDR`` says ``rank0``, so torchrun and NCCL find rank 0 through the
+engine's DNS whichever node it landed on. On one engine a ``bridge`` network is
+enough; across hosts the engines must share a Docker swarm and the agents run
+with ``--gang-network-driver overlay`` (the network is then attachable). The
+last part to leave removes it; empty ones left by a crash are pruned later.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import re
 import shutil
 import time
 
@@ -21,10 +32,12 @@ import requests
 
 from agents.sandbox import (
     EXITED, LABEL_ATTEMPT, LABEL_GPUS, LABEL_JOB, LABEL_NODE, LABEL_TIME_LIMIT, OOM, RUNNING,
-    LaunchSpec, SandboxError, SandboxHandle, job_env, sandbox_name,
+    LaunchSpec, SandboxError, SandboxHandle, job_env, node_rank, sandbox_name,
 )
 
 log = logging.getLogger(__name__)
+
+LABEL_NETWORK = "gpuportal.network"  # on the job networks this driver makes
 
 # nobody:nogroup; exists in every image we build and owns nothing on the host.
 JOB_USER = "65534:65534"
@@ -42,9 +55,14 @@ class DockerDriver:
     name = "docker"
 
     def __init__(self, *, node: str, client=None, job_network: str = "bridge",
-                 nofile: int | None = 4096):
+                 nofile: int | None = 4096, gang_network_driver: str = "bridge",
+                 gang_network_internal: bool = False):
         self.node = node
         self.job_network = job_network  # used only for jobs with network allowed
+        # A multi-node gang's private network: "bridge" (one engine) or "overlay"
+        # (a swarm); internal means the ranks reach each other and nothing else.
+        self.gang_network_driver = gang_network_driver
+        self.gang_network_internal = gang_network_internal
         # Open-file cap per job (a DoS limit). Must not exceed dockerd's own hard
         # limit, or runc refuses to start the container; None keeps the engine's.
         self.nofile = nofile
@@ -76,7 +94,10 @@ class DockerDriver:
             raise SandboxError(NO_GPU_MESSAGE)
         kwargs = self._create_kwargs(spec)
         try:
-            c = self.client.containers.create(**kwargs)
+            if gang_rank(spec) is not None:
+                c = self._create_in_gang_network(spec, kwargs)
+            else:
+                c = self.client.containers.create(**kwargs)
         except docker.errors.ImageNotFound:
             raise SandboxError(f"image {spec.image!r} is not present on node {self.node}") from None
         except docker.errors.APIError as exc:
@@ -109,7 +130,7 @@ class DockerDriver:
         kwargs = dict(
             image=spec.image,
             command=list(spec.command),
-            name=sandbox_name(spec.job_id, spec.attempt),
+            name=sandbox_name(spec.job_id, spec.attempt, node_rank(spec)),
             detach=True,
             environment=env,
             labels={
@@ -143,12 +164,91 @@ class DockerDriver:
             init=True,
             stop_signal="SIGTERM",
         )
+        rank = gang_rank(spec)
+        if rank is not None:
+            # The network itself is found or made at launch (_create_in_gang_network).
+            del kwargs["network_mode"]
+            kwargs["hostname"] = f"rank{rank}"
+            env["MASTER_ADDR"] = "rank0"
         if n:
             kwargs["device_requests"] = [
                 docker.types.DeviceRequest(driver="nvidia", device_ids=list(spec.gpu_uuids),
                                            capabilities=[["gpu"]])
             ]
         return kwargs
+
+    def _create_in_gang_network(self, spec: LaunchSpec, kwargs: dict):
+        """Create the container on the gang's network, making the network if no rank has yet.
+
+        Another rank's last exit may remove the network between our lookup and
+        the create; the engine then says 404 and one more round makes it again.
+        """
+        for round_ in range(3):
+            net = self._gang_network(spec)
+            endpoint = self.client.api.create_endpoint_config(aliases=[kwargs["hostname"]])
+            try:
+                return self.client.containers.create(**kwargs, network=net.id,
+                                                     networking_config={net.id: endpoint})
+            except docker.errors.NotFound as exc:
+                if "network" not in str(exc).lower() or round_ == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _gang_network(self, spec: LaunchSpec):
+        name = gang_network_name(spec.job_id, spec.attempt)
+        found = self._networks_named(name)
+        if not found:
+            try:
+                self.client.networks.create(
+                    name, driver=self.gang_network_driver, internal=self.gang_network_internal,
+                    attachable=self.gang_network_driver == "overlay", check_duplicate=True,
+                    labels={LABEL_JOB: spec.job_id, LABEL_ATTEMPT: str(spec.attempt), LABEL_NETWORK: "gang"})
+            except docker.errors.APIError as exc:
+                if exc.status_code != 409:  # 409: another rank made it first
+                    raise SandboxError(f"could not create the job network {name}: "
+                                       f"{exc.explanation or exc}") from None
+            found = self._networks_named(name)
+        if not found:
+            raise SandboxError(f"the job network {name} vanished while it was being made")
+        # Engines before API 1.44 may let two racing creates both succeed: every
+        # rank settles on the lowest id, and the spare is removed while still empty.
+        found.sort(key=lambda n: n.id)
+        for spare in found[1:]:
+            self._remove_network(spare)
+        return found[0]
+
+    def _networks_named(self, name: str) -> list:
+        # The engine's name filter matches substrings; keep exact names only.
+        return [n for n in self.client.networks.list(names=[name]) if n.name == name]
+
+    def _prune_gang_networks(self, keep_younger_than_s: float = 60.0) -> None:
+        """Remove gang networks no container uses any more.
+
+        A network younger than a minute may be one a rank has just made and not
+        joined yet; the part that leaves last, or a later prune, removes it.
+        """
+        try:
+            nets = self.client.networks.list(filters={"label": [f"{LABEL_NETWORK}=gang"]})
+        except (docker.errors.APIError, requests.RequestException) as exc:
+            log.warning("could not list job networks: %s", exc)
+            return
+        now = time.time()
+        for net in nets:
+            try:
+                net.reload()
+            except docker.errors.NotFound:
+                continue
+            created = _parse_ts(net.attrs.get("Created")) or now
+            if not net.attrs.get("Containers") and now - created >= keep_younger_than_s:
+                self._remove_network(net)
+
+    def _remove_network(self, net) -> None:
+        try:
+            net.remove()
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as exc:  # 403/409: a rank joined meanwhile
+            log.debug("job network %s kept: %s", net.name, exc.explanation or exc)
 
     def poll(self, handle: SandboxHandle) -> tuple[str, int | None]:
         c = self._get(handle)
@@ -220,6 +320,12 @@ class DockerDriver:
 
     def remove(self, handle: SandboxHandle) -> None:
         self._force_remove(handle.ref)
+        own = self._networks_named(gang_network_name(handle.job_id, handle.attempt))
+        for net in own:
+            net.reload()
+            if not net.attrs.get("Containers"):
+                self._remove_network(net)
+        self._prune_gang_networks()
 
     # -- helpers --------------------------------------------------------------
 
@@ -239,13 +345,26 @@ class DockerDriver:
             log.warning("could not remove container %s: %s", ref[:12], exc)
 
 
+def gang_rank(spec: LaunchSpec) -> int | None:
+    """This part's rank when it belongs on a job-private network, else None."""
+    return node_rank(spec) if spec.network else None
+
+
+def gang_network_name(job_id: str, attempt: int) -> str:
+    return sandbox_name(job_id, attempt).replace("gpuportal-", "gpuportal-job-", 1)
+
+
 def _parse_ts(s: str | None) -> float | None:
-    """Docker's RFC 3339 timestamps carry nanoseconds; Python takes microseconds."""
-    if not s or s.startswith("0001-"):
+    """Docker's RFC 3339 timestamps carry nanoseconds and a zone (``Z`` or an
+    offset: network timestamps are in the engine's local time); Python takes
+    microseconds."""
+    m = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?(Z|[+-]\d\d:\d\d)?", s or "")
+    if not m or s.startswith("0001-"):
         return None
-    head, _, frac = s.rstrip("Z").partition(".")
+    head, frac, zone = m.groups()
+    zone = "+00:00" if zone in (None, "Z") else zone
     try:
-        dt = datetime.datetime.fromisoformat(head).replace(tzinfo=datetime.timezone.utc)
+        dt = datetime.datetime.fromisoformat(head + zone)
     except ValueError:
         return None
     return dt.timestamp() + (float("0." + frac[:6]) if frac else 0.0)

@@ -2,6 +2,7 @@
 
 import time
 
+import docker.errors
 import pytest
 
 from agents.sandbox import EXITED, OOM, RUNNING, SandboxError
@@ -188,3 +189,81 @@ def test_same_attempt_cannot_start_twice(docker_driver):
 def test_missing_image_is_reported(docker_driver):
     with pytest.raises(SandboxError, match="not present on node"):
         docker_driver.launch(make_spec(image="gpuportal/does-not-exist:1"))
+
+
+def gang_spec(job_id, rank, *, network=True, command=None):
+    return make_spec(job_id=job_id, attempt=2, network=network,
+                     command=command or ["sh", "-c", "echo ready; sleep 30"],
+                     rendezvous={"MASTER_ADDR": "node-a", "MASTER_PORT": 29517, "WORLD_SIZE": 2,
+                                 "NODE_RANK": rank, "LOCAL_WORLD_SIZE": 1})
+
+
+def test_a_gangs_parts_share_a_job_private_network(docker_client, node_name):
+    """Two agents (two drivers, as on two nodes) start the two ranks of one gang. Both join one
+    network made for this (job, attempt); rank 1 resolves MASTER_ADDR to rank 0's address on it
+    through the engine's DNS (a query to 127.0.0.11 inside the container: no traffic leaves it)."""
+    from agents.sandbox.docker_driver import DockerDriver, gang_network_name
+
+    a = DockerDriver(node=node_name + "-a", client=docker_client, gang_network_internal=True)
+    b = DockerDriver(node=node_name + "-b", client=docker_client, gang_network_internal=True)
+    job = f"gang-{node_name}"
+    h0 = a.launch(gang_spec(job, 0))
+    h1 = b.launch(gang_spec(job, 1, command=[
+        "sh", "-c", 'echo "master=$MASTER_ADDR rank=$NODE_RANK"; nslookup "$MASTER_ADDR"; hostname']))
+    try:
+        assert wait_done(b, h1) == (EXITED, 0)
+        (net,) = [n for n in docker_client.networks.list(names=[gang_network_name(job, 2)])]
+        net.reload()
+        assert net.attrs["Internal"] is True and net.attrs["Labels"]["gpuportal.job"] == job
+        c0 = docker_client.api.inspect_container(h0.ref)
+        assert c0["HostConfig"]["NetworkMode"] == net.id
+        ep0 = c0["NetworkSettings"]["Networks"][net.name]
+        assert "rank0" in ep0["Aliases"]
+        out = b.read_logs(h1, 0).decode()
+        assert "master=rank0 rank=1" in out
+        assert ep0["IPAddress"] and ep0["IPAddress"] in out.split("Name:")[-1], out
+        assert out.strip().endswith("rank1")
+    finally:
+        b.remove(h1)
+        # Rank 0 still uses the network: it stays until the last part leaves.
+        assert docker_client.networks.list(names=[gang_network_name(job, 2)])
+        a.remove(h0)
+    assert [n for n in docker_client.networks.list(names=[gang_network_name(job, 2)])] == []
+
+
+def test_without_network_a_gang_part_stays_on_network_none(docker_driver, docker_client):
+    h = docker_driver.launch(gang_spec("gang-none", 0, network=False, command=["true"]))
+    assert docker_client.api.inspect_container(h.ref)["HostConfig"]["NetworkMode"] == "none"
+    assert docker_client.networks.list(names=["gpuportal-job-gang-none-2"]) == []
+
+
+def test_empty_gang_networks_left_by_a_crash_are_pruned(docker_driver, docker_client):
+    from agents.sandbox.docker_driver import LABEL_NETWORK
+
+    stale = docker_client.networks.create("gpuportal-job-crashed-1", internal=True,
+                                          labels={LABEL_NETWORK: "gang", "gpuportal.job": "crashed"})
+    try:
+        docker_driver._prune_gang_networks()
+        stale.reload()  # a minute old at most: it may be a rank's fresh network, kept
+        docker_driver._prune_gang_networks(keep_younger_than_s=0)
+        with pytest.raises(docker.errors.NotFound):
+            stale.reload()
+    finally:
+        try:
+            stale.remove()
+        except docker.errors.NotFound:
+            pass
+
+
+def test_gang_network_options_come_from_flags_or_environment(monkeypatch):
+    from agents.__main__ import parse_args
+
+    base = ["--portal", "http://p", "--token", "gpn_x", "--broker", "redis://b"]
+    args = parse_args(base)
+    assert args.gang_network_driver == "bridge" and args.gang_network_internal is False
+    monkeypatch.setenv("GPUPORTAL_GANG_NETWORK_DRIVER", "overlay")
+    monkeypatch.setenv("GPUPORTAL_GANG_NETWORK_INTERNAL", "1")
+    args = parse_args(base)
+    assert args.gang_network_driver == "overlay" and args.gang_network_internal is True
+    with pytest.raises(SystemExit):
+        parse_args(base + ["--gang-network-driver", "host"])

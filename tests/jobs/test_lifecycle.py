@@ -242,3 +242,25 @@ def test_budget_hard_stop_holds_queued_jobs(cluster, django_capture_on_commit_ca
     run(django_capture_on_commit_callbacks)
     job.refresh_from_db()
     assert job.state == "queued" and job.reason_code == "budget"
+
+
+def test_a_gang_over_two_nodes_gets_rendezvous_and_its_network(cluster, sent, django_capture_on_commit_callbacks):
+    """Each part's launch names its rank; the agents join the parts on a job-private network
+    (tests/agents/test_docker_driver.py) only when the project allows network."""
+    node_add(actor=Actor(user=cluster.users["admin"]), name="gpu-02", gpus="8xH100-80GB")
+    Quota.objects.filter(project__slug="vision").update(network_allowed=True)
+    job = submit(cluster, resources={"gpus": 16}, network=True)
+    run(django_capture_on_commit_callbacks)
+    launches = {node: args[2] for task, node, args in sent if task == "agent.launch"}
+    assert set(launches) == {"gpu-01", "gpu-02"}
+    for rank, node in enumerate(sorted(launches)):
+        spec = launches[node]
+        assert spec["network"] is True and len(spec["gpu_indexes"]) == 8
+        assert spec["rendezvous"] == {"MASTER_ADDR": "gpu-01", "MASTER_PORT": str(29500 + job.pk % 1000),
+                                      "WORLD_SIZE": "16", "NODE_RANK": str(rank), "LOCAL_WORLD_SIZE": "8"}
+    # The same gang in a project without network: rendezvous still, network never.
+    Quota.objects.filter(project__slug="vision").update(network_allowed=False)
+    job.refresh_from_db()
+    from portal.jobs.selectors import launch_specs
+    specs = launch_specs([("gpu-01", job.pk), ("gpu-02", job.pk)])
+    assert [s["network"] for s in specs.values()] == [False, False]
