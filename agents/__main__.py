@@ -45,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gang-network-internal", action="store_true",
                     default=env("GPUPORTAL_GANG_NETWORK_INTERNAL", "") in ("1", "true", "yes"),
                     help="docker: a gang's network reaches only its own parts (no egress)")
+    ap.add_argument("--gpu-scrub", choices=["on", "off"], default=env("GPUPORTAL_GPU_SCRUB") or "on",
+                    help="zero a GPU's memory after each job and before one starts on a GPU not known clean "
+                         "(off only where one tenant owns the node)")
     ap.add_argument("--stop-grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     ap.add_argument("--concurrency", type=int, default=4, help="Celery worker threads")
     ap.add_argument("--log-level", default="INFO")
@@ -87,7 +90,8 @@ def main(argv=None) -> int:
         print(f"agent: {exc}", file=sys.stderr)
         return 2
     client = PortalClient(args.portal, args.token)
-    agent = Agent(name=args.name, client=client, driver=driver, probe=probe, stop_grace_s=args.stop_grace)
+    agent = Agent(name=args.name, client=client, driver=driver, probe=probe, stop_grace_s=args.stop_grace,
+                  scrub_gpus=args.gpu_scrub == "on")
 
     stop = threading.Event()
     register_until_answered(agent, stop)

@@ -112,11 +112,15 @@ class PortalClient:
         return self._post(f"/jobs/{_q(job_id)}/confirm", {"attempt": attempt}).get("spec") or {}
 
     def event(self, job_id: str, attempt: int, state: str, *, exit_code: int | None = None,
-              message: str = "") -> dict:
+              message: str = "", scrub_failures: list[dict] | None = None) -> dict:
+        """Report a state. A terminal report names the GPUs the agent could not
+        scrub (``[{"gpu_index", "message"}]``): the portal takes them out of service."""
         if state not in JOB_EVENT_STATES:
             raise ValueError(f"unknown job event state {state!r}")
-        return self._post(f"/jobs/{_q(job_id)}/events", {"attempt": attempt, "state": state,
-                                                        "exit_code": exit_code, "message": message})
+        body = {"attempt": attempt, "state": state, "exit_code": exit_code, "message": message}
+        if scrub_failures:
+            body["scrub_failures"] = scrub_failures
+        return self._post(f"/jobs/{_q(job_id)}/events", body)
 
     def logs(self, job_id: str, attempt: int, offset: int, data: bytes) -> dict:
         """Ship one chunk. ``offset`` counts raw bytes; the text carries U+FFFD for bad bytes."""

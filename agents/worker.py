@@ -19,6 +19,16 @@ Invariants it keeps (DESIGN.md section 6, reliability.md F-04/F-05/F-09/F-10):
    until then so its logs can still be read.
 4. If the portal has not processed a request for longer than the lease, every
    sandbox is stopped: by then the portal may have placed those jobs elsewhere.
+5. A GPU goes back to the portal scrubbed: after the sandbox has ended and
+   before the terminal report (which frees the GPUs for the next placement),
+   the probe clears the memory of every GPU no other running job shares. A GPU
+   that could not be cleared is named in the report, and the portal takes it
+   and its node out of service (reliability.md 2.2 and rule 5).
+6. A job starts only on GPUs no other sandbox still holds (a whole GPU waits
+   for the last job's sandbox to end, a shared one only for ending sandboxes:
+   the portal frees GPUs at cancel or preemption, before the old sandbox is
+   gone) and that are clean: GPUs used since their last scrub (every GPU when
+   the agent starts, since a crash may have skipped one) are scrubbed first.
 """
 
 from __future__ import annotations
@@ -50,6 +60,8 @@ class Tracked:
     stop_reason: str = ""
     # (state, exit_code, message), decided and waiting to be reported.
     terminal: tuple[str, int | None, str] | None = None
+    # The GPUs this job left that could not be scrubbed; None until the scrub ran.
+    scrub_failures: list[dict] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -59,7 +71,7 @@ class Tracked:
 
 class Agent:
     def __init__(self, *, name: str, client, driver, probe, stop_grace_s: float = 10.0,
-                 log_chunk_bytes: int = 256 * 1024, background: bool = True,
+                 log_chunk_bytes: int = 256 * 1024, background: bool = True, scrub_gpus: bool = True,
                  clock=time.monotonic, wall=time.time):
         self.name = name
         self.client = client
@@ -67,6 +79,11 @@ class Agent:
         self.probe = probe
         self.stop_grace_s = stop_grace_s
         self.log_chunk_bytes = log_chunk_bytes
+        self.scrub_gpus = scrub_gpus
+        # GPUs a job may have written since their last scrub; at start we cannot know.
+        self._dirty: set[int] = {g.index for g in probe.inventory()}
+        # How long a launch waits, beyond the stop grace, for another sandbox to let go of its GPUs.
+        self.gpu_release_wait_s = 60.0
         # Stops run on their own threads so one job's grace period never holds
         # up log shipping, heartbeats or other stops; tests turn this off.
         self.background = background
@@ -111,6 +128,7 @@ class Agent:
                 if (job_id, attempt) in self._jobs:
                     continue
                 self._jobs[(job_id, attempt)] = Tracked(job_id, attempt, handle)
+                self._dirty.update(handle.gpu_indexes)
             self._set_busy(handle.gpu_indexes, True)
             adopted.append((job_id, attempt))
         if adopted:
@@ -162,6 +180,9 @@ class Agent:
             return "stale"
         except PortalUnreachable:
             pass  # confirmed a moment ago; the running report or heartbeat will tell
+        problem = self._gpus_ready(ls)
+        if problem:
+            return self._launch_failed(job_id, attempt, problem[0], scrub_failures=problem[1])
         try:
             handle = self.driver.launch(ls)
         except SandboxError as exc:
@@ -171,6 +192,7 @@ class Agent:
         t = Tracked(job_id, attempt, handle)
         with self._lock:
             self._jobs[t.key] = t
+            self._dirty.update(handle.gpu_indexes)
             pending = self._pending_stop.pop(t.key, None)
         self._set_busy(handle.gpu_indexes, True)
         log.info("job %s attempt %s: started (%s %s)", job_id, attempt, self.driver.name, handle.ref)
@@ -196,10 +218,37 @@ class Agent:
                 return True
         return False
 
-    def _launch_failed(self, job_id: str, attempt: int, message: str) -> str:
+    def _gpus_ready(self, ls: LaunchSpec) -> tuple[str, list[dict]] | None:
+        """Wait until no other sandbox holds this job's GPUs, then scrub those not clean
+        (invariant 6). Returns None when the job may start, else (why not, scrub failures)."""
+        want = set(ls.gpu_indexes)
+        if not want:
+            return None
+        exclusive = ls.gpu_fraction is None
+        waited = self.stop_grace_s + self.gpu_release_wait_s
+        deadline = time.monotonic() + waited
+        while True:
+            with self._lock:
+                others = [t for t in self._jobs.values() if t.key != (ls.job_id, ls.attempt)]
+                held = want & {i for t in others if exclusive or t.terminal or t.stop_state
+                               for i in t.handle.gpu_indexes}
+                live = {i for t in others if t.terminal is None and t.stop_state is None for i in t.handle.gpu_indexes}
+            if not held:
+                break
+            if time.monotonic() >= deadline:
+                return (f"GPU(s) {sorted(held)} still held by another job's sandbox after {waited:.0f}s; "
+                        f"not starting on them", [])
+            time.sleep(0.1)
+        failed = self._scrub_gpus(sorted(i for i in want & self._dirty if i not in live))
+        if failed:
+            return (f"GPU(s) {sorted(failed)} could not be scrubbed before the job: "
+                    + "; ".join(f"{i}: {why}" for i, why in sorted(failed.items())), _failure_list(failed))
+        return None
+
+    def _launch_failed(self, job_id: str, attempt: int, message: str, scrub_failures=()) -> str:
         log.error("job %s attempt %s: launch failed: %s", job_id, attempt, message)
         try:
-            self.client.event(job_id, attempt, "failed", message=message)
+            self.client.event(job_id, attempt, "failed", message=message, scrub_failures=list(scrub_failures))
         except (StaleAttempt, PortalUnreachable) as exc:
             log.warning("job %s attempt %s: could not report the failure: %s", job_id, attempt, exc)
         return "failed"
@@ -274,13 +323,15 @@ class Agent:
                 self._ship_logs(t, final=True)
             except StaleAttempt:
                 pass  # the portal will not take more of this attempt; still report below
+            self._set_busy(t.handle.gpu_indexes, False)
+            failures = self._scrub(t)
             try:
-                self.client.event(t.job_id, t.attempt, state, exit_code=code, message=message)
+                self.client.event(t.job_id, t.attempt, state, exit_code=code, message=message,
+                                  scrub_failures=failures)
             except StaleAttempt:
                 log.info("job %s attempt %s: portal says stale; dropping the %s report", t.job_id, t.attempt, state)
             log.info("job %s attempt %s: %s (exit %s) %s", t.job_id, t.attempt, state, code, message)
             self.driver.remove(t.handle)
-            self._set_busy(t.handle.gpu_indexes, False)
             with self._lock:
                 self._jobs.pop(t.key, None)
             return True
@@ -288,6 +339,35 @@ class Agent:
             return False  # keep sandbox and report; the supervisor tries again
         finally:
             t.lock.release()
+
+    def _scrub(self, t: Tracked) -> list[dict]:
+        """Clear the GPUs this job leaves (once, however often its report is retried).
+        A GPU shared with a job still running is left to the last one out."""
+        if t.scrub_failures is None:
+            with self._lock:
+                live = {i for o in self._jobs.values() if o is not t and o.terminal is None and o.stop_state is None
+                        for i in o.handle.gpu_indexes}
+            failed = self._scrub_gpus([i for i in t.handle.gpu_indexes if i not in live], job=t.job_id)
+            t.scrub_failures = _failure_list(failed)
+        return t.scrub_failures
+
+    def _scrub_gpus(self, indexes: list[int], job: str = "") -> dict[int, str]:
+        """Scrub these GPUs through the probe; the clean ones are no longer dirty."""
+        if not (self.scrub_gpus and indexes and hasattr(self.probe, "scrub")):
+            return {}
+        t0 = self._clock()
+        try:
+            failed = self.probe.scrub(indexes)
+        except Exception as exc:  # a probe bug must not lose the job's report
+            log.exception("GPU scrub of %s crashed", indexes)
+            failed = {i: f"memory scrub crashed: {exc}" for i in indexes}
+        with self._lock:
+            self._dirty -= set(indexes) - set(failed)
+        for i, why in sorted(failed.items()):
+            log.error("GPU %s (job %s): %s; the portal will take it out of service", i, job or "-", why)
+        log.info("scrubbed GPU(s) %s in %.2fs%s", [i for i in indexes if i not in failed], self._clock() - t0,
+                 f" after job {job}" if job else "")
+        return failed
 
     # -- supervisor -----------------------------------------------------------------
 
@@ -417,6 +497,11 @@ class Agent:
         set_busy = getattr(self.probe, "set_busy", None)  # only simulated GPUs need telling
         if set_busy and indexes:
             set_busy(indexes, busy)
+
+
+def _failure_list(failed: dict[int, str]) -> list[dict]:
+    """Scrub failures as the agent API takes them."""
+    return [{"gpu_index": i, "message": why[:500]} for i, why in sorted(failed.items())]
 
 
 def _utf8_complete_len(b: bytes) -> int:

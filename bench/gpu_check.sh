@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# On a machine with an NVIDIA GPU: run the agent's NVML probe and print the
-# inventory and a few samples as JSON (python -m agents.probe --gpus nvml).
-# --gpus nvml, not auto: on a GPU machine a silent fall-back to simulated
-# GPUs would hide exactly what this check is for. Exit status is non-zero if
-# NVML does not answer.
-#   bench/gpu_check.sh [SAMPLES] [INTERVAL_S]     (defaults: 5 samples, 1 s apart)
+# On a machine with an NVIDIA GPU (the `device` tool, when a task draws one):
+#  1. the agent's NVML probe: inventory and a few samples as JSON
+#     (python -m agents.probe --gpus nvml; nvml, not auto: a silent fall-back
+#     to simulated GPUs would hide exactly what this check is for);
+#  2. the residue test of reliability.md G-03 on GPU 0, through libcuda only
+#     (agents/probe/cuda_scrub.py): tenant A fills GIB GiB with a pattern and
+#     exits; tenant B scans as much fresh memory for it (informational: does
+#     CUDA hand out old memory?); then A again, our scrub, and B again, which
+#     must find 0 matches;
+#  3. the agent's own scrub call (NvmlProbe.scrub) with its timing.
+# Exit status is non-zero if NVML does not answer or the scrubbed scan finds the pattern.
+#   bench/gpu_check.sh [SAMPLES] [INTERVAL_S] [GIB]    (defaults: 5 samples, 1 s apart, 8 GiB)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
@@ -13,4 +19,27 @@ PY="${PYTHON:-.venv/bin/python}"
 if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=index,uuid,name,memory.total,pci.bus_id,driver_version --format=csv >&2 || true
 fi
-exec "$PY" -m agents.probe --gpus nvml --samples "${1:-5}" --interval "${2:-1}"
+"$PY" -m agents.probe --gpus nvml --samples "${1:-5}" --interval "${2:-1}"
+
+GIB="${3:-8}"
+UUID="$("$PY" -c 'import pynvml as n; n.nvmlInit(); print(n.nvmlDeviceGetUUID(n.nvmlDeviceGetHandleByIndex(0)))')"
+export CUDA_VISIBLE_DEVICES="$UUID"
+PATTERN=0x5EC2E7A1
+scrub() { "$PY" -m agents.probe.cuda_scrub "$@"; }
+echo "== G-03 (a) no scrub between tenants: A fills, B scans" >&2
+scrub fill "$PATTERN" --gib "$GIB"
+scrub scan "$PATTERN" --gib "$GIB"
+echo "== G-03 (b) with the scrub between them: must be 0 matches" >&2
+scrub fill "$PATTERN" --gib "$GIB"
+scrub scrub
+after="$(scrub scan "$PATTERN" --gib "$GIB")"
+echo "$after"
+echo "== the agent's scrub of GPU 0 (NvmlProbe.scrub)" >&2
+"$PY" - <<'EOF'
+import logging, time
+logging.basicConfig(level=logging.INFO)
+from agents.probe.nvml import NvmlProbe
+t0 = time.monotonic()
+print({"failed": NvmlProbe().scrub([0]), "seconds": round(time.monotonic() - t0, 2)})
+EOF
+"$PY" -c 'import json,sys; m=json.loads(sys.argv[1])["matches"]; sys.exit(f"residue after scrub: {m} matches" if m else 0)' "$after"

@@ -65,6 +65,11 @@ class Probe(Protocol):
 
     def sample(self) -> list[GpuSample]: ...
 
+    def scrub(self, gpu_indexes) -> dict[int, str]:
+        """Clear the memory of GPUs no job uses any more, before another tenant gets them.
+        Returns ``{index: why it failed}`` for those that could not be cleared."""
+        ...
+
 
 def make_probe(option: str = "auto", *, node_name: str = "node") -> Probe:
     """Build the probe named by ``--gpus``.

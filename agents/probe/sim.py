@@ -2,7 +2,9 @@
 
 The numbers follow what the agent says runs where (``set_busy``) so dashboards,
 idle detection and health rules can be exercised without hardware. Tests steer
-faults through ``inject_temperature``, ``inject_xid`` and ``inject_ecc``.
+faults through ``inject_temperature``, ``inject_xid``, ``inject_ecc`` and
+``inject_scrub_failure``. A GPU a job ran on holds "residue" until it is
+scrubbed, so tests can see that the agent clears every GPU it hands back.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class SimProbe:
         self._temp_override: dict[int, float] = {}
         self._pending_xids: dict[int, list[int]] = {}
         self._ecc = [0] * count
+        self._residue = [False] * count  # memory a job wrote and nobody has cleared
+        self._scrub_failures: dict[int, str] = {}
         self._last_ts = clock()
 
     # -- what the agent and tests tell us ---------------------------------
@@ -66,6 +70,7 @@ class SimProbe:
             for i in gpu_indexes:
                 self._check(i)
                 self._busy[i] = busy
+                self._residue[i] = self._residue[i] or busy
 
     def inject_temperature(self, index: int, temperature_c: float | None) -> None:
         """Pin a GPU's temperature (a hot GPU); ``None`` lets it follow load again."""
@@ -87,6 +92,17 @@ class SimProbe:
             self._check(index)
             self._ecc[index] += count
 
+    def inject_scrub_failure(self, index: int, message: str = "simulated scrub failure") -> None:
+        """Make the next scrub of this GPU fail (its memory stays as it was)."""
+        with self._lock:
+            self._check(index)
+            self._scrub_failures[index] = message
+
+    def residue(self, index: int) -> bool:
+        """Whether a job's memory is still on this GPU."""
+        with self._lock:
+            return self._residue[index]
+
     def _check(self, index: int) -> None:
         if not 0 <= index < len(self._gpus):
             raise IndexError(f"no simulated GPU {index} (have {len(self._gpus)})")
@@ -95,6 +111,19 @@ class SimProbe:
 
     def inventory(self) -> list[GpuInfo]:
         return list(self._gpus)
+
+    def scrub(self, gpu_indexes) -> dict[int, str]:
+        failed = {}
+        with self._lock:
+            for i in gpu_indexes:
+                self._check(i)
+                if self._busy[i]:
+                    failed[i] = "still in use by a job"
+                elif i in self._scrub_failures:
+                    failed[i] = self._scrub_failures.pop(i)
+                else:
+                    self._residue[i] = False
+        return failed
 
     def sample(self) -> list[GpuSample]:
         with self._lock:

@@ -48,9 +48,19 @@ def job_confirm(*, node, job_id, attempt: int) -> dict:
     return launch_spec(job.pk, node.name)
 
 
-def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None = None, message: str = "") -> str:
-    """Apply a state the agent reports. Returns what happened: applied, duplicate."""
+def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None = None, message: str = "",
+               scrub_failures: list[dict] = ()) -> str:
+    """Apply a state the agent reports. Returns what happened: applied, duplicate.
+
+    GPUs the agent could not scrub are taken out of service first, and even when the report
+    itself is stale: what is on a GPU does not depend on which attempt left it there.
+    """
     from .states import transition
+
+    if scrub_failures:
+        from portal.nodes.services import gpus_scrub_failed
+
+        gpus_scrub_failed(node=node, failures=scrub_failures, job_id=job_id)
 
     job = _load(job_id, attempt, node)
     if job.state in TERMINAL:

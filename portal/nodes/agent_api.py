@@ -91,11 +91,18 @@ class ConfirmView(AgentView):
 AGENT_EVENT_STATES = ["starting", "running", "succeeded", "failed", "timeout", "oom", "cancelled"]
 
 
+class ScrubFailureSerializer(StrictSerializer):
+    gpu_index = serializers.IntegerField(min_value=0, max_value=1023)
+    message = serializers.CharField(max_length=500)
+
+
 class EventSerializer(StrictSerializer):
     attempt = serializers.IntegerField(min_value=0)
     state = serializers.ChoiceField(choices=AGENT_EVENT_STATES)
     exit_code = serializers.IntegerField(required=False, allow_null=True, default=None)
     message = serializers.CharField(max_length=2000, required=False, allow_blank=True, default="")
+    # GPUs the agent could not clear after this job: the portal takes them out of service.
+    scrub_failures = ScrubFailureSerializer(many=True, required=False, default=list, max_length=64)
 
 
 class EventView(AgentView):

@@ -9,7 +9,7 @@ from portal.core.context import Actor
 from portal.core.errors import Conflict, Forbidden, InvalidInput
 from portal.core.services import audit_record
 
-from .models import GPU, GPUMode, Node, NodeState
+from .models import GPU, GPUHealth, GPUMode, Node, NodeState
 
 GPU_SPEC = re.compile(r"^(?P<count>\d{1,3})x(?P<model>[A-Za-z0-9][A-Za-z0-9._-]*?)(?:-(?P<mem>\d{1,4})GB)?$")
 NODE_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
@@ -230,6 +230,34 @@ def gpu_unhealthy_handle(*, gpu: GPU, reason: str) -> dict:
         node_drain(actor=Actor(user=None, label="gpu-health"), node=node, reason=f"Auto-drained: {what}"[:200])
         drained = True
     return {"requeued": requeued, "warned": warned, "drained": drained}
+
+
+def gpus_scrub_failed(*, node: Node, failures: list[dict], job_id) -> list[int]:
+    """GPUs whose memory the agent could not clear after a job (reliability.md 2.2).
+
+    The next tenant could read what the last one left, so each GPU turns unhealthy (the scheduler
+    skips it) until an operator clears it, and the node is drained, whatever GPU_HEALTH_AUTO_DRAIN
+    says (reliability.md rule 5, Slurm's ReturnToService=0). The agent scrubs only GPUs no running
+    job shares, so no other job is touched. Returns the GPU indexes marked.
+    """
+    system = Actor(user=None, label=f"node:{node.name}")
+    marked = []
+    with transaction.atomic():
+        for f in failures:
+            gpu = GPU.objects.filter(node=node, index=f["gpu_index"]).first()
+            if gpu is None:
+                continue
+            reason = f"Memory scrub failed after job {job_id}: {f['message']}"[:200]
+            GPU.objects.filter(pk=gpu.pk).update(health=GPUHealth.UNHEALTHY, health_reason=reason)
+            audit_record(actor=system, action="gpu.unhealthy", obj=gpu, reason=reason)
+            marked.append(gpu.index)
+        node.refresh_from_db()
+        if marked and node.state == NodeState.READY:
+            node_drain(actor=system, node=node,
+                       reason=f"Auto-drained: memory scrub failed on GPU {', '.join(map(str, marked))}"[:200])
+    if marked:
+        _request_pass()
+    return marked
 
 
 def nodes_reap() -> dict:

@@ -21,6 +21,7 @@ class FakePortal:
         self.log_chunks: list = []
         self.heartbeats: list = []
         self.confirms: list = []
+        self.scrub_failures: list = []
 
     def _call(self, key=None):
         if self.unreachable:
@@ -45,9 +46,11 @@ class FakePortal:
         self.confirms.append((job_id, attempt))
         return dict(self.spec)
 
-    def event(self, job_id, attempt, state, *, exit_code=None, message=""):
+    def event(self, job_id, attempt, state, *, exit_code=None, message="", scrub_failures=None):
         self._call((job_id, attempt))
         self.events.append((job_id, attempt, state, exit_code, message))
+        if scrub_failures:
+            self.scrub_failures.append((job_id, attempt, scrub_failures))
 
     def logs(self, job_id, attempt, offset, data):
         self._call((job_id, attempt))

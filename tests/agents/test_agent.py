@@ -300,3 +300,124 @@ def test_a_failed_stop_is_tried_again(env):
     assert ("j1", 1) in env.agent.jobs() and env.driver.running() == [("j1", 1)]
     env.agent.supervise_once()
     assert env.driver.running() == [] and env.portal.events[-1][2] == "timeout"
+
+
+# -- GPU memory scrub between tenants (reliability.md 2.2, G-03) ----------------
+
+
+def test_gpus_are_scrubbed_before_the_terminal_report(env, monkeypatch):
+    order = []
+    scrub = env.probe.scrub
+    monkeypatch.setattr(env.probe, "scrub", lambda idx: order.append(("scrub", list(idx))) or scrub(idx))
+    event = env.portal.event
+    monkeypatch.setattr(env.portal, "event", lambda *a, **kw: order.append(("event", a[2])) or event(*a, **kw))
+    env.agent.launch("j1", 1, SPEC)
+    assert env.probe.residue(1) and env.probe.residue(2) and not env.probe.residue(0)
+    env.driver.exit("j1", 0)
+    env.agent.supervise_once()
+    assert order[-2:] == [("scrub", [1, 2]), ("event", "succeeded")]
+    assert not env.probe.residue(1) and not env.probe.residue(2)
+    assert env.portal.scrub_failures == []
+
+
+def test_a_gpu_that_cannot_be_scrubbed_is_named_in_the_report(env):
+    env.agent.launch("j1", 1, SPEC)
+    env.probe.inject_scrub_failure(2, "cuMemAlloc_v2 failed: CUDA_ERROR_ECC_UNCORRECTABLE")
+    env.driver.exit("j1", 3)
+    env.agent.supervise_once()
+    assert env.portal.states("j1")[-1] == "failed"  # the job's own outcome is unchanged
+    assert env.portal.scrub_failures == [("j1", 1, [
+        {"gpu_index": 2, "message": "cuMemAlloc_v2 failed: CUDA_ERROR_ECC_UNCORRECTABLE"}])]
+    assert env.probe.residue(2) and not env.probe.residue(1)
+
+
+def test_a_retried_report_does_not_scrub_again(env, monkeypatch):
+    calls = []
+    scrub = env.probe.scrub
+    monkeypatch.setattr(env.probe, "scrub", lambda idx: calls.append(list(idx)) or scrub(idx))
+    env.agent.launch("j1", 1, SPEC)
+    env.driver.exit("j1", 0)
+    env.portal.unreachable = True
+    env.agent.supervise_once()
+    env.agent.supervise_once()
+    env.portal.unreachable = False
+    env.agent.supervise_once()
+    # Once before the job (every GPU is dirty when the agent starts), once after it.
+    assert calls == [[1, 2], [1, 2]] and env.portal.states("j1")[-1] == "succeeded"
+
+
+def test_a_shared_gpu_is_scrubbed_by_the_last_job_to_leave(env, monkeypatch):
+    calls = []
+    scrub = env.probe.scrub
+    monkeypatch.setattr(env.probe, "scrub", lambda idx: calls.append(list(idx)) or scrub(idx))
+    env.agent.launch("a", 1, {**SPEC, "gpu_indexes": [3], "gpu_fraction": 0.5})
+    env.agent.launch("b", 1, {**SPEC, "gpu_indexes": [3], "gpu_fraction": 0.5})
+    assert calls == [[3]]  # before a; b joins a GPU a computes on: nothing to scrub then
+    env.driver.exit("a", 0)
+    env.agent.supervise_once()
+    assert calls == [[3]] and env.portal.states("a")[-1] == "succeeded"  # b still computes on GPU 3
+    env.driver.exit("b", 0)
+    env.agent.supervise_once()
+    assert calls == [[3], [3]] and not env.probe.residue(3)
+
+
+def test_a_crashing_scrub_still_reports_the_job(env, monkeypatch):
+    def boom(idx):
+        raise RuntimeError("driver went away")
+
+    env.agent.launch("j1", 1, SPEC)
+    monkeypatch.setattr(env.probe, "scrub", boom)
+    env.driver.exit("j1", 0)
+    env.agent.supervise_once()
+    assert env.portal.states("j1")[-1] == "succeeded"
+    (_, _, failures), = env.portal.scrub_failures
+    assert [f["gpu_index"] for f in failures] == [1, 2] and "driver went away" in failures[0]["message"]
+
+
+def test_scrub_can_be_turned_off(env, monkeypatch):
+    monkeypatch.setattr(env.agent, "scrub_gpus", False)
+    env.agent.launch("j1", 1, SPEC)
+    env.driver.exit("j1", 0)
+    env.agent.supervise_once()
+    assert env.probe.residue(1) and env.portal.states("j1")[-1] == "succeeded"
+
+
+def test_a_whole_gpu_is_not_shared_with_a_sandbox_that_still_holds_it(env):
+    # The portal freed GPU 2 (a cancel whose stop has not arrived yet) and placed j2 on it.
+    env.agent.launch("j1", 1, SPEC)
+    env.agent.gpu_release_wait_s = 0.0
+    assert env.agent.launch("j2", 1, {**SPEC, "gpu_indexes": [2, 3]}) == "failed"
+    assert "GPU(s) [2] still held by another job's sandbox" in env.portal.events[-1][4]
+    assert [s.job_id for s in env.driver.launched] == ["j1"]
+
+
+def test_a_launch_waits_for_the_old_sandbox_then_scrubs_and_starts(env, monkeypatch):
+    import time
+
+    calls = []
+    scrub = env.probe.scrub
+    monkeypatch.setattr(env.probe, "scrub", lambda idx: calls.append(list(idx)) or scrub(idx))
+    env.agent.launch("j1", 1, SPEC)
+    result = []
+    th = threading.Thread(target=lambda: result.append(env.agent.launch("j2", 1, {**SPEC, "gpu_indexes": [2, 3]})))
+    th.start()
+    deadline = time.monotonic() + 10
+    while "starting" not in env.portal.states("j2"):  # confirmed, now waiting for GPU 2
+        assert time.monotonic() < deadline, "j2 never got to its GPU wait"
+        time.sleep(0.01)
+    assert [s.job_id for s in env.driver.launched] == ["j1"]
+    env.driver.exit("j1", 0)
+    env.agent.supervise_once()
+    th.join(10)
+    assert result == ["started"]
+    # j1's GPUs were scrubbed at its end, so j2 scrubs only GPU 3 (dirty since the agent started).
+    assert calls == [[1, 2], [1, 2], [3]]
+
+
+def test_a_gpu_that_cannot_be_scrubbed_before_a_job_fails_the_launch_and_says_so(env):
+    env.probe.inject_scrub_failure(3, "still used by process(es) 99 after the job ended")
+    assert env.agent.launch("j1", 1, {**SPEC, "gpu_indexes": [3]}) == "failed"
+    assert env.driver.launched == []
+    assert "GPU(s) [3] could not be scrubbed before the job" in env.portal.events[-1][4]
+    assert env.portal.scrub_failures == [("j1", 1, [
+        {"gpu_index": 3, "message": "still used by process(es) 99 after the job ended"}])]

@@ -267,3 +267,4 @@ def test_gang_network_options_come_from_flags_or_environment(monkeypatch):
     assert args.gang_network_driver == "overlay" and args.gang_network_internal is True
     with pytest.raises(SystemExit):
         parse_args(base + ["--gang-network-driver", "host"])
+    assert parse_args(base).gpu_scrub == "on" and parse_args(base + ["--gpu-scrub", "off"]).gpu_scrub == "off"

@@ -93,3 +93,34 @@ def test_lost_gpu_reads_as_xid_79(nvml):
     s0, s1 = p.sample()
     assert s0.utilization == 7
     assert s1.utilization is None and s1.xid_errors == [79]
+
+
+def test_scrub_refuses_a_gpu_a_process_still_holds(nvml, monkeypatch):
+    import subprocess
+
+    ran = []
+    monkeypatch.setattr(subprocess, "run", lambda *a, **kw: ran.append(a) or pytest.fail("must not scrub"))
+    failed = NvmlProbe().scrub([0])
+    assert failed == {0: "still used by process(es) 42, 43 after the job ended"} and ran == []
+
+
+def test_scrub_without_a_cuda_driver_fails_and_says_why(nvml):
+    # The real child process: this machine has no libcuda, which is exactly what a broken driver looks like.
+    failed = NvmlProbe().scrub([1])
+    assert "memory scrub failed: libcuda.so.1 cannot be loaded" in failed[1]
+
+
+@pytest.mark.parametrize("zeroed,ok", [(79 * 1024 * MB, True), (10 * 1024 * MB, False)])
+def test_scrub_checks_how_much_memory_the_child_zeroed(nvml, monkeypatch, zeroed, ok):
+    # What the child prints on a real GPU (bench/gpu_check.sh runs it there); here only its verdict is checked.
+    import json
+    import subprocess
+
+    def run(cmd, env, **kw):
+        assert cmd[1:] == ["-m", "agents.probe.cuda_scrub", "scrub"] and env["CUDA_VISIBLE_DEVICES"] == "GPU-bbb"
+        out = {"zeroed_bytes": zeroed, "free_bytes": 80 * 1024 * MB, "total_bytes": 81 * 1024 * MB, "seconds": 0.4}
+        return subprocess.CompletedProcess(cmd, 0, json.dumps(out) + "\n", "")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    failed = NvmlProbe().scrub([1])
+    assert failed == ({} if ok else {1: "memory scrub zeroed only 10240 MiB of 81920 MiB free"})

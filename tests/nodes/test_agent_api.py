@@ -180,3 +180,50 @@ def test_agent_reports_no_mps_for_simulated_gpus():
     from agents.worker import capabilities
 
     assert capabilities(make_probe("sim:2xH100-80GB")) == {"mps": False}
+
+
+def test_a_gpu_the_agent_could_not_scrub_is_taken_out_of_service(node, placed, demo, settings):
+    from portal.core.models import AuditEvent
+
+    settings.GPU_HEALTH_AUTO_DRAIN = False  # a failed scrub drains regardless (reliability.md rule 5)
+    gpu = Allocation.objects.get(job=placed).gpu
+    post(node, f"jobs/{placed.pk}/confirm", {"attempt": 1})
+    r = post(node, f"jobs/{placed.pk}/events", {"attempt": 1, "state": "succeeded", "exit_code": 0, "scrub_failures": [
+        {"gpu_index": gpu.index, "message": "memory scrub failed: CUDA_ERROR_ECC_UNCORRECTABLE"}]})
+    assert r.status_code == 200
+    placed.refresh_from_db()
+    gpu.refresh_from_db()
+    n = Node.objects.get(pk=node.node.pk)
+    assert placed.state == "succeeded"  # the job's own outcome stands
+    assert gpu.health == "unhealthy" and "Memory scrub failed after job" in gpu.health_reason
+    assert "CUDA_ERROR_ECC_UNCORRECTABLE" in gpu.health_reason
+    assert n.state == "drained" and "memory scrub failed on GPU" in n.state_reason
+    assert AuditEvent.objects.filter(action="gpu.unhealthy", object_id=str(gpu.pk)).exists()
+    # The scheduler places nothing there any more.
+    job, _ = job_submit(actor=Actor(user=demo.users["alice"]), data={
+        "project": "vision", "name": "k", "image": IMAGE, "command": ["true"], "resources": {"gpus": 1}})
+    run_pass()
+    job.refresh_from_db()
+    assert job.state == "queued"
+
+
+def test_a_stale_report_still_takes_an_unscrubbed_gpu_out_of_service(node, placed):
+    Job.objects.filter(pk=placed.pk).update(attempt=2)
+    r = post(node, f"jobs/{placed.pk}/events", {"attempt": 1, "state": "cancelled", "scrub_failures": [
+        {"gpu_index": 1, "message": "still used by process(es) 4242 after the job ended"}]})
+    assert r.status_code == 409
+    assert GPU.objects.get(node=node.node, index=1).health == "unhealthy"
+
+
+@pytest.mark.parametrize("bad,field", [
+    ([{"gpu_index": -1, "message": "x"}], "gpu_index"),
+    ([{"gpu_index": 0}], "message"),
+    ([{"gpu_index": 0, "message": "x", "extra": 1}], "extra"),
+    ("GPU 0", "scrub_failures"),
+])
+def test_malformed_scrub_failures_are_a_400_that_changes_nothing(node, placed, bad, field):
+    r = post(node, f"jobs/{placed.pk}/events", {"attempt": 1, "state": "failed", "scrub_failures": bad})
+    assert r.status_code == 400 and field in str(r.json()["error"]["fields"])
+    assert not GPU.objects.filter(node=node.node, health="unhealthy").exists()
+    placed.refresh_from_db()
+    assert placed.state == "assigned"
