@@ -3,13 +3,16 @@ running, over N runs, as p50/p99.
 
     .venv/bin/python bench/launch_latency.py [--runs 30] [--image gpuportal/busybox:latest]
     .venv/bin/python bench/launch_latency.py --sandbox kvm [--runs 5]
+    .venv/bin/python bench/launch_latency.py --gang-network   # docker: rank 0 of a multi-node gang
 
 Two figures per run: ``launch`` (the call returned: container created and
 started, so runc has exec'd the job) and ``first_output`` (the job's first line
 is readable through the driver, polled every 5 ms: the process really ran).
 Needs the engine and image from .ci/docker.sh; ``--sandbox kvm`` needs libvirtd
 and the guest image from .ci/kvm.sh (a real VM per run: the whole boot is in
-``first_output``; ``launch`` is libvirt's createXML).
+``first_output``; ``launch`` is libvirt's createXML). ``--gang-network``
+launches each run as rank 0 of a gang whose project allows network, so the
+figures include making the job-private network (internal: no traffic leaves).
 """
 
 import argparse
@@ -36,6 +39,7 @@ def main():
     ap.add_argument("--sandbox", choices=("docker", "kvm"), default="docker")
     ap.add_argument("--runs", type=int, default=None, help="default: 30 (docker), 5 (kvm)")
     ap.add_argument("--image", default="gpuportal/busybox:latest")
+    ap.add_argument("--gang-network", action="store_true", help="docker: each run makes and joins a job network")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     args = ap.parse_args()
     if args.runs is None:
@@ -52,12 +56,14 @@ def main():
     else:
         from agents.sandbox.docker_driver import DockerDriver
 
-        driver = DockerDriver(node=node)
-        memory_mb, wait_s, what = 64, 30, args.image
+        driver = DockerDriver(node=node, gang_network_internal=True)
+        memory_mb, wait_s, what = 64, 30, args.image + (", gang network" if args.gang_network else "")
     launch_ms, first_ms = [], []
     for i in range(args.runs + 1):  # run 0 warms the image cache and is not counted
         spec = LaunchSpec(job_id=f"bench-{i}", attempt=1, image=args.image,
-                          command=["sh", "-c", "echo up; sleep 30"], cpus=1, memory_mb=memory_mb, time_limit_s=60)
+                          command=["sh", "-c", "echo up; sleep 30"], cpus=1, memory_mb=memory_mb, time_limit_s=60,
+                          network=args.gang_network, rendezvous={"NODE_RANK": 0, "WORLD_SIZE": 2}
+                          if args.gang_network else None)
         t0 = time.perf_counter()
         h = driver.launch(spec)
         t1 = time.perf_counter()

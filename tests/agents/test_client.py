@@ -43,6 +43,10 @@ def test_every_endpoint_and_body(stub):
     assert stub.requests[3][1] == {"attempt": 2, "offset": 10, "data": "ok \ufffd\n"}
     with pytest.raises(ValueError):
         c.event("1", 1, "exploded")
+    # Scrub failures ride on the report, in the shape the portal's EventSerializer takes.
+    c.event("1", 1, "succeeded", exit_code=0, scrub_failures=[{"gpu_index": 3, "message": "ECC"}])
+    assert stub.requests[-1][1] == {"attempt": 1, "state": "succeeded", "exit_code": 0, "message": "",
+                                    "scrub_failures": [{"gpu_index": 3, "message": "ECC"}]}
 
 
 def test_409_is_a_stale_attempt_and_counts_as_contact(stub):
