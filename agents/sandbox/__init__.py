@@ -7,7 +7,8 @@ Every driver offers the same six calls (``Driver`` below) over a
   reliability.md 2.3;
 - ``process``: a plain subprocess for machines without Docker; it isolates
   nothing and says so at every start;
-- ``kvm``: libvirt domains with GPUs passed through by PCI address (XML only).
+- ``kvm``: a libvirt VM per job that boots the project's kernel and initramfs
+  with the job's image unpacked in it, GPUs passed through by PCI address.
 """
 
 from __future__ import annotations

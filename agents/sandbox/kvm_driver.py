@@ -2,22 +2,35 @@
 passed through whole by PCI address (VFIO).
 
 The guest is the project's own boot image (``agents/sandbox/kvm_image.py``:
-a Debian kernel plus a busybox initramfs, cached in ``var/kvm``). Per launch the
-driver prepends the job's command and environment to a copy of the initramfs
+a Debian kernel plus a busybox initramfs, cached in ``var/kvm``) with the job's
+image unpacked under ``/image``. Images come from the node's Docker engine, as
+for the docker sandbox (no registry is reachable; CI makes them with
+``docker import``): the driver resolves ``spec.image`` to its id and converts
+each id once to a gzip'd cpio (``<image_dir>/images/<id>.cpio.gz``, from
+``docker create`` + ``export``; the container never starts). Per launch it
+concatenates the initramfs, that cpio and the job's command and environment
 (``kvm_image.job_overlay``) and starts a transient domain (``createXML``). The
-guest's init prints ``GPUPORTAL-JOB-START``, runs the job with its output on the
-serial console, prints ``GPUPORTAL-JOB-EXIT rc=N`` and powers off, which ends
-the domain. libvirt writes the serial console to ``<log_dir>/<name>.log``;
-``read_logs`` returns only what lies between the two markers (no kernel noise)
-and ``poll`` reads the exit code once the domain is gone.
+guest's init prints ``GPUPORTAL-JOB-START``, runs the command chrooted into the
+image as uid/gid 65534 with its output on the serial console, prints
+``GPUPORTAL-JOB-EXIT rc=N`` and powers off, which ends the domain. libvirt
+writes the serial console to ``<log_dir>/<name>.log``; ``read_logs`` returns
+only what lies between the two markers (no kernel noise) and ``poll`` reads the
+exit code once the domain is gone.
+
+As in Docker, the image's ``Entrypoint`` goes before the command and its
+``Env`` under the job's (``PATH`` is the image's); its ``User`` and
+``WorkingDir`` are not used (65534 in a tmpfs ``/work``, as in the docker
+sandbox). The guest holds the whole image in RAM (a ramfs root: the kernel's
+default tmpfs root would take at most half of it), so the domain gets the
+image's size and the initrd's on top of the job's memory, and images over
+``GPUPORTAL_KVM_MAX_IMAGE_MB`` (2 GiB) are refused.
 
 Domain type: ``kvm`` only when KVM really works here (a hardware-virtualisation
 module, not PVM, and libvirt agrees); otherwise libvirt's ``qemu`` type (TCG,
 software emulation, a few seconds per boot), and the driver says so in its log
 (shared/notes/sandboxes.md section 2: /dev/kvm on the development machines is
-PVM, which hangs stock kernels). ``job.image`` is not used: every VM boots the
-same busybox guest. GPUs pass through by VFIO; the development machines have
-no VFIO, so only the XML is tested there.
+PVM, which hangs stock kernels). GPUs pass through by VFIO; the development
+machines have no VFIO, so only the XML is tested there.
 
 Needs ``libvirt-python`` (and libvirtd for ``qemu:///system``; .ci/kvm.sh);
 imported lazily so the rest of the agent runs without it.
@@ -25,19 +38,28 @@ imported lazily so the rest of the agent runs without it.
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import math
 import os
 import re
+import shutil
+import tarfile
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 from pathlib import Path
+
+import docker
+import docker.errors
+import requests
 
 from agents.sandbox import (
     EXITED, RUNNING, LaunchSpec, SandboxError, SandboxHandle, job_env, sandbox_name,
 )
+from agents.sandbox import kvm_image
 from agents.sandbox.kvm_image import EXIT_MARKER, START_MARKER
 
 log = logging.getLogger(__name__)
@@ -48,8 +70,14 @@ ET.register_namespace("gpuportal", METADATA_NS)
 _PCI_RE = re.compile(r"^(?:([0-9a-fA-F]{4,8}):)?([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")
 # A Debian kernel plus the initramfs needs about this much to boot; smaller specs get this.
 MIN_MEMORY_MB = 128
-# Kernel command line: serial console, no boot chatter, power off (not reboot) on panic.
-CMDLINE = "console=ttyS0 quiet panic=-1 8250.nr_uarts=1"
+# Kernel command line: serial console, no boot chatter, power off (not reboot) on panic, and a ramfs
+# root (a tmpfs one holds at most half the memory; the image lives there).
+CMDLINE = "console=ttyS0 quiet panic=-1 8250.nr_uarts=1 rootfstype=ramfs"
+MiB = 2**20
+# The largest job image (uncompressed, as `docker image inspect` says) a VM may unpack into its memory.
+MAX_IMAGE_MB = int(os.environ.get("GPUPORTAL_KVM_MAX_IMAGE_MB") or 2048)
+# Docker's PATH for an image that sets none.
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def pci_address(bus_id: str) -> dict[str, str]:
@@ -64,8 +92,11 @@ def pci_address(bus_id: str) -> dict[str, str]:
 
 def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: str, initrd: str,
                console_log: str, domain_type: str = "kvm", started_at: float | None = None,
-               job_network: str | None = None) -> str:
+               job_network: str | None = None, extra_memory_mb: int = 0) -> str:
     """The libvirt domain for one job attempt.
+
+    ``extra_memory_mb`` goes on top of the job's memory: the guest holds its
+    image (unpacked) and, while booting, the initrd in RAM.
 
     No NIC unless the job may use the network; then one virtio NIC on
     ``job_network`` (a libvirt network name; ``"user"`` is QEMU's user-mode
@@ -80,7 +111,7 @@ def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: s
         "started_at": f"{time.time() if started_at is None else started_at:.3f}"})
     # For reconcile and people reading `virsh dumpxml`; the guest gets its command from the initrd.
     md.text = json.dumps({"command": spec.command, "image": spec.image})
-    ET.SubElement(d, "memory", unit="MiB").text = str(max(MIN_MEMORY_MB, spec.memory_mb))
+    ET.SubElement(d, "memory", unit="MiB").text = str(max(MIN_MEMORY_MB, spec.memory_mb) + extra_memory_mb)
     ET.SubElement(d, "vcpu").text = str(max(1, math.ceil(spec.cpus)))
     os_ = ET.SubElement(d, "os")
     ET.SubElement(os_, "type", arch="x86_64", machine="q35").text = "hvm"
@@ -141,13 +172,21 @@ def kvm_works(conn=None) -> tuple[bool, str]:
     return True, f"{hw[0]} is loaded and libvirt offers kvm domains"
 
 
+@dataclass
+class JobImage:
+    cpio: Path  # the image's root filesystem, every path under /image
+    size: int  # bytes, uncompressed
+    env: list[str]  # "NAME=value", from the image's config
+    entrypoint: list[str]
+
+
 class KvmDriver:
     name = "kvm"
 
     def __init__(self, *, node: str, uri: str = "qemu:///system", domain_type: str = "auto",
                  kernel: str | None = None, initrd: str | None = None, image_dir: str | None = None,
                  log_dir: str | None = None, pci_bus_ids: dict[int, str] | None = None,
-                 job_network: str | None = "user"):
+                 job_network: str | None = "user", docker_client=None, max_image_mb: int = MAX_IMAGE_MB):
         try:
             import libvirt
         except ImportError as exc:
@@ -157,16 +196,23 @@ class KvmDriver:
         # VM that has ended included; the driver turns the ones that matter into SandboxError.
         libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
         self.node = node
+        img_dir = Path(image_dir) if image_dir else Path(initrd).parent if initrd else kvm_image.DEFAULT_DIR
+        self._stale = None
         if kernel is None or initrd is None:
-            from agents.sandbox import kvm_image
-
-            img_dir = Path(image_dir) if image_dir else kvm_image.DEFAULT_DIR
             try:
                 m = json.loads((img_dir / "manifest.json").read_text())
                 kernel, initrd = kernel or m["kernel"], initrd or m["initrd"]
+                if m.get("build_version") != kvm_image.BUILD_VERSION:
+                    # An older /init would run the job without its image's /proc, /dev and /work.
+                    self._stale = (f"the VM image in {img_dir} is of build {m.get('build_version')}, this agent "
+                                   f"needs build {kvm_image.BUILD_VERSION}")
             except (OSError, ValueError, KeyError):
                 kernel, initrd = kernel or str(img_dir / "vmlinux"), initrd or str(img_dir / "initramfs.cpio.gz")
         self.kernel, self.initrd = kernel, initrd
+        # Job images as cpio, one per image id; created on first use (the Docker engine too).
+        self.image_cache = img_dir / "images"
+        self.max_image_mb = max_image_mb
+        self._docker = docker_client
         self.job_network = job_network
         self.log_dir = Path(log_dir or Path(tempfile.gettempdir()) / f"gpuportal-kvm-{node}")
         # QEMU runs as its own user (libvirt-qemu): libvirt hands it the per-job initrd and the console
@@ -210,14 +256,14 @@ class KvmDriver:
         if self._dom(name) is not None:
             raise SandboxError(f"VM {name} already exists")
         console = self.log_dir / f"{name}.log"
-        initrd = self._job_initrd(spec, name)
+        initrd, extra_mb = self._job_initrd(spec, name)
         started = time.time()
         try:
             console.unlink()  # a stale console from an earlier VM of this name must not be read as this one's
         except FileNotFoundError:
             pass
         try:
-            self._create(spec, name, buses, initrd, console, started)
+            self._create(spec, name, buses, initrd, console, started, extra_mb)
         finally:
             if initrd != self.initrd:
                 # QEMU has read it into guest memory by now (or the start failed): it is litter.
@@ -228,12 +274,12 @@ class KvmDriver:
                              started_at=started, time_limit_s=spec.time_limit_s,
                              gpu_indexes=list(spec.gpu_indexes))
 
-    def _create(self, spec, name, buses, initrd, console, started):
+    def _create(self, spec, name, buses, initrd, console, started, extra_mb):
         libvirt = self._libvirt
         while True:
             xml = domain_xml(spec, node=self.node, pci_bus_ids=buses, kernel=self.kernel, initrd=initrd,
                              console_log=str(console), domain_type=self.domain_type, started_at=started,
-                             job_network=self.job_network)
+                             job_network=self.job_network, extra_memory_mb=extra_mb)
             try:
                 self.conn.createXML(xml, 0)
                 return
@@ -248,31 +294,96 @@ class KvmDriver:
                     raise SandboxError(f"VM {name} already exists") from None
                 raise SandboxError(f"could not start the VM: {msg}") from None
 
-    def _job_initrd(self, spec: LaunchSpec, name: str) -> str:
-        """A copy of the image's initramfs with the job's command and environment prepended."""
-        from agents.sandbox.kvm_image import job_overlay
-
-        try:
-            base = Path(self.initrd).read_bytes()
-        except OSError as exc:
-            if self.domain_type == "test":
-                return self.initrd  # libvirt's test driver boots nothing
-            raise SandboxError(f"the VM image is missing ({exc}); build it with "
-                               f"`python -m agents.sandbox.kvm_image --out var/kvm` (.ci/kvm.sh does)") from None
-        if not Path(self.kernel).is_file() and self.domain_type != "test":
-            raise SandboxError(f"the VM kernel {self.kernel} is missing; build it with "
+    def _job_initrd(self, spec: LaunchSpec, name: str) -> tuple[str, int]:
+        """The initramfs, the job's image and its command and environment in one file, and the MiB the guest
+        needs for them on top of the job's memory."""
+        if self.domain_type == "test":
+            return self.initrd, 0  # libvirt's test driver boots nothing
+        missing = [p for p in (self.kernel, self.initrd) if not Path(p).is_file()]
+        if self._stale or missing:
+            raise SandboxError(f"{self._stale or f'the VM image file {missing[0]} is missing'}; build it with "
                                f"`python -m agents.sandbox.kvm_image --out var/kvm` (.ci/kvm.sh does)")
-        n = len(spec.gpu_uuids)
-        env = job_env(spec, visible_devices=[str(i) for i in range(n)])
-        env.setdefault("HOME", "/work")
+        image = self._image(spec.image)
+        env = dict(kv.split("=", 1) for kv in image.env if "=" in kv)  # the image's, under the job's
+        env.setdefault("PATH", DEFAULT_PATH)
+        job = job_env(spec, visible_devices=[str(i) for i in range(len(spec.gpu_uuids))])
+        job.setdefault("HOME", "/work")
+        env.update(job)
         path = self.log_dir / f"{name}.initrd"
         # 0600: it holds the job's environment; libvirt gives it to QEMU's user for the start.
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
-            # Uncompressed cpio first, then the gzip one: the kernel unpacks both (as with early microcode).
-            f.write(job_overlay(spec.command, env))
-            f.write(base)
-        return str(path)
+            # The kernel unpacks the archives in this order, a later entry replacing an earlier one: the
+            # image (all under /image) cannot touch /init, and job.sh comes last. All gzip: an uncompressed
+            # cpio after a compressed one would have to start 4-byte aligned.
+            for part in (self.initrd, image.cpio):
+                with open(part, "rb") as src:
+                    shutil.copyfileobj(src, f, 1 << 20)
+            f.write(gzip.compress(kvm_image.job_overlay(image.entrypoint + list(spec.command), env), mtime=0))
+            size = f.tell()
+        return str(path), math.ceil((image.size + size) / MiB)
+
+    def _image(self, ref: str) -> JobImage:
+        """``ref`` from the node's Docker engine, its root filesystem as a cpio (built on first use)."""
+        try:
+            if self._docker is None:
+                self._docker = docker.from_env()
+            img = self._docker.images.get(ref)
+        except docker.errors.ImageNotFound:
+            raise SandboxError(f"image {ref!r} is not present on node {self.node}") from None
+        except docker.errors.APIError as exc:
+            raise SandboxError(f"image {ref!r}: {exc.explanation or exc}") from None
+        except (docker.errors.DockerException, requests.RequestException) as exc:
+            raise SandboxError(f"the kvm sandbox reads job images from node {self.node}'s Docker engine, "
+                               f"which is not answering: {exc}") from None
+        size = int(img.attrs.get("Size") or 0)
+        if size > self.max_image_mb * MiB:
+            raise SandboxError(f"image {ref!r} is {size / MiB:.0f} MiB, over the kvm sandbox's limit of "
+                               f"{self.max_image_mb} MiB on node {self.node} (a VM holds its image in memory)")
+        cpio = self.image_cache / f"{img.id.split(':')[-1]}.cpio.gz"
+        if not cpio.is_file():
+            self._export(img, ref, cpio)
+        cfg = img.attrs.get("Config") or {}
+        return JobImage(cpio=cpio, size=size, env=cfg.get("Env") or [], entrypoint=cfg.get("Entrypoint") or [])
+
+    def _export(self, img, ref: str, dest: Path) -> None:
+        """``docker create`` (never started) + ``export`` + remove, written to ``dest`` as a gzip'd cpio.
+
+        The tar is spooled to disk first (``image_cpio`` reads it twice, for
+        hard links). Temporary files and a rename: a concurrent launch of the
+        same image builds its own copy, and either rename leaves a whole file.
+        """
+        t0 = time.monotonic()
+        dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = None
+        try:
+            c = self._docker.containers.create(img.id, command=["/gpuportal-export"], network_disabled=True,
+                                               labels={"gpuportal.kvm_export": self.node})
+            try:
+                with tempfile.TemporaryFile(dir=dest.parent) as tar:
+                    for chunk in c.export():
+                        tar.write(chunk)
+                    tar.seek(0)
+                    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
+                    # Level 3: built once per image, but the first launch waits for it.
+                    with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=3,
+                                                                   mtime=0) as gz:
+                        n = kvm_image.image_cpio(tar, gz, max_bytes=self.max_image_mb * MiB)
+                os.replace(tmp, dest)
+                tmp = None
+            finally:
+                c.remove(force=True)
+        except (docker.errors.DockerException, requests.RequestException) as exc:
+            raise SandboxError(f"could not export image {ref!r} from node {self.node}'s Docker engine: "
+                               f"{exc}") from None
+        except (kvm_image.ImageError, tarfile.TarError, OSError) as exc:  # over the limit, a bad tar, disk full
+            raise SandboxError(f"image {ref!r} cannot run in the kvm sandbox on node {self.node}: {exc}") from None
+        finally:
+            if tmp:
+                _unlink(tmp)
+        log.info("kvm sandbox: image %s (%s) converted for the guest in %.1f s: %d files, %d hard links, "
+                 "%.0f MiB, %d entries skipped", ref, img.id[:19], time.monotonic() - t0, n["files"], n["links"],
+                 n["bytes"] / MiB, n["skipped"])
 
     def _dom(self, ref: str):
         try:

@@ -15,10 +15,14 @@ Writes into ``--out``:
 - ``manifest.json``: what was built from what. A second run with the same
   inputs does nothing (the cache).
 
-Per job, the driver prepends a small uncompressed cpio (``job_overlay``) to a
-copy of the initramfs: the kernel unpacks concatenated archives into one
-rootfs, so ``/gpuportal/job.sh`` (the command and environment) needs no disk,
-no virtio module and no length limit of the kernel command line.
+Per job, the driver appends two archives to a copy of the initramfs: the job's
+image (``image_cpio``: the root filesystem of the Docker image, every path under
+``/image``, converted once per image id) and ``job_overlay`` (``/gpuportal/job.sh``:
+the command and environment). The kernel unpacks concatenated archives into one
+rootfs, so the job needs no disk, no virtio module and no length limit of the
+kernel command line. ``/init`` mounts /proc, /sys, /dev, /tmp and /work inside
+``/image`` and runs the command chrooted there as uid/gid 65534 (``job_overlay``
+says how; the image needs no shell).
 
 The guest protocol, all on the serial console (ttyS0):
 ``GPUPORTAL-JOB-START`` on a line of its own, then the job's stdout and stderr
@@ -61,17 +65,31 @@ EXIT_MARKER = b"GPUPORTAL-JOB-EXIT rc="
 # Modules (relative to lib/modules/<version>/kernel) the power button needs in the guest.
 MODULES = ("drivers/acpi/button.ko", "drivers/input/evdev.ko")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Where the job's image lies in the guest, and who runs the job there (nobody:nogroup, as in the docker
+# sandbox); INIT spells both out too.
+IMAGE_ROOT = "image"
+JOB_UID = 65534
 
 INIT = r"""#!/bin/sh
-# gpuportal KVM sandbox init (agents/sandbox/kvm_image.py). Runs /gpuportal/job.sh once.
+# gpuportal KVM sandbox init (agents/sandbox/kvm_image.py). Runs /gpuportal/job.sh once; it chroots into /image.
 export PATH=/bin:/sbin:/usr/bin:/usr/sbin
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
-mkdir -p /dev/pts /dev/shm
-mount -t tmpfs -o mode=1777 tmpfs /tmp
-mount -t tmpfs -o mode=0755 tmpfs /run
-mount -t tmpfs -o mode=0700 tmpfs /work
+# The job's view: the image with its own /proc, read-only /sys, /dev, and tmpfs /tmp and /work. A mount point
+# the image made a symlink or a file is replaced first: mount follows a symlink, out of /image.
+for d in proc sys dev tmp work; do
+  { [ -L /image/$d ] || { [ -e /image/$d ] && [ ! -d /image/$d ]; }; } && rm -f /image/$d
+  mkdir -p /image/$d
+done
+mount -t proc proc /image/proc
+mount -t sysfs -o ro sysfs /image/sys
+mount -t devtmpfs devtmpfs /image/dev
+mkdir -p /image/dev/pts /image/dev/shm
+mount -t devpts devpts /image/dev/pts
+mount -t tmpfs -o mode=1777 tmpfs /image/dev/shm
+mount -t tmpfs -o mode=1777 tmpfs /image/tmp
+mount -t tmpfs -o mode=0700,uid=65534,gid=65534 tmpfs /image/work
 # Keep kernel messages out of the job's output, and pass its bytes through untouched.
 echo 1 > /proc/sys/kernel/printk
 exec </dev/null >/dev/ttyS0 2>/dev/null  # the shell's own "Terminated" is not the job's output
@@ -91,7 +109,7 @@ power_button() {  # the ACPI power button (libvirt shutdown) sends SIGTERM to th
   done
 }
 echo "GPUPORTAL-JOB-START"
-( cd /work && exec sh /gpuportal/job.sh ) 2>&1 &
+sh /gpuportal/job.sh 2>&1 &
 job=$!
 power_button "$job" &
 wait "$job"
@@ -104,7 +122,7 @@ echo o > /proc/sysrq-trigger
 """
 
 # Bump when INIT or the layout changes: invalidates every cache.
-BUILD_VERSION = 2
+BUILD_VERSION = 3
 
 
 @dataclass
@@ -121,62 +139,161 @@ class ImageError(Exception):
 # -- cpio (newc) --------------------------------------------------------------
 
 class Cpio:
-    """A newc archive writer: what the kernel's initramfs unpacker reads."""
+    """A newc archive writer: what the kernel's initramfs unpacker reads.
 
-    def __init__(self):
-        self.buf = io.BytesIO()
+    Writes to ``out`` (a binary file object), or to memory when there is none:
+    then ``finish`` returns the archive.
+    """
+
+    def __init__(self, out=None):
+        self.out = io.BytesIO() if out is None else out
+        self.pos = 0  # ``out`` may be a GzipFile, whose tell() counts compressed bytes
         self.ino = 1
         self.dirs: set[str] = set()
 
-    def _entry(self, name: str, mode: int, data: bytes = b"", rdev: tuple[int, int] = (0, 0)):
-        name = name.lstrip("/")
-        hdr = "070701" + "".join(f"{v:08x}" for v in (
-            self.ino, mode, 0, 0, 2 if stat.S_ISDIR(mode) else 1, 0, len(data), 0, 0, rdev[0], rdev[1],
-            len(name) + 1, 0))
-        self.ino += 1
-        self.buf.write(hdr.encode() + name.encode() + b"\0")
-        self.buf.write(b"\0" * (-self.buf.tell() % 4))
-        self.buf.write(data)
-        self.buf.write(b"\0" * (-self.buf.tell() % 4))
+    def _write(self, b: bytes):
+        self.out.write(b)
+        self.pos += len(b)
 
-    def dir(self, name: str, perm: int = 0o755):
+    def _entry(self, name: str, mode: int, data=b"", rdev: tuple[int, int] = (0, 0), *, size: int | None = None,
+               uid: int = 0, gid: int = 0, mtime: int = 0, ino: int | None = None, nlink: int | None = None) -> int:
+        """One entry; ``data`` is bytes or a file object holding ``size`` bytes. Returns its inode number."""
+        name = name.lstrip("/").encode("utf-8", "surrogateescape")  # tarfile's decoding of odd bytes, undone
+        size = len(data) if size is None else size
+        if ino is None:
+            ino, self.ino = self.ino, self.ino + 1
+        nlink = nlink or (2 if stat.S_ISDIR(mode) else 1)
+        hdr = "070701" + "".join(f"{v:08x}" for v in (
+            ino, mode, uid, gid, nlink, mtime, size, 0, 0, rdev[0], rdev[1], len(name) + 1, 0))
+        self._write(hdr.encode() + name + b"\0")
+        self._write(b"\0" * (-self.pos % 4))
+        if isinstance(data, bytes):
+            self._write(data)
+        else:
+            left = size
+            while left:
+                chunk = data.read(min(left, 1 << 20))
+                if not chunk:
+                    raise ImageError(f"{name.decode(errors='replace')}: the data ended {left} bytes short")
+                self._write(chunk)
+                left -= len(chunk)
+        self._write(b"\0" * (-self.pos % 4))
+        return ino
+
+    def dir(self, name: str, perm: int = 0o755, **meta):
+        """A directory and its missing parents. With ``meta`` (uid, gid, mtime) it is written even when
+        an earlier entry already implied it: the unpacker then sets its owner and mode."""
         name = name.strip("/")
-        if not name or name in self.dirs:
+        if not name or (name in self.dirs and not meta):
             return
         self.dir(os.path.dirname(name))
         self.dirs.add(name)
-        self._entry(name, stat.S_IFDIR | perm)
+        self._entry(name, stat.S_IFDIR | perm, **meta)
 
-    def file(self, name: str, data: bytes, perm: int = 0o644):
+    def file(self, name: str, data, perm: int = 0o644, **meta) -> int:
         self.dir(os.path.dirname(name.strip("/")))
-        self._entry(name, stat.S_IFREG | perm, data)
+        return self._entry(name, stat.S_IFREG | perm, data, **meta)
 
-    def symlink(self, name: str, target: str):
+    def symlink(self, name: str, target: str, **meta):
         self.dir(os.path.dirname(name.strip("/")))
-        self._entry(name, stat.S_IFLNK | 0o777, target.encode())
+        self._entry(name, stat.S_IFLNK | 0o777, target.encode(), **meta)
 
     def chardev(self, name: str, major: int, minor: int, perm: int = 0o600):
         self.dir(os.path.dirname(name.strip("/")))
         self._entry(name, stat.S_IFCHR | perm, rdev=(major, minor))
 
-    def finish(self) -> bytes:
+    def finish(self) -> bytes | None:
         self._entry("TRAILER!!!", 0)
-        self.buf.write(b"\0" * (-self.buf.tell() % 512))
-        return self.buf.getvalue()
+        self._write(b"\0" * (-self.pos % 512))
+        return self.out.getvalue() if isinstance(self.out, io.BytesIO) else None
 
 
 def job_overlay(command: list[str], env: dict[str, str]) -> bytes:
-    """The per-job cpio: ``/gpuportal/job.sh`` execs the command with its environment."""
-    lines = ["# written by the gpuportal kvm driver"]
+    """The per-job cpio: ``/gpuportal/job.sh`` runs the command in the job's image.
+
+    The guest's own busybox makes the switch, so the image needs no shell:
+    ``env -i`` leaves exactly ``env``; ``setpriv --nnp`` makes setuid bits
+    in the image inert (Docker's no-new-privileges); ``nsenter`` chroots into
+    ``/image``, enters ``/work``, drops to uid/gid 65534 without supplementary
+    groups and execs ``command`` (``$PATH`` searched inside the image), keeping
+    the process id that the power button's SIGTERM goes to.
+    """
+    pairs = []
     for k, v in env.items():
         if not _ENV_NAME.match(k):
             log.warning("dropping env name %r: not a shell variable name", k)
             continue
-        lines.append(f"export {k}={shlex.quote(v)}")
-    lines.append("exec " + " ".join(shlex.quote(a) for a in command))
+        pairs.append(f"{k}={v}")
+    argv = [BUSYBOX, "env", "-i", *pairs, BUSYBOX, "setpriv", "--nnp", BUSYBOX, "nsenter", f"-r/{IMAGE_ROOT}",
+            f"-w/{IMAGE_ROOT}/work", "-S", str(JOB_UID), "-G", str(JOB_UID), "--", *command]
+    script = "# written by the gpuportal kvm driver\nexec " + " ".join(shlex.quote(a) for a in argv) + "\n"
     c = Cpio()
-    c.file("gpuportal/job.sh", ("\n".join(lines) + "\n").encode(), 0o755)
+    c.file("gpuportal/job.sh", script.encode(), 0o755)
     return c.finish()
+
+
+# -- job images ---------------------------------------------------------------
+
+def _image_path(name: str) -> str | None:
+    """A tar member's name relative to the image's root ("" for the root), or None when it would leave it."""
+    if name.startswith("/"):
+        return None
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    return None if ".." in parts else "/".join(parts)
+
+
+def image_cpio(tar_file, out, *, prefix: str = IMAGE_ROOT, max_bytes: int | None = None) -> dict:
+    """Write a container image's filesystem (the tar ``docker export`` streams) to ``out`` as newc cpio, every
+    path under ``prefix``; returns counts of what was written and skipped.
+
+    Kept, with modes, owners and mtimes (Python checks .pyc files against their
+    source's mtime): directories, regular files, symlinks, hard links. Skipped:
+    device nodes and fifos (the guest mounts its own /dev), and every entry the
+    kernel's unpacker could place outside ``prefix``: absolute and ``..``
+    paths, and paths through a symlink made earlier in the archive (the
+    unpacker follows it). ``tar_file`` must be seekable: a hard link's target
+    must be marked (nlink 2) before the link itself is read. ImageError when
+    the files add up to more than ``max_bytes``.
+    """
+    c = Cpio(out)
+    c.dir(prefix)
+    n = {"files": 0, "bytes": 0, "links": 0, "skipped": 0}
+    with tarfile.open(fileobj=tar_file, mode="r:") as tf:
+        members = tf.getmembers()
+        linked = {_image_path(m.linkname) for m in members if m.islnk()}
+        symlinks: set[str] = set()  # written so far: nothing may go through one
+        inodes: dict[str, int] = {}  # regular file -> its inode, for hard links to it
+        for m in members:
+            path = _image_path(m.name)
+            parents = path.split("/")[:-1] if path else []
+            if path is None or any("/".join(parents[:i + 1]) in symlinks for i in range(len(parents))):
+                log.debug("image: skipping unsafe path %r", m.name)
+                n["skipped"] += 1
+                continue
+            name, meta = f"{prefix}/{path}", {"uid": m.uid, "gid": m.gid, "mtime": max(0, int(m.mtime))}
+            if m.isdir():
+                if path:
+                    c.dir(name, m.mode & 0o7777, **meta)
+            elif m.isreg():
+                n["files"], n["bytes"] = n["files"] + 1, n["bytes"] + m.size
+                if max_bytes is not None and n["bytes"] > max_bytes:
+                    raise ImageError(f"its files add up to more than the limit of {max_bytes // 2**20} MiB")
+                inodes[path] = c.file(name, tf.extractfile(m), m.mode & 0o7777, size=m.size,
+                                      nlink=2 if path in linked else 1, **meta)
+            elif m.issym():
+                c.symlink(name, m.linkname, **meta)
+                symlinks.add(path)
+                continue
+            elif m.islnk() and _image_path(m.linkname) in inodes:
+                # Same inode, nlink 2, no data: the unpacker links it to the first entry of that inode.
+                c.file(name, b"", m.mode & 0o7777, ino=inodes[_image_path(m.linkname)], nlink=2, **meta)
+                n["links"] += 1
+            else:
+                n["skipped"] += 1  # not written: a symlink at this path stays one
+                continue
+            symlinks.discard(path)  # written: the unpacker replaced whatever was there
+    c.finish()
+    return n
 
 
 # -- kernel -------------------------------------------------------------------
@@ -249,8 +366,8 @@ def extract_vmlinux(vmlinuz: bytes) -> bytes | None:
 
 def _initramfs(mods: dict[str, bytes]) -> bytes:
     c = Cpio()
-    for d in ("bin", "sbin", "usr/bin", "usr/sbin", "proc", "sys", "dev", "tmp", "run", "work", "etc",
-              "root", "lib/modules", "gpuportal"):
+    for d in ("bin", "sbin", "usr/bin", "usr/sbin", "proc", "sys", "dev", "etc", "root", "lib/modules",
+              "gpuportal", IMAGE_ROOT):
         c.dir(d)
     c.chardev("dev/console", 5, 1)
     c.chardev("dev/null", 1, 3, 0o666)

@@ -1,20 +1,25 @@
 """KVM sandbox, for real: libvirtd on qemu:///system boots the project's guest
-image (agents/sandbox/kvm_image.py) and runs the job's command in it.
+(agents/sandbox/kvm_image.py) with the job's image from the local Docker engine,
+and runs the job's command in it.
 
-No skips: without libvirtd, QEMU or the image these tests FAIL and point at
-.ci/kvm.sh, which installs and starts all of it. On machines where KVM does not
-work (PVM here) the driver falls back to the 'qemu' domain type (TCG), a few
-seconds per boot.
+No skips: without libvirtd, QEMU, the guest image or the Docker engine these
+tests FAIL and point at .ci/kvm.sh or .ci/docker.sh, which install and start
+all of it. On machines where KVM does not work (PVM here) the driver falls back
+to the 'qemu' domain type (TCG), a few seconds per boot.
 """
 
+import io
 import os
+import re
 import shutil
+import tarfile
 import tempfile
 import time
+import uuid
 
 import pytest
 
-from agents.sandbox import EXITED, RUNNING
+from agents.sandbox import EXITED, RUNNING, SandboxError
 from tests.agents.conftest import make_spec
 
 URI = "qemu:///system"
@@ -35,7 +40,7 @@ def kvm_image():
 
 
 @pytest.fixture(scope="module")
-def vm_driver(kvm_image):
+def vm_driver(kvm_image, docker_client):  # the job images come from the engine
     try:
         import libvirt
     except ImportError:
@@ -106,11 +111,56 @@ def test_exit_code_argv_and_env_reach_the_guest(vm_driver):
                      env={"FOO": "bar $baz", "LD_PRELOAD": "/evil.so"}, memory_mb=256, cpus=2)
     h = d.launch(spec)
     xml = d.conn.lookupByName(h.ref).XMLDesc()
-    assert "<interface" not in xml and "<hostdev" not in xml
-    assert "<memory unit='KiB'>262144</memory>" in xml and ">2</vcpu>" in xml
+    assert "<interface" not in xml and "<hostdev" not in xml and ">2</vcpu>" in xml
+    # The job's 256 MiB plus room for the busybox image (2 MiB) and the initrd, both held in RAM.
+    assert 256 * 1024 < int(re.search(r"<memory unit='KiB'>(\d+)<", xml).group(1)) <= 272 * 1024
     assert wait_exit(d, h) == (EXITED, 3)
     assert d.read_logs(h, 0) == f"bar $baz|a b'c \"d\"|{spec.job_id}\n".encode()
     d.remove(h)
+
+
+@pytest.fixture(scope="module")
+def marker_image(vm_driver, docker_client):
+    """A second image, imported as .ci/docker.sh imports the job image (busybox-static), with a marker file, an
+    entrypoint, its own PATH and no /bin/sh: the guest must run the command in it without the image's shell."""
+    client = docker_client
+    marker = f"gpuportal-marker-{uuid.uuid4().hex}"
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        tf.add("/bin/busybox", arcname="bin/busybox")
+        for applet in ("cat", "id", "pwd"):
+            link = tarfile.TarInfo(f"bin/{applet}")
+            link.type, link.linkname = tarfile.SYMTYPE, "busybox"
+            tf.addfile(link)
+        f = tarfile.TarInfo("etc/gpuportal-marker")
+        f.size = len(marker) + 1
+        tf.addfile(f, io.BytesIO(marker.encode() + b"\n"))
+    tag = f"gpuportal/kvm-marker:{marker[-12:]}"
+    client.api.import_image_from_data(buf.getvalue(), repository=tag.split(":")[0], tag=tag.split(":")[1],
+                                      changes=["ENV PATH=/opt/none:/bin GREETING=from-image",
+                                               'ENTRYPOINT ["/bin/busybox"]'])
+    image_id = client.images.get(tag).id
+    yield tag, marker
+    client.images.remove(image_id, force=True)
+    (vm_driver.image_cache / f"{image_id.split(':')[-1]}.cpio.gz").unlink(missing_ok=True)
+
+
+def test_the_job_runs_in_its_image_as_nobody(vm_driver, marker_image):
+    d, (image, marker) = vm_driver, marker_image
+    # Entrypoint first, as in Docker: the guest execs `/bin/busybox sh -c ...` inside the image.
+    h = d.launch(make_spec(image=image, command=[
+        "sh", "-c", 'cat /etc/gpuportal-marker; id -u; id -g; pwd; echo "$PATH $GREETING"; '
+                    '[ -e /bin/sh ] || echo "no /bin/sh"']))
+    assert wait_exit(d, h) == (EXITED, 0)
+    assert d.read_logs(h, 0).decode() == f"{marker}\n65534\n65534\n/work\n/opt/none:/bin from-image\nno /bin/sh\n"
+    d.remove(h)
+
+
+def test_a_missing_image_fails_with_a_message_for_its_owner(vm_driver):
+    image = "gpuportal/no-such-image:0"
+    with pytest.raises(SandboxError, match=f"image '{image}' is not present on node {vm_driver.node}"):
+        vm_driver.launch(make_spec(image=image))
+    assert vm_driver.list_own() == []
 
 
 def test_stop_destroys_a_vm_whose_job_ignores_sigterm_and_list_own_finds_it(vm_driver):

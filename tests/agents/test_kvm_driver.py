@@ -1,12 +1,18 @@
-"""KVM sandbox: domain XML always; lifecycle against libvirt's test driver
-(test:///default, no daemon) when libvirt-python is installed."""
+"""KVM sandbox: domain XML and the image's tar-to-cpio conversion always;
+lifecycle against libvirt's test driver (test:///default, no daemon) when
+libvirt-python is installed; image errors against the real Docker engine."""
 
+import io
+import json
+import stat
+import tarfile
 import xml.etree.ElementTree as ET
 
 import pytest
 
 from agents.sandbox import EXITED, RUNNING, SandboxError
 from agents.sandbox.kvm_driver import METADATA_NS, domain_xml, pci_address
+from agents.sandbox.kvm_image import BUILD_VERSION, ImageError, image_cpio
 from tests.agents.conftest import make_spec
 
 
@@ -73,3 +79,131 @@ def test_lifecycle_on_the_libvirt_test_driver(kvm, tmp_path):
 def test_gpu_without_a_known_pci_address_is_refused(kvm):
     with pytest.raises(SandboxError, match="no PCI address"):
         kvm.launch(make_spec(gpu_indexes=[5], gpu_uuids=["GPU-x"]))
+
+
+# -- the job's image as cpio ----------------------------------------------------
+
+def read_cpio(data: bytes) -> dict[str, dict]:
+    """A newc archive's entries by name, as the kernel's unpacker reads them."""
+    out, pos = {}, 0
+    while True:
+        assert data[pos:pos + 6] == b"070701"
+        f = [int(data[pos + 6 + 8 * i:pos + 14 + 8 * i], 16) for i in range(13)]
+        name = data[pos + 110:pos + 110 + f[11] - 1].decode()
+        pos = (pos + 110 + f[11] + 3) & ~3
+        body, pos = data[pos:pos + f[6]], (pos + f[6] + 3) & ~3
+        if name == "TRAILER!!!":
+            return out
+        out[name] = dict(ino=f[0], mode=f[1], uid=f[2], gid=f[3], nlink=f[4], mtime=f[5], data=body)
+
+
+def tar_of(*entries) -> io.BytesIO:
+    """A tar as `docker export` streams it: (name, type, data or link target, TarInfo fields)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for name, kind, payload, *fields in entries:
+            ti = tarfile.TarInfo(name)
+            ti.type, ti.mtime = kind, 1700000000
+            for k, v in (fields[0] if fields else {}).items():
+                setattr(ti, k, v)
+            if kind == tarfile.REGTYPE:
+                ti.size = len(payload)
+                tf.addfile(ti, io.BytesIO(payload))
+            else:
+                ti.linkname = payload or ""
+                tf.addfile(ti)
+    buf.seek(0)
+    return buf
+
+
+def test_an_image_tar_becomes_cpio_under_image():
+    out = io.BytesIO()
+    n = image_cpio(tar_of(
+        ("./", tarfile.DIRTYPE, None),
+        ("etc/", tarfile.DIRTYPE, None, {"mode": 0o755}),
+        ("etc/marker", tarfile.REGTYPE, b"hi\n", {"mode": 0o640, "gid": 42}),
+        ("work/notes", tarfile.REGTYPE, b"", {"uid": 65534}),  # its directory comes only implied
+        ("bin/sh", tarfile.SYMTYPE, "/bin/busybox"),
+        ("etc/marker.bak", tarfile.LNKTYPE, "etc/marker"),
+        ("dev/null", tarfile.CHRTYPE, None, {"devmajor": 1, "devminor": 3}),
+        ("run/fifo", tarfile.FIFOTYPE, None),
+    ), out)
+    e = read_cpio(out.getvalue())
+    assert set(e) == {"image", "image/etc", "image/etc/marker", "image/work", "image/work/notes", "image/bin",
+                      "image/bin/sh", "image/etc/marker.bak"}
+    assert n == {"files": 2, "bytes": 3, "links": 1, "skipped": 2}  # the device and the fifo
+    m = e["image/etc/marker"]
+    assert (m["data"], m["mode"], m["gid"], m["mtime"]) == (b"hi\n", stat.S_IFREG | 0o640, 42, 1700000000)
+    assert e["image/work/notes"]["uid"] == 65534
+    assert e["image/bin/sh"]["mode"] == stat.S_IFLNK | 0o777 and e["image/bin/sh"]["data"] == b"/bin/busybox"
+    # A hard link: the target's inode, both with nlink 2, the data once.
+    link = e["image/etc/marker.bak"]
+    assert (link["ino"], link["nlink"], m["nlink"], link["data"]) == (m["ino"], 2, 2, b"")
+
+
+def test_image_paths_that_could_leave_image_are_skipped():
+    out = io.BytesIO()
+    n = image_cpio(tar_of(
+        ("/abs", tarfile.REGTYPE, b"x"),
+        ("../escape", tarfile.REGTYPE, b"x"),
+        ("a/../../b", tarfile.DIRTYPE, None),
+        ("evil", tarfile.SYMTYPE, "/"),
+        ("evil/init", tarfile.REGTYPE, b"pwned"),  # the unpacker would write /init through the symlink
+        ("evil", tarfile.CHRTYPE, None),  # skipped, so the symlink stays
+        ("evil/init", tarfile.REGTYPE, b"pwned"),
+        ("evil/sub/", tarfile.DIRTYPE, None),
+        ("x.bak", tarfile.LNKTYPE, "../etc/passwd"),
+        ("evil", tarfile.DIRTYPE, None),  # a directory replaces the symlink: now paths under it are safe
+        ("evil/ok", tarfile.REGTYPE, b"fine"),
+    ), out)
+    e = read_cpio(out.getvalue())
+    assert set(e) == {"image", "image/evil", "image/evil/ok"} and n["skipped"] == 8
+    assert stat.S_ISDIR(e["image/evil"]["mode"])
+
+
+def test_an_image_over_the_limit_is_refused_while_converting():
+    with pytest.raises(ImageError, match="add up to more than"):
+        image_cpio(tar_of(("a", tarfile.REGTYPE, b"x" * 600), ("b", tarfile.REGTYPE, b"x" * 600)),
+                   io.BytesIO(), max_bytes=1000)
+
+
+# -- image errors the job's owner reads ------------------------------------------
+
+@pytest.fixture
+def qemu_driver(tmp_path):
+    """A driver that would boot (domain type qemu) but stops at the image, before libvirt's test driver."""
+    from agents.sandbox.kvm_driver import KvmDriver
+
+    for f in ("vmlinux", "initramfs.cpio.gz"):
+        (tmp_path / f).write_bytes(b"")
+    (tmp_path / "manifest.json").write_text(json.dumps({
+        "build_version": BUILD_VERSION, "kernel": str(tmp_path / "vmlinux"),
+        "initrd": str(tmp_path / "initramfs.cpio.gz")}))
+
+    def make(**kw):
+        return KvmDriver(node="n1", uri="test:///default", domain_type="qemu", image_dir=str(tmp_path),
+                         log_dir=str(tmp_path), **kw)
+    return make
+
+
+def test_an_image_over_the_nodes_limit_is_refused(qemu_driver, docker_client):
+    d = qemu_driver(max_image_mb=1)
+    with pytest.raises(SandboxError, match=r"image 'gpuportal/busybox:latest' is 2 MiB, over the kvm sandbox's "
+                                           r"limit of 1 MiB on node n1 \(a VM holds its image in memory\)"):
+        d.launch(make_spec())
+    assert d.list_own() == [] and not d.image_cache.exists()
+
+
+def test_a_dead_docker_engine_is_named_as_the_image_source(qemu_driver, monkeypatch, tmp_path):
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-docker.sock")
+    with pytest.raises(SandboxError, match="the kvm sandbox reads job images from node n1's Docker engine, "
+                                           "which is not answering"):
+        qemu_driver().launch(make_spec())
+
+
+def test_a_guest_image_of_an_older_build_is_refused(qemu_driver, tmp_path):
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    (tmp_path / "manifest.json").write_text(json.dumps(dict(m, build_version=BUILD_VERSION - 1)))
+    with pytest.raises(SandboxError, match=f"is of build {BUILD_VERSION - 1}, this agent needs build "
+                                           f"{BUILD_VERSION}; build it with"):
+        qemu_driver().launch(make_spec())
