@@ -11,7 +11,9 @@ Writes into ``--out``:
   shared/notes/sandboxes.md section 2). ``vmlinuz`` is kept as well, and used
   when the ELF cannot be cut out;
 - ``initramfs.cpio.gz``: busybox-static, the two modules ACPI power-button
-  handling needs (``button``, ``evdev``), and ``/init`` (``INIT`` below);
+  handling needs (``button``, ``evdev``), virtio-net's modules (loaded only
+  when the domain has a NIC: a job whose project allows network; the address
+  comes by DHCP, ``DHCP_SCRIPT``), and ``/init`` (``INIT`` below);
 - ``manifest.json``: what was built from what. A second run with the same
   inputs does nothing (the cache).
 
@@ -62,8 +64,13 @@ DEFAULT_DIR = Path(os.environ.get("GPUPORTAL_KVM_IMAGE_DIR") or REPO / "var" / "
 BUSYBOX = "/bin/busybox"
 START_MARKER = b"GPUPORTAL-JOB-START"
 EXIT_MARKER = b"GPUPORTAL-JOB-EXIT rc="
-# Modules (relative to lib/modules/<version>/kernel) the power button needs in the guest.
-MODULES = ("drivers/acpi/button.ko", "drivers/input/evdev.ko")
+# Modules (relative to lib/modules/<version>/kernel) the guest loads, in this order: the power button's,
+# and virtio-net's for a job that may use the network (the domain then has a virtio NIC).
+POWER_MODULES = ("drivers/acpi/button.ko", "drivers/input/evdev.ko")
+NET_MODULES = ("drivers/virtio/virtio_ring.ko", "drivers/virtio/virtio.ko", "drivers/virtio/virtio_pci_legacy_dev.ko",
+               "drivers/virtio/virtio_pci_modern_dev.ko", "drivers/virtio/virtio_pci.ko", "net/core/failover.ko",
+               "drivers/net/net_failover.ko", "drivers/net/virtio_net.ko")
+MODULES = POWER_MODULES + NET_MODULES
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Where the job's image lies in the guest, and who runs the job there (nobody:nogroup, as in the docker
 # sandbox); INIT spells both out too.
@@ -96,6 +103,19 @@ exec </dev/null >/dev/ttyS0 2>/dev/null  # the shell's own "Terminated" is not t
 stty -F /dev/ttyS0 -opost 2>/dev/null
 for m in /lib/modules/evdev.ko /lib/modules/button.ko; do [ -f "$m" ] && insmod "$m" 2>/dev/null; done
 hostname sandbox
+ip link set lo up
+# A NIC exists only when the job may use the network: a virtio-net device (vendor 0x1af4, device 0x1000 or
+# 0x1041). Then its driver, and an address by DHCP from the domain's network (QEMU's own for "user").
+for d in /sys/bus/pci/devices/*; do
+  case "$(cat $d/vendor 2>/dev/null):$(cat $d/device 2>/dev/null)" in
+    0x1af4:0x1000|0x1af4:0x1041)
+      for m in virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci failover net_failover \
+               virtio_net; do insmod /lib/modules/$m.ko 2>/dev/null; done
+      i=0; while [ ! -e /sys/class/net/eth0 ] && [ $i -lt 50 ]; do i=$((i + 1)); sleep 0.1; done
+      ip link set eth0 up && udhcpc -i eth0 -n -q -t 10 -T 1 -s /gpuportal/dhcp.sh >/dev/null 2>&1
+      break ;;
+  esac
+done
 power_button() {  # the ACPI power button (libvirt shutdown) sends SIGTERM to the job
   i=0
   while [ $i -lt 300 ]; do  # the button's input device appears a moment after insmod
@@ -121,8 +141,21 @@ sleep 5
 echo o > /proc/sysrq-trigger
 """
 
+# udhcpc's hook: set the address, the default route and the image's resolv.conf.
+DHCP_SCRIPT = r"""#!/bin/sh
+case "$1" in
+  deconfig) ip -4 addr flush dev "$interface" ;;
+  bound|renew)
+    ip -4 addr flush dev "$interface"
+    ip addr add "$ip/${mask:-24}" dev "$interface"
+    for r in $router; do ip route replace default via "$r" dev "$interface"; break; done
+    mkdir -p /image/etc && rm -f /image/etc/resolv.conf
+    for d in $dns; do echo "nameserver $d"; done > /image/etc/resolv.conf ;;
+esac
+"""
+
 # Bump when INIT or the layout changes: invalidates every cache.
-BUILD_VERSION = 3
+BUILD_VERSION = 4
 
 
 @dataclass
@@ -377,6 +410,7 @@ def _initramfs(mods: dict[str, bytes]) -> bytes:
         if path != "bin/busybox":
             c.symlink(path, "/bin/busybox")
     c.file("init", INIT.encode(), 0o755)
+    c.file("gpuportal/dhcp.sh", DHCP_SCRIPT.encode(), 0o755)
     c.file("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n")
     c.file("etc/group", b"root:x:0:\n")
     for name, data in sorted(mods.items()):
@@ -392,7 +426,7 @@ def build(out: str | Path = DEFAULT_DIR, *, force: bool = False, kernel_deb: str
         raise ImageError(f"{BUSYBOX} is missing: apt-get install busybox-static (.ci/kvm.sh does)")
     bb = Path(BUSYBOX).stat()
     manifest = out / "manifest.json"
-    key = {"build_version": BUILD_VERSION, "init_sha256": hashlib.sha256(INIT.encode()).hexdigest(),
+    key = {"build_version": BUILD_VERSION, "init_sha256": hashlib.sha256((INIT + DHCP_SCRIPT).encode()).hexdigest(),
            "busybox": [bb.st_size, int(bb.st_mtime)]}
     if not force and manifest.is_file():
         try:
@@ -420,8 +454,10 @@ def build(out: str | Path = DEFAULT_DIR, *, force: bool = False, kernel_deb: str
         _atomic_write(kernel, elf)
     else:
         log.warning("could not cut an ELF vmlinux out of %s: booting the bzImage (slower under TCG)", vmlinuz)
-    if len(mods) != len(MODULES):
-        log.warning("kernel %s lacks some of %s: the ACPI power button will not reach the job", version, MODULES)
+    for group, what in ((POWER_MODULES, "the ACPI power button will not reach the job"),
+                        (NET_MODULES, "jobs with network will have no NIC")):
+        if any(os.path.basename(m) not in mods for m in group):
+            log.warning("kernel %s lacks some of %s: %s", version, group, what)
     initrd = out / "initramfs.cpio.gz"
     _atomic_write(initrd, _initramfs(mods))
     for p in (out, kernel, initrd):  # qemu runs as libvirt-qemu: it must be able to read these

@@ -156,6 +156,20 @@ def test_the_job_runs_in_its_image_as_nobody(vm_driver, marker_image):
     d.remove(h)
 
 
+def test_network_gives_a_nic_with_an_address_and_no_network_only_loopback(vm_driver):
+    # QEMU's user-mode network answers DHCP inside QEMU itself: no packet leaves the host for this.
+    d = vm_driver
+    cmd = ["sh", "-c", "ls /sys/class/net; ip -4 addr show; cat /etc/resolv.conf 2>/dev/null; true"]
+    online, offline = d.launch(make_spec(network=True, command=cmd)), d.launch(make_spec(command=cmd))
+    assert wait_exit(d, online) == (EXITED, 0) and wait_exit(d, offline) == (EXITED, 0)
+    out = d.read_logs(online, 0).decode()
+    assert out.split()[:2] == ["eth0", "lo"] and "inet 10.0.2.15/24" in out and "nameserver 10.0.2.3" in out, out
+    out = d.read_logs(offline, 0).decode()
+    assert out.split()[0] == "lo" and "eth0" not in out and "inet 127.0.0.1/8" in out, out
+    d.remove(online)
+    d.remove(offline)
+
+
 def test_a_missing_image_fails_with_a_message_for_its_owner(vm_driver):
     image = "gpuportal/no-such-image:0"
     with pytest.raises(SandboxError, match=f"image '{image}' is not present on node {vm_driver.node}"):
