@@ -52,6 +52,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, default=4, help="Celery worker threads")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
+    # argparse checks choices on the command line only, not on defaults from the environment.
+    for opt, var in (("gang_network_driver", "GPUPORTAL_GANG_NETWORK_DRIVER"), ("gpu_scrub", "GPUPORTAL_GPU_SCRUB")):
+        choices = next(a.choices for a in ap._actions if a.dest == opt)
+        if getattr(args, opt) not in choices:
+            ap.error(f"{var}: expected one of {', '.join(choices)}, got {getattr(args, opt)!r}")
     for opt in ("portal", "token", "broker"):
         if not getattr(args, opt):
             ap.error(f"--{opt} is required (or its environment variable)")

@@ -75,7 +75,7 @@ MIN_MEMORY_MB = 128
 CMDLINE = "console=ttyS0 quiet panic=-1 8250.nr_uarts=1 rootfstype=ramfs"
 MiB = 2**20
 # The largest job image (uncompressed, as `docker image inspect` says) a VM may unpack into its memory.
-MAX_IMAGE_MB = int(os.environ.get("GPUPORTAL_KVM_MAX_IMAGE_MB") or 2048)
+MAX_IMAGE_MB = 2048
 # Docker's PATH for an image that sets none.
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -186,7 +186,7 @@ class KvmDriver:
     def __init__(self, *, node: str, uri: str = "qemu:///system", domain_type: str = "auto",
                  kernel: str | None = None, initrd: str | None = None, image_dir: str | None = None,
                  log_dir: str | None = None, pci_bus_ids: dict[int, str] | None = None,
-                 job_network: str | None = "user", docker_client=None, max_image_mb: int = MAX_IMAGE_MB):
+                 job_network: str | None = "user", docker_client=None, max_image_mb: int | None = None):
         try:
             import libvirt
         except ImportError as exc:
@@ -211,6 +211,11 @@ class KvmDriver:
         self.kernel, self.initrd = kernel, initrd
         # Job images as cpio, one per image id; created on first use (the Docker engine too).
         self.image_cache = img_dir / "images"
+        if max_image_mb is None:
+            raw = os.environ.get("GPUPORTAL_KVM_MAX_IMAGE_MB") or str(MAX_IMAGE_MB)
+            if not raw.isdigit() or int(raw) < 1:
+                raise SandboxError(f"GPUPORTAL_KVM_MAX_IMAGE_MB: expected a positive number of MiB, got {raw!r}")
+            max_image_mb = int(raw)
         self.max_image_mb = max_image_mb
         self._docker = docker_client
         self.job_network = job_network

@@ -268,3 +268,6 @@ def test_gang_network_options_come_from_flags_or_environment(monkeypatch):
     with pytest.raises(SystemExit):
         parse_args(base + ["--gang-network-driver", "host"])
     assert parse_args(base).gpu_scrub == "on" and parse_args(base + ["--gpu-scrub", "off"]).gpu_scrub == "off"
+    monkeypatch.setenv("GPUPORTAL_GPU_SCRUB", "maybe")
+    with pytest.raises(SystemExit):
+        parse_args(base)

@@ -207,3 +207,15 @@ def test_a_guest_image_of_an_older_build_is_refused(qemu_driver, tmp_path):
     with pytest.raises(SandboxError, match=f"is of build {BUILD_VERSION - 1}, this agent needs build "
                                            f"{BUILD_VERSION}; build it with"):
         qemu_driver().launch(make_spec())
+
+
+@pytest.mark.parametrize("raw", ["lots", "0", "-5"])
+def test_a_bad_image_size_limit_is_named(tmp_path, monkeypatch, raw):
+    from agents.sandbox import SandboxError
+    from agents.sandbox.kvm_driver import KvmDriver
+
+    monkeypatch.setenv("GPUPORTAL_KVM_MAX_IMAGE_MB", raw)
+    with pytest.raises(SandboxError, match="GPUPORTAL_KVM_MAX_IMAGE_MB: expected a positive number"):
+        KvmDriver(node="n1", uri="test:///default", domain_type="test", log_dir=str(tmp_path))
+    monkeypatch.setenv("GPUPORTAL_KVM_MAX_IMAGE_MB", "64")
+    assert KvmDriver(node="n1", uri="test:///default", domain_type="test", log_dir=str(tmp_path)).max_image_mb == 64
