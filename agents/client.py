@@ -112,14 +112,17 @@ class PortalClient:
         return self._post(f"/jobs/{_q(job_id)}/confirm", {"attempt": attempt}).get("spec") or {}
 
     def event(self, job_id: str, attempt: int, state: str, *, exit_code: int | None = None,
-              message: str = "", scrub_failures: list[dict] | None = None) -> dict:
+              message: str = "", scrub_failures: list[dict] | None = None, node_problem: str = "") -> dict:
         """Report a state. A terminal report names the GPUs the agent could not
-        scrub (``[{"gpu_index", "message"}]``): the portal takes them out of service."""
+        scrub (``[{"gpu_index", "message"}]``): the portal takes them out of service;
+        ``node_problem`` (a sandbox that could not be killed) drains the node."""
         if state not in JOB_EVENT_STATES:
             raise ValueError(f"unknown job event state {state!r}")
         body = {"attempt": attempt, "state": state, "exit_code": exit_code, "message": message}
         if scrub_failures:
             body["scrub_failures"] = scrub_failures
+        if node_problem:
+            body["node_problem"] = node_problem
         return self._post(f"/jobs/{_q(job_id)}/events", body)
 
     def logs(self, job_id: str, attempt: int, offset: int, data: bytes) -> dict:

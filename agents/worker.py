@@ -62,6 +62,8 @@ class Tracked:
     terminal: tuple[str, int | None, str] | None = None
     # The GPUs this job left that could not be scrubbed; None until the scrub ran.
     scrub_failures: list[dict] | None = None
+    # Set when the sandbox outlived SIGKILL: the report asks the portal to drain the node.
+    node_problem: str = ""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -289,14 +291,21 @@ class Agent:
     def _do_stop(self, t: Tracked, grace_s: float) -> None:
         try:
             self.driver.stop(t.handle, grace_s)
-            _, code = self.driver.poll(t.handle)
+            state, code = self.driver.poll(t.handle)
         except Exception:  # a sandbox we cannot kill must not kill the agent
             log.exception("job %s attempt %s: stop failed; will try again", t.job_id, t.attempt)
             with self._lock:
                 t.stop_state = None  # lets the time limit, lease or portal ask again
             return
+        reason = t.stop_reason
+        if state == RUNNING:
+            # Still there after SIGKILL (a process stuck in the kernel, a wedged engine): the job is over for
+            # the portal, but this node must take no more work until someone looks (reliability.md F-15).
+            t.node_problem = f"the sandbox of job {t.job_id} attempt {t.attempt} could not be killed"
+            log.error("job %s attempt %s: %s", t.job_id, t.attempt, t.node_problem)
+            reason = f"{reason}; {t.node_problem}"
         with self._lock:
-            t.terminal = (t.stop_state, code, t.stop_reason)
+            t.terminal = (t.stop_state, code, reason)
         self._finish(t)
 
     def _terminal_for(self, t: Tracked, state: str, code: int | None) -> tuple[str, int | None, str]:
@@ -327,7 +336,7 @@ class Agent:
             failures = self._scrub(t)
             try:
                 self.client.event(t.job_id, t.attempt, state, exit_code=code, message=message,
-                                  scrub_failures=failures)
+                                  scrub_failures=failures, node_problem=t.node_problem)
             except StaleAttempt:
                 log.info("job %s attempt %s: portal says stale; dropping the %s report", t.job_id, t.attempt, state)
             log.info("job %s attempt %s: %s (exit %s) %s", t.job_id, t.attempt, state, code, message)
@@ -343,6 +352,10 @@ class Agent:
     def _scrub(self, t: Tracked) -> list[dict]:
         """Clear the GPUs this job leaves (once, however often its report is retried).
         A GPU shared with a job still running is left to the last one out."""
+        if t.scrub_failures is None and t.node_problem:
+            # Its processes may still compute on these GPUs: nothing to scrub, nothing to hand on.
+            t.scrub_failures = _failure_list({i: "held by a sandbox that could not be killed"
+                                              for i in t.handle.gpu_indexes})
         if t.scrub_failures is None:
             with self._lock:
                 live = {i for o in self._jobs.values() if o is not t and o.terminal is None and o.stop_state is None

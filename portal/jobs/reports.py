@@ -49,18 +49,21 @@ def job_confirm(*, node, job_id, attempt: int) -> dict:
 
 
 def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None = None, message: str = "",
-               scrub_failures: list[dict] = ()) -> str:
+               scrub_failures: list[dict] = (), node_problem: str = "") -> str:
     """Apply a state the agent reports. Returns what happened: applied, duplicate.
 
-    GPUs the agent could not scrub are taken out of service first, and even when the report
-    itself is stale: what is on a GPU does not depend on which attempt left it there.
+    GPUs the agent could not scrub are taken out of service, and a node whose sandbox could
+    not be killed is drained, first, and even when the report itself is stale: the state of a
+    GPU or a node does not depend on which attempt left it so.
     """
+    from portal.nodes.services import gpus_scrub_failed, node_drain_for_fault
+
     from .states import transition
 
     if scrub_failures:
-        from portal.nodes.services import gpus_scrub_failed
-
         gpus_scrub_failed(node=node, failures=scrub_failures, job_id=job_id)
+    if node_problem:
+        node_drain_for_fault(node=node, problem=node_problem)
 
     job = _load(job_id, attempt, node)
     if job.state in TERMINAL:

@@ -103,6 +103,8 @@ class EventSerializer(StrictSerializer):
     message = serializers.CharField(max_length=2000, required=False, allow_blank=True, default="")
     # GPUs the agent could not clear after this job: the portal takes them out of service.
     scrub_failures = ScrubFailureSerializer(many=True, required=False, default=list, max_length=64)
+    # Something about the node that must stop new work there (a sandbox that could not be killed).
+    node_problem = serializers.CharField(max_length=500, required=False, allow_blank=True, default="")
 
 
 class EventView(AgentView):

@@ -251,13 +251,22 @@ def gpus_scrub_failed(*, node: Node, failures: list[dict], job_id) -> list[int]:
             GPU.objects.filter(pk=gpu.pk).update(health=GPUHealth.UNHEALTHY, health_reason=reason)
             audit_record(actor=system, action="gpu.unhealthy", obj=gpu, reason=reason)
             marked.append(gpu.index)
-        node.refresh_from_db()
-        if marked and node.state == NodeState.READY:
-            node_drain(actor=system, node=node,
-                       reason=f"Auto-drained: memory scrub failed on GPU {', '.join(map(str, marked))}"[:200])
+        if marked:
+            node_drain_for_fault(node=node, problem=f"memory scrub failed on GPU {', '.join(map(str, marked))}")
     if marked:
         _request_pass()
     return marked
+
+
+def node_drain_for_fault(*, node: Node, problem: str) -> bool:
+    """Drain a node its agent reports broken (a GPU it could not scrub, a sandbox it could not kill),
+    whatever GPU_HEALTH_AUTO_DRAIN says: no new job lands there until an operator undrains it
+    (reliability.md rule 5). Returns True when this call drained it."""
+    node.refresh_from_db()
+    if node.state != NodeState.READY:
+        return False  # already draining, drained or down: the first reason stands
+    node_drain(actor=Actor(user=None, label=f"node:{node.name}"), node=node, reason=f"Auto-drained: {problem}"[:200])
+    return True
 
 
 def nodes_reap() -> dict:

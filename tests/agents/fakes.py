@@ -22,6 +22,7 @@ class FakePortal:
         self.heartbeats: list = []
         self.confirms: list = []
         self.scrub_failures: list = []
+        self.node_problems: list = []
 
     def _call(self, key=None):
         if self.unreachable:
@@ -46,9 +47,11 @@ class FakePortal:
         self.confirms.append((job_id, attempt))
         return dict(self.spec)
 
-    def event(self, job_id, attempt, state, *, exit_code=None, message="", scrub_failures=None):
+    def event(self, job_id, attempt, state, *, exit_code=None, message="", scrub_failures=None, node_problem=""):
         self._call((job_id, attempt))
         self.events.append((job_id, attempt, state, exit_code, message))
+        if node_problem:
+            self.node_problems.append((job_id, attempt, node_problem))
         if scrub_failures:
             self.scrub_failures.append((job_id, attempt, scrub_failures))
 
@@ -72,6 +75,7 @@ class FakeDriver:
         self.stopped: list = []
         self.removed: list = []
         self.fail_with: str | None = None
+        self.unkillable: set = set()  # job ids whose sandbox survives stop and remove (a stuck process)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
@@ -118,7 +122,7 @@ class FakeDriver:
     def stop(self, h, grace_s):
         self.stopped.append((h.job_id, h.attempt, grace_s))
         s = self.sandboxes.get(h.ref)
-        if s and s["state"] == RUNNING:
+        if s and s["state"] == RUNNING and h.job_id not in self.unkillable:
             s["state"], s["code"] = EXITED, 143
 
     def list_own(self):
@@ -126,7 +130,8 @@ class FakeDriver:
 
     def remove(self, h):
         self.removed.append(h.ref)
-        self.sandboxes.pop(h.ref, None)
+        if h.job_id not in self.unkillable:
+            self.sandboxes.pop(h.ref, None)
 
     def running(self):
         return sorted((s["handle"].job_id, s["handle"].attempt) for s in self.sandboxes.values()

@@ -421,3 +421,17 @@ def test_a_gpu_that_cannot_be_scrubbed_before_a_job_fails_the_launch_and_says_so
     assert "GPU(s) [3] could not be scrubbed before the job" in env.portal.events[-1][4]
     assert env.portal.scrub_failures == [("j1", 1, [
         {"gpu_index": 3, "message": "still used by process(es) 99 after the job ended"}])]
+
+
+def test_a_sandbox_that_cannot_be_killed_is_reported_and_its_gpus_withheld(env):
+    """reliability.md F-15: the backend refuses the kill; the job still ends once, and the report
+    tells the portal to drain the node and take the GPUs out of service."""
+    env.agent.launch("j1", 1, SPEC)
+    env.driver.unkillable.add("j1")
+    env.agent.stop("j1", 1, "cancelled by alice", grace_s=0)
+    (_, _, state, code, msg), = [e for e in env.portal.events if e[2] == "cancelled"]
+    assert "could not be killed" in msg
+    assert env.portal.node_problems == [("j1", 1, "the sandbox of job j1 attempt 1 could not be killed")]
+    assert env.portal.scrub_failures == [("j1", 1, [
+        {"gpu_index": 1, "message": "held by a sandbox that could not be killed"},
+        {"gpu_index": 2, "message": "held by a sandbox that could not be killed"}])]

@@ -227,3 +227,22 @@ def test_malformed_scrub_failures_are_a_400_that_changes_nothing(node, placed, b
     assert not GPU.objects.filter(node=node.node, health="unhealthy").exists()
     placed.refresh_from_db()
     assert placed.state == "assigned"
+
+
+def test_a_sandbox_the_agent_could_not_kill_drains_its_node(node, placed, settings):
+    settings.GPU_HEALTH_AUTO_DRAIN = False
+    post(node, f"jobs/{placed.pk}/confirm", {"attempt": 1})
+    problem = f"the sandbox of job {placed.pk} attempt 1 could not be killed"
+    r = post(node, f"jobs/{placed.pk}/events", {"attempt": 1, "state": "cancelled", "message": "stopped; " + problem,
+                                                 "node_problem": problem})
+    assert r.status_code == 200
+    placed.refresh_from_db()
+    n = Node.objects.get(pk=node.node.pk)
+    assert placed.state == "cancelled"
+    assert n.state == "drained" and n.state_reason == f"Auto-drained: {problem}"
+    # A second report (a retry) keeps the first reason; a too-long problem is a 400.
+    assert post(node, f"jobs/{placed.pk}/events", {"attempt": 1, "state": "cancelled", "node_problem": "other"}
+                ).status_code == 200
+    assert Node.objects.get(pk=node.node.pk).state_reason == f"Auto-drained: {problem}"
+    r = post(node, f"jobs/{placed.pk}/events", {"attempt": 1, "state": "cancelled", "node_problem": "x" * 501})
+    assert r.status_code == 400 and "node_problem" in r.json()["error"]["fields"]
