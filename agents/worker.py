@@ -45,6 +45,8 @@ from agents.sandbox import OOM, RUNNING, LaunchSpec, SandboxError, SandboxHandle
 log = logging.getLogger(__name__)
 
 Key = tuple[str, int]
+# Which of our drivers may run a job asking for a sandbox (as scheduler.core.SANDBOX_HOSTS says).
+SANDBOX_HOSTS = {"docker": ("docker", "process"), "kvm": ("kvm",)}
 
 
 @dataclass
@@ -167,6 +169,12 @@ class Agent:
             log.info("job %s attempt %s: portal says stale, starting nothing", job_id, attempt)
             return "stale"
         # The confirmed spec comes from the portal's database at this moment; it wins.
+        wanted = {**(spec or {}), **confirmed}.get("sandbox") or "docker"
+        if self.driver.name in ("docker", "process", "kvm") and self.driver.name not in SANDBOX_HOSTS.get(
+                wanted, (wanted,)):
+            # The scheduler never places it so; a node re-registered with another sandbox might.
+            return self._launch_failed(job_id, attempt, f"the job asks for the {wanted} sandbox; node {self.name} "
+                                                        f"runs {self.driver.name} sandboxes")
         try:
             ls = LaunchSpec.from_dict({**(spec or {}), **confirmed}, job_id=job_id, attempt=attempt,
                                       inventory=self.probe.inventory())

@@ -78,20 +78,22 @@ def build_snapshot(now=None):
     now = now or timezone.now()
     nodes: dict[str, core.Node] = {}
     gpu_rows = GPU.objects.filter(node__state__in=[NodeState.READY, NodeState.DRAINING]).values_list(
-        "id", "node__name", "node__pool", "node__state", "index", "model", "memory_mb", "health", "mode")
+        "id", "node__name", "node__pool", "node__state", "index", "model", "memory_mb", "health", "mode",
+        "node__sandbox")
     gpu_node: dict[str, str] = {}
-    for gid, node_name, pool, node_state, index, model, memory, health, mode in gpu_rows:
+    for gid, node_name, pool, node_state, index, model, memory, health, mode, sandbox in gpu_rows:
         node = nodes.get(node_name)
         if node is None:
             node = nodes[node_name] = core.Node(name=node_name, pool=pool, gpus=[],
                                                 schedulable=node_state == NodeState.READY)
         node.gpus.append(core.GPU(id=str(gid), node=node_name, index=index, model=model, memory_mb=memory,
-                                  healthy=health == GPUHealth.HEALTHY, shared=mode == GPUMode.SHARED))
+                                  healthy=health == GPUHealth.HEALTHY, shared=mode == GPUMode.SHARED,
+                                  sandbox=sandbox))
         gpu_node[str(gid)] = node_name
 
     fields = ("id", "project__slug", "project__organization__slug", "user__username", "gpus", "submitted_at",
               "time_limit_s", "gpu_type", "gpu_memory_mb", "priority", "preemptible", "array_parent_id",
-              "array_limit", "started_at", "state_changed_at")
+              "array_limit", "started_at", "state_changed_at", "sandbox")
 
     def to_core(row, deps_ok=True) -> core.Job:
         return core.Job(
@@ -100,7 +102,7 @@ def build_snapshot(now=None):
             time_limit=float(row["time_limit_s"]), gpu_type=row["gpu_type"] or None,
             gpu_memory_mb=row["gpu_memory_mb"], qos=QOS_VALUE[row["priority"]], preemptible=row["preemptible"],
             array_parent=str(row["array_parent_id"]) if row["array_parent_id"] else None,
-            array_limit=row["array_limit"], deps_satisfied=deps_ok,
+            array_limit=row["array_limit"], deps_satisfied=deps_ok, sandbox=row["sandbox"],
         )
 
     holding = {row["id"]: row for row in Job.objects.filter(state__in=HOLDING, is_array_parent=False).values(*fields)}
@@ -151,19 +153,21 @@ def build_snapshot(now=None):
     return snapshot, context
 
 
-def _cpu_node(context) -> str | None:
-    """A CPU-only job runs on the ready node with the fewest active jobs."""
+def _cpu_node(context, sandbox: str) -> str | None:
+    """A CPU-only job runs on the ready node, of those offering its sandbox, with the fewest active jobs."""
     load = context.get("cpu_load")
     if load is None:
         # Counted once per pass; each placement below adds to it.
-        load = context["cpu_load"] = {
-            name: 0 for name in Node.objects.filter(state=NodeState.READY).values_list("name", flat=True)}
+        kinds = context["node_sandbox"] = dict(Node.objects.filter(state=NodeState.READY).values_list("name", "sandbox"))
+        load = context["cpu_load"] = dict.fromkeys(kinds, 0)
         for name, count in Job.objects.filter(state__in=HOLDING, node__name__in=list(load)).values_list(
                 "node__name").annotate(n=Count("id")).order_by():
             load[name] = count
-    if not load:
+    hosts = core.sandbox_hosts(sandbox)
+    fits = [n for n in load if context["node_sandbox"][n] in hosts]
+    if not fits:
         return None
-    name = min(load, key=lambda n: (load[n], n))
+    name = min(fits, key=lambda n: (load[n], n))
     load[name] += 1
     return name
 
@@ -175,8 +179,12 @@ def _apply_start(start: core.Start, context, now) -> tuple[list[str], int] | Non
     # Nodes in the order of the job's GPUs: the first is the rendezvous master of a gang.
     node_names = list(dict.fromkeys(context["gpu_node"][g] for g in start.gpu_ids))
     if not node_names:
-        cpu_node = _cpu_node(context)
+        sandbox = context["queued"][start.job_id]["sandbox"]
+        cpu_node = _cpu_node(context, sandbox)
         if cpu_node is None:
+            message = f"Asks for the {sandbox} sandbox, which no ready node offers now"
+            Job.objects.filter(pk=job_id, state=JobState.QUEUED).update(
+                reason_code=core.REASON_SANDBOX, reason_message=message, queue_position=None)
             return None
         node_names = [cpu_node]
     try:

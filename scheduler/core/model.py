@@ -23,6 +23,15 @@ REASON_RESERVATION = "reservation"  # free GPUs are held for a higher-priority j
 REASON_PRIORITY = "priority"  # higher-priority jobs go first (backfill off, or not examined)
 REASON_PREEMPTING = "preempting"  # running work is being preempted to make room
 REASON_UNPLACEABLE = "unplaceable"  # larger than every matching GPU in the cluster together
+REASON_SANDBOX = "sandbox"  # no schedulable node offers the sandbox the job asks for
+
+# Which node sandboxes (what its agent runs; "" before the agent first registers) run a job's
+# sandbox. A VM is never swapped for a container: a job that asked for kvm isolation gets it.
+SANDBOX_HOSTS = {"docker": ("", "docker", "process"), "kvm": ("kvm",)}
+
+
+def sandbox_hosts(sandbox: str) -> tuple[str, ...]:
+    return SANDBOX_HOSTS.get(sandbox, (sandbox,))
 
 
 @dataclass
@@ -38,6 +47,7 @@ class GPU:
     healthy: bool = True
     shared: bool = False
     load: float = 0.0
+    sandbox: str = ""  # its node's
 
 
 @dataclass
@@ -71,6 +81,7 @@ class Job:
     array_limit: int | None = None
     deps_satisfied: bool = True
     pool: str | None = None
+    sandbox: str = "docker"
 
 
 @dataclass

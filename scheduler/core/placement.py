@@ -1,7 +1,7 @@
 """Free-capacity index of the cluster for one pass, and the placement rules.
 
-GPUs are grouped in *classes* `(pool, model, memory_mb, shared)`: a gang never
-mixes classes, and a job's constraints (pool, gpu_type, gpu_memory_mb, the
+GPUs are grouped in *classes* `(pool, model, memory_mb, shared, sandbox)`: a gang
+never mixes classes, and a job's constraints (pool, gpu_type, gpu_memory_mb, sandbox, the
 project's allowed types) select the classes it may use. Per class we keep, for
 whole GPUs, each node's free GPU ids and the nodes bucketed by how many free
 GPUs they have, so best fit is "the first non-empty bucket from g upwards"
@@ -20,7 +20,7 @@ from .model import GPU, Allocation, Job, Node
 
 UNITS = 1000  # one whole GPU, in thousandths
 
-ClassKey = tuple  # (pool, model, memory_mb, shared)
+ClassKey = tuple  # (pool, model, memory_mb, shared, sandbox)
 
 
 def frac_units(job: Job, memory_mb: int) -> int:
@@ -56,7 +56,7 @@ class Topology:
         self.cls_of: dict[str, ClassKey] = {}
         per_node: dict[tuple[ClassKey, str], list[GPU]] = {}
         for g, pool in gpus:
-            cls = (pool, g.model, g.memory_mb, g.shared)
+            cls = (pool, g.model, g.memory_mb, g.shared, g.sandbox)
             self.gpu[g.id] = g
             self.cls_of[g.id] = cls
             per_node.setdefault((cls, g.node), []).append(g)
@@ -71,7 +71,7 @@ class Topology:
             self.capacity[cls] = self.capacity.get(cls, 0) + len(glist)
             self.max_node[cls] = max(self.max_node.get(cls, 0), len(glist))
         # Non-shared classes first so whole-GPU jobs leave shared GPUs to fractions.
-        self.classes: list[ClassKey] = sorted(self.capacity, key=lambda c: (c[3], str(c[0]), c[1], c[2]))
+        self.classes: list[ClassKey] = sorted(self.capacity, key=lambda c: (c[3], str(c[0]), c[1], c[2], c[4]))
         self.models: set[str] = {c[1] for c in self.classes}
 
     @classmethod

@@ -4,8 +4,8 @@ from __future__ import annotations
 from .admission import EPS, Tally, admit, fmt_duration, fmt_gpus
 from .backfill import Held, could_use, earliest_start, release_timeline, reserve, with_released
 from .model import (
-    REASON_PREEMPTING, REASON_PRIORITY, REASON_RESERVATION, REASON_RESOURCES, REASON_UNPLACEABLE,
-    Allocation, Job, Plan, Preemption, ProjectQuota, Reason, Snapshot, Start,
+    REASON_PREEMPTING, REASON_PRIORITY, REASON_RESERVATION, REASON_RESOURCES, REASON_SANDBOX, REASON_UNPLACEABLE,
+    Allocation, Job, Plan, Preemption, ProjectQuota, Reason, Snapshot, Start, sandbox_hosts,
 )
 from .ordering import order_queue
 from .placement import ClassKey, ClusterState, Topology
@@ -40,11 +40,12 @@ class _Pass:
         proj = self.snap.projects.get(job.project)
         allowed = proj.allowed_gpu_types if proj else ()
         frac = 0 < job.gpus < 1
-        key = (job.pool, job.gpu_type, job.gpu_memory_mb, allowed, frac)
+        key = (job.pool, job.gpu_type, job.gpu_memory_mb, allowed, frac, job.sandbox)
         out = self._classes.get(key)
         if out is None:
+            hosts = sandbox_hosts(job.sandbox)
             out = [c for c in self.state.classes
-                   if (job.pool is None or c[0] == job.pool)
+                   if (job.pool is None or c[0] == job.pool) and c[4] in hosts
                    and (c[1] == job.gpu_type if job.gpu_type is not None else (not allowed or c[1] in allowed))
                    and (frac or c[2] >= job.gpu_memory_mb)
                    and (c[3] or not frac)]
@@ -173,6 +174,11 @@ class _Pass:
             return
         classes = self.classes_for(job)
         need = int(gpus) if gpus >= 1 else 1
+        if not classes and self.state.classes and not any(c[4] in sandbox_hosts(job.sandbox)
+                                                          for c in self.state.classes):
+            self.codes[job.id] = (REASON_SANDBOX, f"Asks for the {job.sandbox} sandbox, which no schedulable node "
+                                                  f"with GPUs offers now")
+            return
         if not classes or max(self.capacity[c] for c in classes) < need:
             self.codes[job.id] = (REASON_UNPLACEABLE,
                                   f"Asks for {fmt_gpus(gpus)} but no schedulable group of matching GPUs "

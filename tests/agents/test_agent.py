@@ -435,3 +435,10 @@ def test_a_sandbox_that_cannot_be_killed_is_reported_and_its_gpus_withheld(env):
     assert env.portal.scrub_failures == [("j1", 1, [
         {"gpu_index": 1, "message": "held by a sandbox that could not be killed"},
         {"gpu_index": 2, "message": "held by a sandbox that could not be killed"}])]
+
+
+def test_a_job_for_another_sandbox_is_refused(env, monkeypatch):
+    monkeypatch.setattr(env.driver, "name", "docker")
+    assert env.agent.launch("j1", 1, {**SPEC, "sandbox": "kvm"}) == "failed"
+    assert "asks for the kvm sandbox; node n1 runs docker sandboxes" in env.portal.events[-1][4]
+    assert env.driver.launched == []

@@ -264,3 +264,22 @@ def test_a_gang_over_two_nodes_gets_rendezvous_and_its_network(cluster, sent, dj
     from portal.jobs.selectors import launch_specs
     specs = launch_specs([("gpu-01", job.pk), ("gpu-02", job.pk)])
     assert [s["network"] for s in specs.values()] == [False, False]
+
+
+def test_kvm_jobs_go_only_to_kvm_nodes_and_say_so_when_there_is_none(cluster, sent, django_capture_on_commit_callbacks):
+    """gpu-01 has never registered (sandbox ""): docker jobs may go there, kvm jobs may not."""
+    gpu_vm = submit(cluster, resources={"gpus": 1}, sandbox="kvm")
+    cpu_vm = submit(cluster, resources={"gpus": 0}, sandbox="kvm")
+    plain = submit(cluster, resources={"gpus": 0})
+    run(django_capture_on_commit_callbacks)
+    for job in (gpu_vm, cpu_vm, plain):
+        job.refresh_from_db()
+    assert plain.state == "assigned" and plain.node.name == "gpu-01"
+    assert gpu_vm.state == cpu_vm.state == "queued"
+    assert gpu_vm.reason_code == cpu_vm.reason_code == "sandbox" and "kvm sandbox" in cpu_vm.reason_message
+    node_add(actor=Actor(user=cluster.users["admin"]), name="vm-01", gpus="2xH100-80GB")
+    Node.objects.filter(name="vm-01").update(sandbox="kvm")
+    run(django_capture_on_commit_callbacks)
+    for job in (gpu_vm, cpu_vm):
+        job.refresh_from_db()
+        assert job.state == "assigned" and job.node.name == "vm-01"

@@ -109,3 +109,19 @@ def test_cpu_only_jobs_start_without_gpus():
     busy = [running(job("r", 1), ["n0-0"])]
     plan = schedule(snapshot(cluster, [job("cpu", 0)], busy))
     assert started(plan) == {"cpu": []}
+
+
+def test_a_job_runs_only_in_the_sandbox_it_asks_for():
+    cluster = nodes(1, prefix="d") + nodes(1, prefix="k")
+    for g in cluster[0].gpus:
+        g.sandbox = "docker"
+    for g in cluster[1].gpus:
+        g.sandbox = "kvm"
+    busy = [running(job(f"r{i}", 1), [f"k0-{i}"]) for i in range(6)]  # best fit would prefer k0
+    plan = schedule(snapshot(cluster, [job("vm", 2, sandbox="kvm"), job("ct", 2)], busy))
+    assert [g[:2] for g in started(plan)["vm"]] == ["k0", "k0"]
+    assert [g[:2] for g in started(plan)["ct"]] == ["d0", "d0"]
+    # A kvm job in a cluster without kvm nodes waits, and says why.
+    plan = schedule(snapshot(cluster[:1], [job("vm", 1, sandbox="kvm")], []))
+    assert plan.starts == [] and plan.waiting["vm"].code == "sandbox"
+    assert "kvm sandbox" in plan.waiting["vm"].message

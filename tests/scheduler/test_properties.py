@@ -11,7 +11,7 @@ from scheduler.core import GPU, Allocation, Config, Job, Node, OrgQuota, Project
 NOW = 1_000_000.0
 PROJECTS = ("alice", "bob", "charlie")
 CODES = {"quota_project", "quota_org", "max_running", "time_limit", "budget", "gpu_type", "dependency",
-         "array_throttle", "resources", "reservation", "priority", "preempting", "unplaceable"}
+         "array_throttle", "resources", "reservation", "priority", "preempting", "unplaceable", "sandbox"}
 # SCHED_PROPERTY_EXAMPLES=2000 for a longer hunt; 120 keeps the suite fast.
 SETTINGS = settings(max_examples=int(os.environ.get("SCHED_PROPERTY_EXAMPLES", "120")), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -24,9 +24,10 @@ def snapshots(draw, contended: bool = False) -> Snapshot:
     nodes, running, n_jobs = [], [], 0
     for i in range(draw(st.integers(1, 4))):
         name = f"n{i}"
+        sandbox = "" if contended else draw(st.sampled_from(["", "docker", "docker", "kvm"]))
         gpus = [GPU(f"{name}-{k}", name, k, draw(st.sampled_from(["A", "B"])) if k == 0 else "A", 16000,
                     healthy=draw(st.booleans()) or draw(st.booleans()), shared=draw(st.booleans()),
-                    load=draw(st.floats(0, 1)))
+                    load=draw(st.floats(0, 1)), sandbox=sandbox)
                 for k in range(draw(st.integers(1, 8)))]
         nodes.append(Node(name, draw(st.sampled_from(["p1", "p2"])), gpus, schedulable=draw(st.integers(0, 5)) > 0))
         for g in gpus:  # some of what runs now; running work never overlaps (the DB guarantees it)
@@ -52,7 +53,8 @@ def snapshots(draw, contended: bool = False) -> Snapshot:
             gpu_type=None if contended else draw(st.sampled_from([None, None, None, None, "A", "B", "C"])), gpu_memory_mb=draw(st.sampled_from([0, 0, 6000])),
             qos=draw(st.integers(0, 2)), preemptible=draw(st.booleans()),
             array_parent=draw(st.sampled_from([None, None, None, "arr"])), array_limit=2,
-            deps_satisfied=contended or draw(st.integers(0, 12)) > 0, pool=draw(st.sampled_from([None, None, "p1"]))))
+            deps_satisfied=contended or draw(st.integers(0, 12)) > 0, pool=draw(st.sampled_from([None, None, "p1"])),
+            sandbox="docker" if contended else draw(st.sampled_from(["docker", "docker", "kvm"]))))
     projects = {}
     for p in PROJECTS:
         g = 16.0 if contended and p == "alice" else draw(st.sampled_from([0.0, 2.0, 8.0, 16.0]))
@@ -119,6 +121,7 @@ def test_gangs_are_all_or_nothing_and_match_their_constraints(snap):
             g, node = gpus[gid]
             assert j.gpu_type is None or g.model == j.gpu_type
             assert j.pool is None or node.pool == j.pool
+            assert g.sandbox in {"docker": ("", "docker", "process"), "kvm": ("kvm",)}[j.sandbox]
             allowed = snap.projects[j.project].allowed_gpu_types
             assert not allowed or g.model in allowed
 
