@@ -76,6 +76,8 @@ CMDLINE = "console=ttyS0 quiet panic=-1 8250.nr_uarts=1 rootfstype=ramfs"
 MiB = 2**20
 # The largest job image (uncompressed, as `docker image inspect` says) a VM may unpack into its memory.
 MAX_IMAGE_MB = 2048
+# Converted images kept in the cache beyond the ones still on the engine: the least recently used go first.
+IMAGE_CACHE_MB = 20480
 # Docker's PATH for an image that sets none.
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -186,7 +188,8 @@ class KvmDriver:
     def __init__(self, *, node: str, uri: str = "qemu:///system", domain_type: str = "auto",
                  kernel: str | None = None, initrd: str | None = None, image_dir: str | None = None,
                  log_dir: str | None = None, pci_bus_ids: dict[int, str] | None = None,
-                 job_network: str | None = "user", docker_client=None, max_image_mb: int | None = None):
+                 job_network: str | None = "user", docker_client=None, max_image_mb: int | None = None,
+                 image_cache_mb: int | None = None):
         try:
             import libvirt
         except ImportError as exc:
@@ -211,12 +214,8 @@ class KvmDriver:
         self.kernel, self.initrd = kernel, initrd
         # Job images as cpio, one per image id; created on first use (the Docker engine too).
         self.image_cache = img_dir / "images"
-        if max_image_mb is None:
-            raw = os.environ.get("GPUPORTAL_KVM_MAX_IMAGE_MB") or str(MAX_IMAGE_MB)
-            if not raw.isdigit() or int(raw) < 1:
-                raise SandboxError(f"GPUPORTAL_KVM_MAX_IMAGE_MB: expected a positive number of MiB, got {raw!r}")
-            max_image_mb = int(raw)
-        self.max_image_mb = max_image_mb
+        self.max_image_mb = max_image_mb or _env_mb("GPUPORTAL_KVM_MAX_IMAGE_MB", MAX_IMAGE_MB)
+        self.image_cache_mb = image_cache_mb or _env_mb("GPUPORTAL_KVM_IMAGE_CACHE_MB", IMAGE_CACHE_MB)
         self._docker = docker_client
         self.job_network = job_network
         self.log_dir = Path(log_dir or Path(tempfile.gettempdir()) / f"gpuportal-kvm-{node}")
@@ -248,6 +247,8 @@ class KvmDriver:
                             "'qemu' (TCG software emulation: jobs run, several times slower)", why)
         else:
             self.domain_type = domain_type
+        if not uri.startswith("test:"):
+            self.prune_image_cache()  # what an earlier run left: dropped images, a crash's leftovers
             log.info("kvm sandbox: libvirt domain type %r (configured)", domain_type)
 
     # -- Driver interface -----------------------------------------------------
@@ -346,10 +347,63 @@ class KvmDriver:
             raise SandboxError(f"image {ref!r} is {size / MiB:.0f} MiB, over the kvm sandbox's limit of "
                                f"{self.max_image_mb} MiB on node {self.node} (a VM holds its image in memory)")
         cpio = self.image_cache / f"{img.id.split(':')[-1]}.cpio.gz"
-        if not cpio.is_file():
+        if cpio.is_file():
+            os.utime(cpio)  # its mtime is its last use, for the eviction in prune_image_cache
+        else:
             self._export(img, ref, cpio)
+            self.prune_image_cache(keep=cpio)
         cfg = img.attrs.get("Config") or {}
         return JobImage(cpio=cpio, size=size, env=cfg.get("Env") or [], entrypoint=cfg.get("Entrypoint") or [])
+
+    def prune_image_cache(self, keep: Path | None = None, stale_s: float = 3600.0) -> list[str]:
+        """Keep the image cache from growing without bound; returns what went.
+
+        Goes: converted images whose image the engine no longer has, then the
+        least recently used beyond ``image_cache_mb``; temporary files of an
+        export older than ``stale_s`` and this node's export containers (never
+        started) that a crashed agent left behind. ``keep`` (just built) stays.
+        """
+        gone = []
+        try:
+            if self._docker is None:
+                self._docker = docker.from_env()
+            present = {i.id.split(":")[-1] for i in self._docker.images.list(all=True)}
+            for c in self._docker.containers.list(all=True, filters={"label": f"gpuportal.kvm_export={self.node}"}):
+                if c.status == "created":
+                    c.remove(force=True)
+                    gone.append(f"container {c.short_id}")
+        except (docker.errors.DockerException, requests.RequestException) as exc:
+            log.warning("kvm sandbox: image cache not pruned, the Docker engine is not answering: %s", exc)
+            return gone
+        if not self.image_cache.is_dir():
+            return gone
+        now = time.time()
+        cached = []
+        for p in self.image_cache.iterdir():
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue  # another launch renamed or removed it meanwhile
+            if p.name.startswith("."):
+                if now - st.st_mtime > stale_s:
+                    _unlink(p)
+                    gone.append(p.name)
+            elif p.name.endswith(".cpio.gz") and p != keep:
+                if p.name[: -len(".cpio.gz")] not in present:
+                    _unlink(p)
+                    gone.append(p.name)
+                else:
+                    cached.append((st.st_mtime, st.st_size, p))
+        total = sum(size for _, size, _ in cached) + (keep.stat().st_size if keep and keep.is_file() else 0)
+        for _, size, p in sorted(cached):  # oldest use first
+            if total <= self.image_cache_mb * MiB:
+                break
+            _unlink(p)
+            gone.append(p.name)
+            total -= size
+        if gone:
+            log.info("kvm sandbox: pruned the image cache: %s", ", ".join(gone))
+        return gone
 
     def _export(self, img, ref: str, dest: Path) -> None:
         """``docker create`` (never started) + ``export`` + remove, written to ``dest`` as a gzip'd cpio.
@@ -508,6 +562,13 @@ def _exit_code(raw: bytes) -> int | None:
     i = raw.find(START_MARKER + b"\n")
     ends = list(EXIT_RE.finditer(raw, max(i, 0)))
     return int(ends[-1].group(1)) if ends else None
+
+
+def _env_mb(name: str, default: int) -> int:
+    raw = os.environ.get(name) or str(default)
+    if not raw.isdigit() or int(raw) < 1:
+        raise SandboxError(f"{name}: expected a positive number of MiB, got {raw!r}")
+    return int(raw)
 
 
 def _unlink(path) -> None:

@@ -219,3 +219,46 @@ def test_a_bad_image_size_limit_is_named(tmp_path, monkeypatch, raw):
         KvmDriver(node="n1", uri="test:///default", domain_type="test", log_dir=str(tmp_path))
     monkeypatch.setenv("GPUPORTAL_KVM_MAX_IMAGE_MB", "64")
     assert KvmDriver(node="n1", uri="test:///default", domain_type="test", log_dir=str(tmp_path)).max_image_mb == 64
+
+
+def test_the_image_cache_drops_gone_images_stale_leftovers_and_the_least_recently_used(
+        qemu_driver, docker_client, tmp_path):
+    import os
+    import time
+
+    d = qemu_driver(image_cache_mb=1)
+    d.image_cache.mkdir(parents=True)
+    present = docker_client.images.get("gpuportal/busybox:latest").id.split(":")[-1]
+    kept, old = d.image_cache / f"{present}.cpio.gz", d.image_cache / f"{'0' * 64}.cpio.gz"
+    kept.write_bytes(b"x" * 1000)
+    old.write_bytes(b"x")  # an image the engine no longer has
+    stale, fresh = d.image_cache / ".abc.cpio.gz.tmp1", d.image_cache / ".abc.cpio.gz.tmp2"
+    stale.write_bytes(b"")
+    fresh.write_bytes(b"")
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    leftover = docker_client.containers.create("gpuportal/busybox:latest", command=["true"],
+                                               labels={"gpuportal.kvm_export": "n1"})
+    gone = d.prune_image_cache()
+    assert sorted(gone) == sorted([f"container {leftover.short_id}", old.name, stale.name])
+    assert kept.exists() and fresh.exists()
+    # Over the cache's size (1 MiB) the least recently used goes, never the one just built.
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        info = tarfile.TarInfo("etc/lru-test")
+        info.size = 1
+        tf.addfile(info, io.BytesIO(b"1"))
+    docker_client.api.import_image_from_data(buf.getvalue(), repository="gpuportal/lru-test", tag="1")
+    second = docker_client.images.get("gpuportal/lru-test:1")
+    try:
+        other = d.image_cache / f"{second.id.split(':')[-1]}.cpio.gz"
+        for p, age in ((kept, 100), (other, 50)):
+            p.write_bytes(b"x" * (600 << 10))
+            os.utime(p, (time.time() - age, time.time() - age))
+        assert d.prune_image_cache() == [kept.name]  # 1.2 MiB: the older use goes
+        kept.write_bytes(b"x" * (600 << 10))
+        assert d.prune_image_cache(keep=kept) == [other.name]  # just built: stays though newer
+    finally:
+        docker_client.images.remove(second.id, force=True)
