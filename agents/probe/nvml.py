@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pynvml
@@ -153,39 +154,47 @@ class NvmlProbe:
         )
 
     def scrub(self, gpu_indexes, timeout_s: float = 300.0) -> dict[int, str]:
-        """Zero each GPU's free memory in a child process (agents/probe/cuda_scrub.py).
+        """Zero each GPU's free memory in a child process (agents/probe/cuda_scrub.py), all GPUs at once.
 
         A GPU still used by a process after its job's sandbox is gone has leaked
         to someone: it is not scrubbed but reported, and the portal drains the node.
         """
-        failed = {}
+        failed, clean = {}, []
         for i in gpu_indexes:
             uuid = self._uuid_by_index[i]
             with self._lock:
                 procs = self._read(uuid, "processes", pynvml.nvmlDeviceGetComputeRunningProcesses, self._handles[i])
             if procs:
                 failed[i] = f"still used by process(es) {', '.join(str(p.pid) for p in procs)} after the job ended"
-                continue
-            env = dict(os.environ, CUDA_VISIBLE_DEVICES=uuid, CUDA_DEVICE_ORDER="PCI_BUS_ID",
-                       PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-            try:
-                r = subprocess.run([sys.executable, "-m", "agents.probe.cuda_scrub", "scrub"], env=env,
-                                   capture_output=True, text=True, timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                failed[i] = f"memory scrub did not finish in {timeout_s:.0f}s"
-                continue
-            try:
-                out = json.loads(r.stdout.strip().splitlines()[-1])
-            except (ValueError, IndexError):
-                out = {"error": (r.stderr or r.stdout).strip()[-300:] or f"exit status {r.returncode}"}
-            if r.returncode or "error" in out:
-                failed[i] = f"memory scrub failed: {out.get('error')}"
-            elif out["zeroed_bytes"] < 0.9 * out["free_bytes"]:
-                failed[i] = (f"memory scrub zeroed only {out['zeroed_bytes'] // _MB} MiB of "
-                             f"{out['free_bytes'] // _MB} MiB free")
             else:
-                log.info("GPU %s: zeroed %d MiB in %.2fs", uuid, out["zeroed_bytes"] // _MB, out["seconds"])
+                clean.append(i)
+        if clean:
+            with ThreadPoolExecutor(max_workers=len(clean)) as pool:
+                for i, why in zip(clean, pool.map(lambda i: self._scrub_one(i, timeout_s), clean)):
+                    if why:
+                        failed[i] = why
         return failed
+
+    def _scrub_one(self, index: int, timeout_s: float) -> str | None:
+        """One GPU's scrub; why it failed, or None."""
+        uuid = self._uuid_by_index[index]
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=uuid, CUDA_DEVICE_ORDER="PCI_BUS_ID",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        try:
+            r = subprocess.run([sys.executable, "-m", "agents.probe.cuda_scrub", "scrub"], env=env,
+                               capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return f"memory scrub did not finish in {timeout_s:.0f}s"
+        try:
+            out = json.loads(r.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            out = {"error": (r.stderr or r.stdout).strip()[-300:] or f"exit status {r.returncode}"}
+        if r.returncode or "error" in out:
+            return f"memory scrub failed: {out.get('error')}"
+        if out["zeroed_bytes"] < 0.9 * out["free_bytes"]:
+            return f"memory scrub zeroed only {out['zeroed_bytes'] // _MB} MiB of {out['free_bytes'] // _MB} MiB free"
+        log.info("GPU %s: zeroed %d MiB in %.2fs", uuid, out["zeroed_bytes"] // _MB, out["seconds"])
+        return None
 
     def close(self) -> None:
         if self._events is not None:

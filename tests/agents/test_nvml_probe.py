@@ -124,3 +124,24 @@ def test_scrub_checks_how_much_memory_the_child_zeroed(nvml, monkeypatch, zeroed
     monkeypatch.setattr(subprocess, "run", run)
     failed = NvmlProbe().scrub([1])
     assert failed == ({} if ok else {1: "memory scrub zeroed only 10240 MiB of 81920 MiB free"})
+
+
+def test_scrub_runs_one_child_per_gpu_at_once(nvml, monkeypatch):
+    # Two GPUs ending together must not take twice as long: both children run before either returns.
+    import json
+    import subprocess
+    import threading
+
+    gate = threading.Barrier(2, timeout=10)
+    seen = []
+
+    def run(cmd, env, **kw):
+        seen.append(env["CUDA_VISIBLE_DEVICES"])
+        gate.wait()  # breaks (and the scrub fails) if the children ran one after the other
+        out = {"zeroed_bytes": 80 * 1024 * MB, "free_bytes": 80 * 1024 * MB, "total_bytes": 81 * 1024 * MB,
+               "seconds": 0.4}
+        return subprocess.CompletedProcess(cmd, 0, json.dumps(out) + "\n", "")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetComputeRunningProcesses", lambda h: [])
+    assert NvmlProbe().scrub([0, 1]) == {} and sorted(seen) == ["GPU-aaa", "GPU-bbb"]
