@@ -38,10 +38,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--name", default=env("GPUPORTAL_NODE_NAME") or os.uname().nodename)
     ap.add_argument("--gpus", default="auto", help="auto | nvml | sim:<N>x<MODEL>-<MEM>GB")
     ap.add_argument("--sandbox", default="docker", choices=["docker", "kvm", "process"])
-    ap.add_argument("--gang-network-driver", choices=["bridge", "overlay"],
-                    default=env("GPUPORTAL_GANG_NETWORK_DRIVER") or "bridge",
+    ap.add_argument("--gang-network-driver", choices=["auto", "bridge", "overlay"],
+                    default=env("GPUPORTAL_GANG_NETWORK_DRIVER") or "auto",
                     help="docker: the network a multi-node gang's parts share when its project allows "
-                         "network (overlay needs the nodes' engines in one swarm)")
+                         "network (overlay needs the nodes' engines in one swarm; auto: overlay in a swarm, "
+                         "else bridge)")
     ap.add_argument("--gang-network-internal", action="store_true",
                     default=env("GPUPORTAL_GANG_NETWORK_INTERNAL", "") in ("1", "true", "yes"),
                     help="docker: a gang's network reaches only its own parts (no egress)")

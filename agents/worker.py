@@ -45,6 +45,7 @@ from agents.sandbox import OOM, RUNNING, LaunchSpec, SandboxError, SandboxHandle
 log = logging.getLogger(__name__)
 
 Key = tuple[str, int]
+STOPPED = "stopped"  # _gpus_ready: a stop arrived while the launch waited
 # Which of our drivers may run a job asking for a sandbox (as scheduler.core.SANDBOX_HOSTS says).
 SANDBOX_HOSTS = {"docker": ("docker", "process"), "kvm": ("kvm",)}
 
@@ -88,6 +89,8 @@ class Agent:
         self._dirty: set[int] = {g.index for g in probe.inventory()}
         # How long a launch waits, beyond the stop grace, for another sandbox to let go of its GPUs.
         self.gpu_release_wait_s = 60.0
+        # How long a killed sandbox may take to go (a VM's teardown) before it counts as unkillable.
+        self.kill_wait_s = 30.0
         # Stops run on their own threads so one job's grace period never holds
         # up log shipping, heartbeats or other stops; tests turn this off.
         self.background = background
@@ -102,6 +105,8 @@ class Agent:
         self._lock = threading.RLock()
         self._jobs: dict[Key, Tracked] = {}
         self._launching: set[Key] = set()
+        self._launch_gpus: dict[Key, set[int]] = {}  # GPUs of launches past their wait, not yet tracked
+        self._scrubbing: set[int] = set()  # GPUs a scrub is clearing right now
         self._pending_stop: dict[Key, tuple[str, float]] = {}
         self._unsent_xids: dict[str, list[int]] = {}
         self._stop_threads: list[threading.Thread] = []
@@ -160,6 +165,7 @@ class Agent:
         finally:
             with self._lock:
                 self._launching.discard(key)
+                self._launch_gpus.pop(key, None)
                 self._pending_stop.pop(key, None)  # nothing started: nothing left to stop
 
     def _launch(self, job_id: str, attempt: int, spec: dict) -> str:
@@ -191,14 +197,27 @@ class Agent:
         except PortalUnreachable:
             pass  # confirmed a moment ago; the running report or heartbeat will tell
         problem = self._gpus_ready(ls)
+        if problem == STOPPED:
+            with self._lock:
+                reason = self._pending_stop.get((job_id, attempt), ("stopped by the portal",))[0]
+            log.info("job %s attempt %s: stopped before it started (%s); starting nothing", job_id, attempt, reason)
+            try:
+                self.client.event(job_id, attempt, "cancelled", message=reason)
+            except (StaleAttempt, PortalUnreachable):
+                pass  # the portal ended it already: that is why it sent the stop
+            return "stale"
         if problem:
-            return self._launch_failed(job_id, attempt, problem[0], scrub_failures=problem[1])
+            # Not the job's fault: the report asks the portal to requeue it and to look at this node.
+            return self._launch_failed(job_id, attempt, problem[0], scrub_failures=problem[1], node_problem=problem[0])
         try:
             handle = self.driver.launch(ls)
         except SandboxError as exc:
             if self._adopt_existing(job_id, attempt):
                 return "duplicate"
             return self._launch_failed(job_id, attempt, str(exc))
+        except Exception as exc:  # a driver bug (or a full disk) must still end the job once
+            log.exception("job %s attempt %s: the %s driver failed unexpectedly", job_id, attempt, self.driver.name)
+            return self._launch_failed(job_id, attempt, f"could not start the sandbox: {type(exc).__name__}: {exc}")
         t = Tracked(job_id, attempt, handle)
         with self._lock:
             self._jobs[t.key] = t
@@ -228,37 +247,55 @@ class Agent:
                 return True
         return False
 
-    def _gpus_ready(self, ls: LaunchSpec) -> tuple[str, list[dict]] | None:
-        """Wait until no other sandbox holds this job's GPUs, then scrub those not clean
-        (invariant 6). Returns None when the job may start, else (why not, scrub failures)."""
+    def _gpus_ready(self, ls: LaunchSpec):
+        """Wait until no other sandbox holds this job's GPUs and none is being scrubbed, then scrub
+        those not clean (invariant 6). Returns None when the job may start, STOPPED when a stop came
+        meanwhile, else (why not, scrub failures)."""
         want = set(ls.gpu_indexes)
         if not want:
             return None
+        key = (ls.job_id, ls.attempt)
         exclusive = ls.gpu_fraction is None
         waited = self.stop_grace_s + self.gpu_release_wait_s
         deadline = time.monotonic() + waited
         while True:
             with self._lock:
-                others = [t for t in self._jobs.values() if t.key != (ls.job_id, ls.attempt)]
-                held = want & {i for t in others if exclusive or t.terminal or t.stop_state
-                               for i in t.handle.gpu_indexes}
-                live = {i for t in others if t.terminal is None and t.stop_state is None for i in t.handle.gpu_indexes}
-            if not held:
-                break
+                if key in self._pending_stop:
+                    return STOPPED
+                held = want & ({i for t in self._jobs.values() if t.key != key and (exclusive or t.terminal or t.stop_state)
+                                for i in t.handle.gpu_indexes}
+                               | ({i for k, g in self._launch_gpus.items() if k != key for i in g} if exclusive else set())
+                               | self._scrubbing)
+                if not held:
+                    self._launch_gpus[key] = want  # from now on other launches and scrubs see these GPUs as used
+                    claimed = self._claim_locked(want & self._dirty, key)
+                    break
             if time.monotonic() >= deadline:
                 return (f"GPU(s) {sorted(held)} still held by another job's sandbox after {waited:.0f}s; "
                         f"not starting on them", [])
             time.sleep(0.1)
-        failed = self._scrub_gpus(sorted(i for i in want & self._dirty if i not in live))
+        failed = self._scrub_gpus(claimed)
         if failed:
             return (f"GPU(s) {sorted(failed)} could not be scrubbed before the job: "
                     + "; ".join(f"{i}: {why}" for i, why in sorted(failed.items())), _failure_list(failed))
         return None
 
-    def _launch_failed(self, job_id: str, attempt: int, message: str, scrub_failures=()) -> str:
+    def _claim_locked(self, indexes, key: Key) -> list[int]:
+        """Of ``indexes``, those no running job, other launch or scrub uses, marked as being scrubbed.
+        Call with ``self._lock`` held; ``_scrub_gpus`` releases them."""
+        used = {i for t in self._jobs.values() if t.key != key and t.terminal is None and t.stop_state is None
+                for i in t.handle.gpu_indexes}
+        used |= {i for k, g in self._launch_gpus.items() if k != key for i in g}
+        used |= self._scrubbing
+        claimed = sorted(set(indexes) - used)
+        self._scrubbing.update(claimed)
+        return claimed
+
+    def _launch_failed(self, job_id: str, attempt: int, message: str, scrub_failures=(), node_problem="") -> str:
         log.error("job %s attempt %s: launch failed: %s", job_id, attempt, message)
         try:
-            self.client.event(job_id, attempt, "failed", message=message, scrub_failures=list(scrub_failures))
+            self.client.event(job_id, attempt, "failed", message=message, scrub_failures=list(scrub_failures),
+                              node_problem=node_problem)
         except (StaleAttempt, PortalUnreachable) as exc:
             log.warning("job %s attempt %s: could not report the failure: %s", job_id, attempt, exc)
         return "failed"
@@ -306,6 +343,10 @@ class Agent:
                 t.stop_state = None  # lets the time limit, lease or portal ask again
             return
         reason = t.stop_reason
+        deadline = time.monotonic() + self.kill_wait_s
+        while state == RUNNING and time.monotonic() < deadline:  # a VM's teardown may take a while
+            time.sleep(0.5)
+            state, code = self.driver.poll(t.handle)
         if state == RUNNING:
             # Still there after SIGKILL (a process stuck in the kernel, a wedged engine): the job is over for
             # the portal, but this node must take no more work until someone looks (reliability.md F-15).
@@ -366,15 +407,16 @@ class Agent:
                                               for i in t.handle.gpu_indexes})
         if t.scrub_failures is None:
             with self._lock:
-                live = {i for o in self._jobs.values() if o is not t and o.terminal is None and o.stop_state is None
-                        for i in o.handle.gpu_indexes}
-            failed = self._scrub_gpus([i for i in t.handle.gpu_indexes if i not in live], job=t.job_id)
-            t.scrub_failures = _failure_list(failed)
+                claimed = self._claim_locked(t.handle.gpu_indexes, t.key)
+            t.scrub_failures = _failure_list(self._scrub_gpus(claimed, job=t.job_id))
         return t.scrub_failures
 
     def _scrub_gpus(self, indexes: list[int], job: str = "") -> dict[int, str]:
-        """Scrub these GPUs through the probe; the clean ones are no longer dirty."""
+        """Scrub GPUs claimed by ``_claim_locked`` through the probe, then release them; the clean
+        ones are no longer dirty."""
         if not (self.scrub_gpus and indexes and hasattr(self.probe, "scrub")):
+            with self._lock:
+                self._scrubbing -= set(indexes)
             return {}
         t0 = self._clock()
         try:
@@ -384,6 +426,7 @@ class Agent:
             failed = {i: f"memory scrub crashed: {exc}" for i in indexes}
         with self._lock:
             self._dirty -= set(indexes) - set(failed)
+            self._scrubbing -= set(indexes)
         for i, why in sorted(failed.items()):
             log.error("GPU %s (job %s): %s; the portal will take it out of service", i, job or "-", why)
         log.info("scrubbed GPU(s) %s in %.2fs%s", [i for i in indexes if i not in failed], self._clock() - t0,

@@ -12,9 +12,10 @@ attempt), named ``gpuportal-job-<id>-<attempt>`` and labelled like the
 containers. Each part joins it under the alias ``rank<NODE_RANK>`` and
 ``MASTER_ADDR`` says ``rank0``, so torchrun and NCCL find rank 0 through the
 engine's DNS whichever node it landed on. On one engine a ``bridge`` network is
-enough; across hosts the engines must share a Docker swarm and the agents run
-with ``--gang-network-driver overlay`` (the network is then attachable). The
-last part to leave removes it; empty ones left by a crash are pruned later.
+enough; across hosts the engines must share a Docker swarm, and the network is
+an attachable ``overlay`` (``--gang-network-driver auto``, the default, picks
+overlay when the engine is in a swarm). The last part to leave removes it;
+empty ones left by a crash are pruned later.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class DockerDriver:
     name = "docker"
 
     def __init__(self, *, node: str, client=None, job_network: str = "bridge",
-                 nofile: int | None = 4096, gang_network_driver: str = "bridge",
+                 nofile: int | None = 4096, gang_network_driver: str = "auto",
                  gang_network_internal: bool = False):
         self.node = node
         self.job_network = job_network  # used only for jobs with network allowed
@@ -72,6 +73,14 @@ class DockerDriver:
         except (docker.errors.DockerException, requests.RequestException) as exc:
             raise SandboxError(f"the Docker engine is not answering: {exc}") from exc
         self._gpu_support: bool | None = None
+        if gang_network_driver == "auto":
+            # A swarm spans hosts, so an overlay network reaches a gang's parts wherever they run; a lone
+            # engine's bridge reaches only the parts on this host.
+            swarm = (self.client.info().get("Swarm") or {}).get("LocalNodeState") == "active"
+            self.gang_network_driver = "overlay" if swarm else "bridge"
+            if not swarm:
+                log.info("docker sandbox: this engine is in no swarm: a multi-node gang's network reaches only "
+                         "its parts on this host (put the nodes' engines in one swarm for gangs across hosts)")
 
     # -- capability ---------------------------------------------------------
 
@@ -320,9 +329,11 @@ class DockerDriver:
 
     def remove(self, handle: SandboxHandle) -> None:
         self._force_remove(handle.ref)
-        own = self._networks_named(gang_network_name(handle.job_id, handle.attempt))
-        for net in own:
-            net.reload()
+        for net in self._networks_named(gang_network_name(handle.job_id, handle.attempt)):
+            try:
+                net.reload()
+            except (docker.errors.APIError, requests.RequestException):
+                continue  # another part of the gang removed it first (NotFound is an APIError)
             if not net.attrs.get("Containers"):
                 self._remove_network(net)
         self._prune_gang_networks()

@@ -317,16 +317,20 @@ class KvmDriver:
         env.update(job)
         path = self.log_dir / f"{name}.initrd"
         # 0600: it holds the job's environment; libvirt gives it to QEMU's user for the start.
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            # The kernel unpacks the archives in this order, a later entry replacing an earlier one: the
-            # image (all under /image) cannot touch /init, and job.sh comes last. All gzip: an uncompressed
-            # cpio after a compressed one would have to start 4-byte aligned.
-            for part in (self.initrd, image.cpio):
-                with open(part, "rb") as src:
-                    shutil.copyfileobj(src, f, 1 << 20)
-            f.write(gzip.compress(kvm_image.job_overlay(image.entrypoint + list(spec.command), env), mtime=0))
-            size = f.tell()
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                # The kernel unpacks the archives in this order, a later entry replacing an earlier one: the
+                # image (all under /image) cannot touch /init, and job.sh comes last. All gzip: an uncompressed
+                # cpio after a compressed one would have to start 4-byte aligned.
+                for part in (self.initrd, image.cpio):
+                    with open(part, "rb") as src:
+                        shutil.copyfileobj(src, f, 1 << 20)
+                f.write(gzip.compress(kvm_image.job_overlay(image.entrypoint + list(spec.command), env), mtime=0))
+                size = f.tell()
+        except OSError as exc:  # a full disk, or the cached image pruned under us
+            _unlink(path)  # a partial file still holds the job's environment
+            raise SandboxError(f"could not prepare the VM's initrd on node {self.node}: {exc}") from None
         return str(path), math.ceil((image.size + size) / MiB)
 
     def _image(self, ref: str) -> JobImage:
@@ -360,18 +364,21 @@ class KvmDriver:
 
         Goes: converted images whose image the engine no longer has, then the
         least recently used beyond ``image_cache_mb``; temporary files of an
-        export older than ``stale_s`` and this node's export containers (never
-        started) that a crashed agent left behind. ``keep`` (just built) stays.
+        export older than ``stale_s``; and, at start (no ``keep``), this node's
+        export containers (never started) that a crashed agent left behind.
+        ``keep`` (just built) stays.
         """
         gone = []
         try:
             if self._docker is None:
                 self._docker = docker.from_env()
             present = {i.id.split(":")[-1] for i in self._docker.images.list(all=True)}
-            for c in self._docker.containers.list(all=True, filters={"label": f"gpuportal.kvm_export={self.node}"}):
-                if c.status == "created":
-                    c.remove(force=True)
-                    gone.append(f"container {c.short_id}")
+            if keep is None:  # at start only: after a conversion, another launch's export may be in flight
+                for c in self._docker.containers.list(all=True,
+                                                      filters={"label": f"gpuportal.kvm_export={self.node}"}):
+                    if c.status == "created":
+                        c.remove(force=True)
+                        gone.append(f"container {c.short_id}")
         except (docker.errors.DockerException, requests.RequestException) as exc:
             log.warning("kvm sandbox: image cache not pruned, the Docker engine is not answering: %s", exc)
             return gone

@@ -193,6 +193,13 @@ class Cpio:
         """One entry; ``data`` is bytes or a file object holding ``size`` bytes. Returns its inode number."""
         name = name.lstrip("/").encode("utf-8", "surrogateescape")  # tarfile's decoding of odd bytes, undone
         size = len(data) if size is None else size
+        # Every header field is 8 hex digits that the kernel reads at fixed offsets: a wider value would
+        # shift the rest of the archive, and the data after it would be read as headers (entries of the
+        # image's choosing outside /image). A far-future mtime is clamped; anything else is refused.
+        mtime = min(max(0, mtime), 0xFFFFFFFF)
+        for field_name, v in (("size", size), ("uid", uid), ("gid", gid), ("inode", ino or 0), ("mode", mode)):
+            if not 0 <= v <= 0xFFFFFFFF:
+                raise ImageError(f"{name.decode(errors='replace')}: {field_name} {v} does not fit a cpio header")
         if ino is None:
             ino, self.ino = self.ino, self.ino + 1
         nlink = nlink or (2 if stat.S_ISDIR(mode) else 1)

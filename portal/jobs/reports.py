@@ -81,6 +81,11 @@ def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None 
         transition(job.pk, to=JobState.RUNNING, from_states={JobState.ASSIGNED, JobState.STARTING}, attempt=attempt,
                    message=message or f"Running on {node.name}")
         return "applied"
+    if state == JobState.FAILED and node_problem and job.state in (JobState.ASSIGNED, JobState.STARTING):
+        # It never ran: the node failed it (GPUs it could not free or scrub), not the job itself.
+        if job_requeue_after_node_fault(job, f"Node {node.name} could not start it: {node_problem}"[:280]):
+            _after_end(job)
+        return "applied"
     if state in AGENT_TERMINAL:
         text = message or (f"Exit code {exit_code}" if exit_code is not None else state)
         done = transition(job.pk, to=state, from_states=HOLDING, attempt=attempt, exit_code=exit_code,
@@ -90,6 +95,28 @@ def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None 
             _after_end(job)
         return "applied" if done else "duplicate"
     raise Conflict(f"Unknown state {state!r}.", code="invalid_state")
+
+
+def job_requeue_after_node_fault(job: Job, message: str) -> str:
+    """A job its node failed goes back to the queue as a new attempt (its old attempt's reports
+    turn stale), or ends `node_fail` once it has had JOB_MAX_ATTEMPTS. Returns "requeued",
+    "node_fail", or "" when the job was no longer holding its node."""
+    from django.conf import settings
+
+    from .states import transition
+
+    if job.attempt < settings.JOB_MAX_ATTEMPTS:
+        with transaction.atomic():
+            if transition(job.pk, to=JobState.QUEUED, from_states=HOLDING, attempt=job.attempt, node=None,
+                          message=f"{message} Requeued as attempt {job.attempt + 1}.", reason_code="node_fail",
+                          reason_message=f"{message} Requeued."):
+                Job.objects.filter(pk=job.pk).update(attempt=job.attempt + 1)
+                return "requeued"
+        return ""
+    if transition(job.pk, to=JobState.NODE_FAIL, from_states=HOLDING, attempt=job.attempt, message=message,
+                  reason_code="node_fail", reason_message=message):
+        return "node_fail"
+    return ""
 
 
 def _after_end(job: Job) -> None:

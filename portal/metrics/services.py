@@ -194,7 +194,10 @@ def gpu_health_apply(*, node, samples: list[dict], gpus: dict[str, tuple]) -> in
         else:
             continue
         with transaction.atomic():
-            if GPU.objects.filter(pk=pk, health=health).update(health=new[0], health_reason=new[1]):
+            # The reason too: a GPU that turned unhealthy for another cause meanwhile (a failed scrub)
+            # must not be healed by cooling down.
+            if GPU.objects.filter(pk=pk, health=health, health_reason=reason).update(health=new[0],
+                                                                                     health_reason=new[1]):
                 gpu = GPU.objects.select_related("node").get(pk=pk)
                 audit_record(actor=Actor(user=None, label=f"node:{node.name}"), action=f"gpu.{new[0]}", obj=gpu,
                              reason=new[1] or reason)

@@ -262,10 +262,16 @@ def node_drain_for_fault(*, node: Node, problem: str) -> bool:
     """Drain a node its agent reports broken (a GPU it could not scrub, a sandbox it could not kill),
     whatever GPU_HEALTH_AUTO_DRAIN says: no new job lands there until an operator undrains it
     (reliability.md rule 5). Returns True when this call drained it."""
-    node.refresh_from_db()
-    if node.state != NodeState.READY:
-        return False  # already draining, drained or down: the first reason stands
-    node_drain(actor=Actor(user=None, label=f"node:{node.name}"), node=node, reason=f"Auto-drained: {problem}"[:200])
+    from portal.jobs.models import HOLDING
+
+    reason = f"Auto-drained: {problem}"[:200]
+    busy = node.jobs.filter(state__in=HOLDING).exists()
+    with transaction.atomic():
+        # Conditional: a node the reaper marked down meanwhile, or one already drained, keeps its state.
+        if not Node.objects.filter(pk=node.pk, state=NodeState.READY).update(
+                state=NodeState.DRAINING if busy else NodeState.DRAINED, state_reason=reason):
+            return False
+        audit_record(actor=Actor(user=None, label=f"node:{node.name}"), action="node.drain", obj=node, reason=reason)
     return True
 
 
@@ -280,8 +286,8 @@ def nodes_reap() -> dict:
     from django.conf import settings
     from django.utils import timezone
 
-    from portal.jobs.models import HOLDING, Job, JobState
-    from portal.jobs.states import transition
+    from portal.jobs.models import HOLDING, Job
+    from portal.jobs.reports import job_requeue_after_node_fault
 
     now = timezone.now()
     cutoff = now - timedelta(seconds=settings.NODE_TIMEOUT_S)
@@ -310,15 +316,8 @@ def nodes_reap() -> dict:
             job_ids |= set(Job.objects.filter(state__in=HOLDING, allocations__gpu__node=node,
                                               allocations__released_at__isnull=True).values_list("pk", flat=True))
             for job in Job.objects.filter(pk__in=job_ids):
-                message = f"Node {node.name} stopped answering."
-                if job.attempt < settings.JOB_MAX_ATTEMPTS:
-                    if transition(job.pk, to=JobState.QUEUED, from_states=HOLDING, attempt=job.attempt, node=None,
-                                  message=message + f" Requeued as attempt {job.attempt + 1}.",
-                                  reason_code="node_fail", reason_message=message + " Requeued."):
-                        Job.objects.filter(pk=job.pk).update(attempt=job.attempt + 1)
-                        requeued += 1
-                elif transition(job.pk, to=JobState.NODE_FAIL, from_states=HOLDING, attempt=job.attempt,
-                                message=message, reason_code="node_fail", reason_message=message):
-                    failed += 1
+                outcome = job_requeue_after_node_fault(job, f"Node {node.name} stopped answering.")
+                requeued += outcome == "requeued"
+                failed += outcome == "node_fail"
     _request_pass()
     return {"down": len(silent), "requeued": requeued, "node_fail": failed}

@@ -251,6 +251,10 @@ def test_stop_that_overtakes_its_launch_is_applied(env):
 
     env.portal.confirm = confirm
     env.agent.launch("j1", 1, SPEC)
+    assert env.driver.running() == [] and env.portal.events[-1][2:] == ("cancelled", None, "cancelled early")
+    # A GPU job notices the stop before its sandbox exists; a CPU job's sandbox starts and is stopped.
+    assert env.driver.launched == []
+    env.agent.launch("j2", 1, {**SPEC, "gpu_indexes": []})
     assert env.driver.running() == [] and env.portal.events[-1][2] == "cancelled"
 
 
@@ -428,7 +432,11 @@ def test_a_sandbox_that_cannot_be_killed_is_reported_and_its_gpus_withheld(env):
     tells the portal to drain the node and take the GPUs out of service."""
     env.agent.launch("j1", 1, SPEC)
     env.driver.unkillable.add("j1")
+    env.agent.kill_wait_s = 0.0
+    scrubbed = []
+    env.probe.scrub = lambda idx: scrubbed.append(idx) or {}
     env.agent.stop("j1", 1, "cancelled by alice", grace_s=0)
+    assert scrubbed == []  # its processes may still run there: nothing is scrubbed, nothing handed on
     (_, _, state, code, msg), = [e for e in env.portal.events if e[2] == "cancelled"]
     assert "could not be killed" in msg
     assert env.portal.node_problems == [("j1", 1, "the sandbox of job j1 attempt 1 could not be killed")]
@@ -442,3 +450,34 @@ def test_a_job_for_another_sandbox_is_refused(env, monkeypatch):
     assert env.agent.launch("j1", 1, {**SPEC, "sandbox": "kvm"}) == "failed"
     assert "asks for the kvm sandbox; node n1 runs docker sandboxes" in env.portal.events[-1][4]
     assert env.driver.launched == []
+
+
+def test_a_shared_gpu_is_not_scrubbed_under_a_job_that_is_still_starting(env, monkeypatch):
+    """Job c is placed on GPU 3 next to a; while c's sandbox is being created, a ends: a's scrub
+    would grab c's memory (or see c's process and drain the node), so it leaves GPU 3 to c."""
+    calls = []
+    scrub = env.probe.scrub
+    monkeypatch.setattr(env.probe, "scrub", lambda idx: calls.append(list(idx)) or scrub(idx))
+    shared = {**SPEC, "gpu_indexes": [3], "gpu_fraction": 0.5}
+    env.agent.launch("a", 1, shared)
+    in_launch, release = threading.Event(), threading.Event()
+    launch = env.driver.launch
+
+    def slow_launch(spec):
+        in_launch.set()
+        assert release.wait(10)
+        return launch(spec)
+
+    monkeypatch.setattr(env.driver, "launch", slow_launch)
+    th = threading.Thread(target=env.agent.launch, args=("c", 1, shared))
+    th.start()
+    assert in_launch.wait(10)
+    env.driver.exit("a", 0)
+    env.agent.supervise_once()
+    assert env.portal.states("a")[-1] == "succeeded" and calls == [[3]]  # only a's own launch scrubbed
+    release.set()
+    th.join(10)
+    assert "running" in env.portal.states("c")
+    env.driver.exit("c", 0)
+    env.agent.supervise_once()
+    assert calls == [[3], [3]]  # the last one out

@@ -231,6 +231,11 @@ def test_a_gangs_parts_share_a_job_private_network(docker_client, node_name):
     assert [n for n in docker_client.networks.list(names=[gang_network_name(job, 2)])] == []
 
 
+def test_auto_picks_a_bridge_on_an_engine_in_no_swarm(docker_driver, docker_client):
+    assert docker_client.info()["Swarm"]["LocalNodeState"] != "active"  # this machine's engine
+    assert docker_driver.gang_network_driver == "bridge"
+
+
 def test_without_network_a_gang_part_stays_on_network_none(docker_driver, docker_client):
     h = docker_driver.launch(gang_spec("gang-none", 0, network=False, command=["true"]))
     assert docker_client.api.inspect_container(h.ref)["HostConfig"]["NetworkMode"] == "none"
@@ -260,7 +265,7 @@ def test_gang_network_options_come_from_flags_or_environment(monkeypatch):
 
     base = ["--portal", "http://p", "--token", "gpn_x", "--broker", "redis://b"]
     args = parse_args(base)
-    assert args.gang_network_driver == "bridge" and args.gang_network_internal is False
+    assert args.gang_network_driver == "auto" and args.gang_network_internal is False
     monkeypatch.setenv("GPUPORTAL_GANG_NETWORK_DRIVER", "overlay")
     monkeypatch.setenv("GPUPORTAL_GANG_NETWORK_INTERNAL", "1")
     args = parse_args(base)

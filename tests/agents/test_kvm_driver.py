@@ -161,6 +161,20 @@ def test_image_paths_that_could_leave_image_are_skipped():
     assert stat.S_ISDIR(e["image/evil"]["mode"])
 
 
+def test_header_fields_never_overflow_and_shift_the_archive():
+    """A far-future mtime (PAX tars carry any) would widen its header field; the unpacker would then read
+    file data as headers, i.e. entries of the image's choosing anywhere in the guest. It is clamped."""
+    out = io.BytesIO()
+    smuggled = b"070701" + b"0" * 104 + b"init\0"  # what a shifted reader could take for a header
+    image_cpio(tar_of(("future", tarfile.REGTYPE, smuggled, {"mtime": 2 ** 33}),
+                      ("after", tarfile.REGTYPE, b"ok")), out)
+    e = read_cpio(out.getvalue())
+    assert set(e) == {"image", "image/future", "image/after"}
+    assert e["image/future"]["mtime"] == 0xFFFFFFFF and e["image/after"]["data"] == b"ok"
+    with pytest.raises(ImageError, match="uid 4294967296 does not fit"):
+        image_cpio(tar_of(("big", tarfile.REGTYPE, b"", {"uid": 2 ** 32})), io.BytesIO())
+
+
 def test_an_image_over_the_limit_is_refused_while_converting():
     with pytest.raises(ImageError, match="add up to more than"):
         image_cpio(tar_of(("a", tarfile.REGTYPE, b"x" * 600), ("b", tarfile.REGTYPE, b"x" * 600)),

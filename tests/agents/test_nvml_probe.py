@@ -145,3 +145,17 @@ def test_scrub_runs_one_child_per_gpu_at_once(nvml, monkeypatch):
     monkeypatch.setattr(subprocess, "run", run)
     monkeypatch.setattr(pynvml, "nvmlDeviceGetComputeRunningProcesses", lambda h: [])
     assert NvmlProbe().scrub([0, 1]) == {} and sorted(seen) == ["GPU-aaa", "GPU-bbb"]
+
+
+def test_scrub_does_not_count_the_mps_server_as_a_leftover(nvml, monkeypatch):
+    import json
+    import subprocess
+
+    names = {42: "nvidia-cuda-mps", 43: "python3"}
+    monkeypatch.setattr("agents.probe.nvml._process_name", lambda pid: names[pid])
+    assert NvmlProbe().scrub([0]) == {0: "still used by process(es) 43 after the job ended"}
+    names[43] = "nvidia-cuda-mps"  # only MPS servers left: the GPU is scrubbed
+    out = {"zeroed_bytes": 1, "free_bytes": 1, "total_bytes": 2, "seconds": 0.1}
+    monkeypatch.setattr(subprocess, "run", lambda cmd, env, **kw: subprocess.CompletedProcess(
+        cmd, 0, json.dumps(out), ""))
+    assert NvmlProbe().scrub([0]) == {}

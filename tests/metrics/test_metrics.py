@@ -158,3 +158,14 @@ def test_metrics_query_count_is_flat(node, demo, api, django_assert_max_num_quer
     client = api("admin")
     with django_assert_max_num_queries(12):
         assert client.get("/metrics").status_code == 200
+
+
+def test_a_hot_gpu_whose_scrub_failed_meanwhile_does_not_heal_by_cooling(node):
+    from portal.nodes.services import gpus_scrub_failed
+
+    hot = node.gpus[0]
+    beat(node, [sample(hot, temperature_c=95)])  # unhealthy for heat (the health map caches that reason)
+    gpus_scrub_failed(node=hot.node, failures=[{"gpu_index": hot.index, "message": "CUDA_ERROR_UNKNOWN"}], job_id=7)
+    beat(node, [sample(hot, temperature_c=40)])
+    hot.refresh_from_db()
+    assert hot.health == "unhealthy" and "Memory scrub failed after job 7" in hot.health_reason

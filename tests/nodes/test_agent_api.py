@@ -246,3 +246,30 @@ def test_a_sandbox_the_agent_could_not_kill_drains_its_node(node, placed, settin
     assert Node.objects.get(pk=node.node.pk).state_reason == f"Auto-drained: {problem}"
     r = post(node, f"jobs/{placed.pk}/events", {"attempt": 1, "state": "cancelled", "node_problem": "x" * 501})
     assert r.status_code == 400 and "node_problem" in r.json()["error"]["fields"]
+
+
+def test_a_job_its_node_could_not_start_is_requeued_not_failed(node, placed, settings):
+    """The agent could not free or scrub the GPUs: not the job's fault. It goes back to the queue as a new
+    attempt (or node_fail once out of attempts) and the node is drained."""
+    post(node, f"jobs/{placed.pk}/confirm", {"attempt": 1})
+    problem = "GPU(s) [0] could not be scrubbed before the job: 0: memory scrub failed: CUDA_ERROR_UNKNOWN"
+    r = post(node, f"jobs/{placed.pk}/events", {"attempt": 1, "state": "failed", "message": problem,
+                                                 "node_problem": problem,
+                                                 "scrub_failures": [{"gpu_index": 0, "message": "CUDA_ERROR_UNKNOWN"}]})
+    assert r.status_code == 200
+    placed.refresh_from_db()
+    assert placed.state == "queued" and placed.attempt == 2 and placed.reason_code == "node_fail"
+    assert "could not start it" in placed.reason_message
+    assert not Allocation.objects.filter(job=placed, released_at__isnull=True).exists()
+    assert Node.objects.get(pk=node.node.pk).state == "drained"
+    # The same on the last attempt ends it node_fail.
+    settings.JOB_MAX_ATTEMPTS = 2
+    Node.objects.filter(pk=node.node.pk).update(state="ready")
+    GPU.objects.filter(node=node.node).update(health="healthy", health_reason="")
+    run_pass()
+    placed.refresh_from_db()
+    assert placed.state == "assigned" and placed.attempt == 2
+    post(node, f"jobs/{placed.pk}/confirm", {"attempt": 2})
+    post(node, f"jobs/{placed.pk}/events", {"attempt": 2, "state": "failed", "node_problem": problem})
+    placed.refresh_from_db()
+    assert placed.state == "node_fail"
