@@ -15,7 +15,7 @@ engine's DNS whichever node it landed on. On one engine a ``bridge`` network is
 enough; across hosts the engines must share a Docker swarm, and the network is
 an attachable ``overlay`` (``--gang-network-driver auto``, the default, picks
 overlay when the engine is in a swarm). The last part to leave removes it;
-empty ones left by a crash are pruned later.
+empty ones left by a crash are pruned when the next gang makes its network.
 """
 
 from __future__ import annotations
@@ -207,6 +207,8 @@ class DockerDriver:
         name = gang_network_name(spec.job_id, spec.attempt)
         found = self._networks_named(name)
         if not found:
+            # Only gangs make these networks, so only a gang's launch sweeps up a crash's empty ones.
+            self._prune_gang_networks()
             try:
                 self.client.networks.create(
                     name, driver=self.gang_network_driver, internal=self.gang_network_internal,
@@ -336,7 +338,6 @@ class DockerDriver:
                 continue  # another part of the gang removed it first (NotFound is an APIError)
             if not net.attrs.get("Containers"):
                 self._remove_network(net)
-        self._prune_gang_networks()
 
     # -- helpers --------------------------------------------------------------
 
