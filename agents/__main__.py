@@ -90,7 +90,8 @@ def main(argv=None) -> int:
             extra = {"pci_bus_ids": {g.index: g.pci_bus_id for g in probe.inventory()}}
         elif args.sandbox == "docker":
             extra = {"gang_network_driver": args.gang_network_driver,
-                     "gang_network_internal": args.gang_network_internal}
+                     "gang_network_internal": args.gang_network_internal,
+                     "simulated_gpus": probe.kind == "sim"}
         driver = make_driver(args.sandbox, node=args.name, **extra)
     except (ValueError, SandboxError) as exc:
         print(f"agent: {exc}", file=sys.stderr)

@@ -98,10 +98,14 @@ class PortalClient:
     # -- the API ----------------------------------------------------------------
 
     def register(self, *, name: str, cpus: int, memory_mb: int, sandbox: str, gpus: list[dict],
-                 capabilities: dict | None = None) -> dict:
-        """-> {node, heartbeat_interval_s, lease_s}"""
-        return self._post("/register", {"name": name, "cpus": cpus, "memory_mb": memory_mb,
-                                        "sandbox": sandbox, "gpus": gpus, "capabilities": capabilities or {}})
+                 capabilities: dict | None = None, gpus_unusable: str = "") -> dict:
+        """-> {node, heartbeat_interval_s, lease_s}. ``gpus_unusable``: why the sandbox cannot give
+        this node's GPUs to jobs ("" when it can); the portal keeps GPU jobs off them."""
+        body = {"name": name, "cpus": cpus, "memory_mb": memory_mb, "sandbox": sandbox, "gpus": gpus,
+                "capabilities": capabilities or {}}
+        if gpus_unusable:
+            body["gpus_unusable"] = gpus_unusable
+        return self._post("/register", body)
 
     def heartbeat(self, *, samples: list[dict], jobs: list[dict]) -> dict:
         """-> {drain: bool, stop: [{job_id, attempt, reason}]}"""

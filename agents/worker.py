@@ -115,8 +115,15 @@ class Agent:
 
     def register(self) -> dict:
         gpus = [g.as_dict() for g in self.probe.inventory()]
+        # A sandbox that cannot hand GPUs to jobs (docker without the NVIDIA runtime) says why: the
+        # portal then keeps GPU jobs off this node instead of sending launches that would fail.
+        problem = getattr(self.driver, "gpu_problem", lambda: None)() if gpus else None
+        if problem:
+            log.warning("this node's GPUs cannot serve %s jobs: %s; registering them as unusable (CPU jobs still run)",
+                        self.driver.name, problem)
         resp = self.client.register(name=self.name, cpus=os.cpu_count() or 1, memory_mb=_memory_mb(),
-                                    sandbox=self.driver.name, gpus=gpus, capabilities=capabilities(self.probe))
+                                    sandbox=self.driver.name, gpus=gpus, capabilities=capabilities(self.probe),
+                                    gpus_unusable=problem or "")
         self.node_id = resp.get("node")
         self.heartbeat_interval_s = float(resp.get("heartbeat_interval_s") or self.heartbeat_interval_s)
         self.lease_s = float(resp.get("lease_s") or self.lease_s)
@@ -580,11 +587,13 @@ def _utf8_complete_len(b: bytes) -> int:
 
 
 def capabilities(probe) -> dict:
-    """What this node can enforce. A GPU share (fractional job) is enforced only through CUDA MPS,
+    """What this node can enforce (and whether its GPUs are real). A GPU share (fractional job) is enforced only through CUDA MPS,
     which needs a real driver and the MPS control daemon; simulated GPUs never can."""
     import shutil
 
-    return {"mps": probe.kind == "nvml" and shutil.which("nvidia-cuda-mps-control") is not None}
+    return {"mps": probe.kind == "nvml" and shutil.which("nvidia-cuda-mps-control") is not None,
+            # Jobs here see the GPU environment but no device: their pages say so.
+            "simulated_gpus": probe.kind == "sim"}
 
 
 def _memory_mb() -> int:

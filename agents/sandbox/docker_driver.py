@@ -39,6 +39,7 @@ from agents.sandbox import (
 log = logging.getLogger(__name__)
 
 LABEL_NETWORK = "gpuportal.network"  # on the job networks this driver makes
+LABEL_SIMULATED = "gpuportal.simulated_gpus"  # "1" on a GPU job run on simulated GPUs
 
 # nobody:nogroup; exists in every image we build and owns nothing on the host.
 JOB_USER = "65534:65534"
@@ -46,6 +47,11 @@ NO_GPU_MESSAGE = (
     "this node's Docker engine has no NVIDIA GPU support (no 'nvidia' runtime and no "
     "NVIDIA Container Toolkit hook); GPU jobs cannot run on this node, CPU jobs can"
 )
+# What the agent registers as the reason its (real) GPUs cannot serve docker jobs.
+NO_RUNTIME_REASON = "Docker engine has no NVIDIA runtime"
+# The first line of a GPU job's log on simulated GPUs: the job must not think it computed on a GPU.
+SIMULATED_NOTICE = (b"[gpuportal] simulated GPUs: no NVIDIA runtime, the job sees the GPU environment only "
+                    b"(CUDA_VISIBLE_DEVICES and the rest), no GPU device\n")
 
 
 class SandboxExists(SandboxError):
@@ -57,8 +63,11 @@ class DockerDriver:
 
     def __init__(self, *, node: str, client=None, job_network: str = "bridge",
                  nofile: int | None = 4096, gang_network_driver: str = "auto",
-                 gang_network_internal: bool = False):
+                 gang_network_internal: bool = False, simulated_gpus: bool = False):
         self.node = node
+        # Simulated GPUs (a laptop, CI, the demo): a GPU job runs without the NVIDIA runtime, with the
+        # same environment, limits and isolation as on real GPUs, and its log says so first.
+        self.simulated_gpus = simulated_gpus
         self.job_network = job_network  # used only for jobs with network allowed
         # A multi-node gang's private network: "bridge" (one engine) or "overlay"
         # (a swarm); internal means the ranks reach each other and nothing else.
@@ -73,6 +82,9 @@ class DockerDriver:
         except (docker.errors.DockerException, requests.RequestException) as exc:
             raise SandboxError(f"the Docker engine is not answering: {exc}") from exc
         self._gpu_support: bool | None = None
+        if simulated_gpus:
+            log.info("docker sandbox: simulated GPUs: GPU jobs run without the NVIDIA runtime and see "
+                     "the GPU environment only")
         if gang_network_driver == "auto":
             # A swarm spans hosts, so an overlay network reaches a gang's parts wherever they run; a lone
             # engine's bridge reaches only the parts on this host.
@@ -96,10 +108,17 @@ class DockerDriver:
             self._gpu_support = "nvidia" in runtimes or bool(shutil.which("nvidia-container-runtime-hook"))
         return self._gpu_support
 
+    def gpu_problem(self) -> str | None:
+        """Why this node's GPUs cannot serve docker jobs, or None. The agent registers it, and the
+        portal keeps GPU jobs off those GPUs instead of sending launches that would fail."""
+        if self.simulated_gpus or self.gpu_support():
+            return None
+        return NO_RUNTIME_REASON
+
     # -- Driver interface -----------------------------------------------------
 
     def launch(self, spec: LaunchSpec) -> SandboxHandle:
-        if spec.gpu_uuids and not self.gpu_support():
+        if spec.gpu_uuids and not self.simulated_gpus and not self.gpu_support():
             raise SandboxError(NO_GPU_MESSAGE)
         kwargs = self._create_kwargs(spec)
         try:
@@ -133,7 +152,9 @@ class DockerDriver:
         env = job_env(spec, visible_devices=[str(i) for i in range(n)])
         # Never let the image's NVIDIA_VISIBLE_DEVICES pick GPUs: on an engine with
         # the nvidia runtime as default, "all" in an image would expose every GPU.
-        env["NVIDIA_VISIBLE_DEVICES"] = ",".join(spec.gpu_uuids) if n else "void"
+        # Simulated UUIDs name no device: "void" keeps such a runtime from failing the start.
+        real = n and not self.simulated_gpus
+        env["NVIDIA_VISIBLE_DEVICES"] = ",".join(spec.gpu_uuids) if real else "void"
         env.setdefault("HOME", "/work")
         mem = f"{spec.memory_mb}m"
         kwargs = dict(
@@ -179,7 +200,9 @@ class DockerDriver:
             del kwargs["network_mode"]
             kwargs["hostname"] = f"rank{rank}"
             env["MASTER_ADDR"] = "rank0"
-        if n:
+        if n and self.simulated_gpus:
+            kwargs["labels"][LABEL_SIMULATED] = "1"  # read_logs puts the notice first, also after a restart
+        if real:
             kwargs["device_requests"] = [
                 docker.types.DeviceRequest(driver="nvidia", device_ids=list(spec.gpu_uuids),
                                            capabilities=[["gpu"]])
@@ -279,7 +302,8 @@ class DockerDriver:
             return b""
         # The engine has no byte-offset API, so read all and slice: fine for the
         # log sizes jobs print; a log-shipping sidecar would be the next step.
-        return c.logs(stdout=True, stderr=True)[offset:]
+        notice = SIMULATED_NOTICE if c.labels.get(LABEL_SIMULATED) == "1" else b""
+        return (notice + c.logs(stdout=True, stderr=True))[offset:]
 
     def stop(self, handle: SandboxHandle, grace_s: float) -> None:
         """SIGTERM, wait up to ``grace_s`` for the job to exit, then SIGKILL."""

@@ -118,6 +118,9 @@ class Job(models.Model):
         if 0 < self.gpus < 1 and self.node is not None and not self.node.capabilities.get("mps"):
             out.append(f"Node {self.node.name} cannot enforce this job's GPU share (no CUDA MPS): its "
                        f"{self.gpus.normalize()} of a GPU is a scheduling limit only; memory and compute are not capped.")
+        if self.gpus > 0 and self.node is not None and self.node.capabilities.get("simulated_gpus"):
+            out.append(f"Node {self.node.name} has simulated GPUs: its jobs run without the NVIDIA runtime; this one sees "
+                       f"the GPU environment (CUDA_VISIBLE_DEVICES and the rest) but no GPU device.")
         return out
 
 

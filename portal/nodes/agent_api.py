@@ -45,6 +45,8 @@ class RegisterSerializer(StrictSerializer):
 
 class RegisterView(AgentView):
     @extend_schema(request=RegisterSerializer, responses=inline_serializer("Registered", {
+    # Why the agent's sandbox cannot give its GPUs to jobs (docker without the NVIDIA runtime); "" = it can.
+    gpus_unusable = serializers.CharField(max_length=150, required=False, allow_blank=True, default="")
         "node": serializers.CharField(), "heartbeat_interval_s": serializers.FloatField(),
         "lease_s": serializers.FloatField()}))
     def post(self, request):

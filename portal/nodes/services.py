@@ -114,9 +114,17 @@ def node_authenticate(secret: str) -> Node | None:
     return Node.objects.filter(token_digest=tokens.digest(secret)).first()
 
 
+GPU_UNUSABLE_PREFIX = "Unusable for "  # health_reason of GPUs the node's sandbox cannot serve
+
+
 def agent_register(*, node: Node, name: str, cpus: int, memory_mb: int, sandbox: str, gpus: list[dict],
-                   capabilities: dict | None = None) -> Node:
-    """The agent's real inventory replaces what the operator declared; a down node comes back."""
+                   capabilities: dict | None = None, gpus_unusable: str = "") -> Node:
+    """The agent's real inventory replaces what the operator declared; a down node comes back.
+
+    ``gpus_unusable`` says why the agent's sandbox cannot give GPUs to jobs (a Docker engine
+    without the NVIDIA runtime): its healthy GPUs turn unhealthy with that reason, so the
+    scheduler places no GPU job there and the nodes page says why. A later registration
+    without it (the runtime was installed, the agent restarted) puts them back in service."""
     from django.utils import timezone
 
     if name != node.name:
@@ -145,6 +153,7 @@ def agent_register(*, node: Node, name: str, cpus: int, memory_mb: int, sandbox:
         for index, gpu in existing.items():
             if index not in seen:
                 GPU.objects.filter(pk=gpu.pk).update(health="unhealthy", health_reason="missing from the agent's inventory")
+        _gpus_usable_apply(node=node, sandbox=sandbox, problem=gpus_unusable)
         updates = {"cpus": cpus, "memory_mb": memory_mb, "sandbox": sandbox[:16], "last_heartbeat_at": timezone.now(),
                    "capabilities": capabilities or {}}
         if node.state == NodeState.DOWN:
@@ -155,6 +164,21 @@ def agent_register(*, node: Node, name: str, cpus: int, memory_mb: int, sandbox:
     _request_pass()
     node.refresh_from_db()
     return node
+
+
+def _gpus_usable_apply(*, node: Node, sandbox: str, problem: str) -> None:
+    """Mark or clear "unusable" on the node's GPUs; runs in agent_register's transaction.
+    Only this rule's own verdicts are cleared: an Xid or a failed scrub stays for the operator."""
+    gpus = GPU.objects.filter(node=node)
+    if problem:
+        reason = f"{GPU_UNUSABLE_PREFIX}{sandbox[:16]} jobs: {problem}"[:200]
+        changed = gpus.filter(health=GPUHealth.HEALTHY).update(health=GPUHealth.UNHEALTHY, health_reason=reason)
+    else:
+        changed = gpus.filter(health=GPUHealth.UNHEALTHY, health_reason__startswith=GPU_UNUSABLE_PREFIX).update(
+            health=GPUHealth.HEALTHY, health_reason="")
+    if changed:
+        audit_record(actor=Actor(user=None, label=f"node:{node.name}"), action="node.gpus_usable", obj=node,
+                     gpus=changed, usable=not problem, reason=problem)
 
 
 def _model_name(g: dict) -> str:

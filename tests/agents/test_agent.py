@@ -29,6 +29,15 @@ def test_register_sends_inventory_and_takes_the_portals_timers(env):
     assert body["name"] == "n1" and body["sandbox"] == "fake" and len(body["gpus"]) == 4
     assert set(body["gpus"][0]) == {"index", "uuid", "model", "memory_mb", "pci_bus_id"}
     assert env.agent.heartbeat_interval_s == 5 and env.agent.lease_s == 30 and env.agent.node_id == 7
+    assert body["capabilities"] == {"mps": False, "simulated_gpus": True} and body["gpus_unusable"] == ""
+
+
+def test_register_names_gpus_the_sandbox_cannot_serve(env):
+    """A docker engine without the NVIDIA runtime: the registration says so, and the portal keeps
+    GPU jobs away instead of sending launches that fail."""
+    env.driver.gpu_problem = lambda: "Docker engine has no NVIDIA runtime"
+    env.agent.register()
+    assert env.portal.registered["gpus_unusable"] == "Docker engine has no NVIDIA runtime"
 
 
 def test_launch_confirms_starts_and_reports(env):

@@ -2,7 +2,6 @@
 the portal's HTTP API (a stub on 127.0.0.1), a Celery broker (filesystem
 transport in a temp dir) and the real Docker engine."""
 
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from celery import Celery
 
 from tests.agents.conftest import JOB_IMAGE
 from tests.agents.portal_stub import TOKEN, PortalStub
+from tests.procs import start_process, stop_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,11 +32,6 @@ def stack(tmp_path, docker_client, node_name):
     folder = tmp_path / "broker"
     folder.mkdir()
     log = open(tmp_path / "agent.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "agents", "--portal", stub.url, "--token", TOKEN,
-         "--broker", "filesystem://", "--broker-folder", str(folder), "--name", node_name,
-         "--gpus", "sim:2xH100-80GB", "--sandbox", "docker", "--stop-grace", "1"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     producer = Celery("portal-side", broker="filesystem://")
     producer.conf.broker_transport_options = {"data_folder_in": str(folder), "data_folder_out": str(folder)}
 
@@ -47,17 +42,19 @@ def stack(tmp_path, docker_client, node_name):
         log.seek(0)
         return log.read()
 
+    proc = start_process(
+        [sys.executable, "-m", "agents", "--portal", stub.url, "--token", TOKEN,
+         "--broker", "filesystem://", "--broker-folder", str(folder), "--name", node_name,
+         "--gpus", "sim:2xH100-80GB", "--sandbox", "docker", "--stop-grace", "1"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: "ready." in agent_log() or proc.poll() is not None, 30, "the Celery worker")
         assert proc.poll() is None, agent_log()
         yield type("Stack", (), dict(stub=stub, send=send, log=agent_log, proc=proc))
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, grace_s=15)
         stub.close()
+        log.close()
         for c in docker_client.containers.list(all=True, filters={"label": [f"gpuportal.node={node_name}"]}):
             c.remove(force=True)
 
@@ -66,6 +63,7 @@ def test_agent_runs_a_job_end_to_end(stack):
     s = stack
     reg = s.stub.calls("/register")[0]
     assert reg["sandbox"] == "docker" and len(reg["gpus"]) == 2 and s.stub.calls("/heartbeat")
+    assert reg["capabilities"]["simulated_gpus"] is True and "gpus_unusable" not in reg
     s.stub.stale.add(("stale-1", 1))
     s.send("agent.launch", "stale-1", 1, {"image": JOB_IMAGE, "command": ["true"]})
     s.send("agent.launch", "e2e-1", 1, {"image": JOB_IMAGE, "command": ["sh", "-c", "echo hello from $GPUPORTAL_JOB_ID"],

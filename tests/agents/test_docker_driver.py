@@ -145,6 +145,40 @@ def test_gpu_job_without_nvidia_runtime_fails_clearly(docker_driver, docker_clie
     assert wait_done(docker_driver, h) == (EXITED, 0)
 
 
+def test_simulated_gpus_run_without_the_runtime_with_the_gpu_environment(docker_client, node_name):
+    """The demo's node: a GPU job runs in the same hardened container, sees CUDA_VISIBLE_DEVICES and
+    the MPS caps as on real GPUs, gets no device, and its log says so first (also read from an offset)."""
+    from agents.sandbox.docker_driver import SIMULATED_NOTICE, DockerDriver
+
+    driver = DockerDriver(node=node_name, client=docker_client, simulated_gpus=True)
+    try:
+        assert driver.gpu_problem() is None
+        spec = make_spec(gpu_indexes=[1, 3], gpu_uuids=["GPU-sim-1", "GPU-sim-3"], gpu_fraction=0.5,
+                         gpu_memory_mb=4000, command=["env"])
+        h = driver.launch(spec)
+        assert wait_done(driver, h) == (EXITED, 0)
+        logs = driver.read_logs(h, 0)
+        assert logs.startswith(SIMULATED_NOTICE) and driver.read_logs(h, 5) == logs[5:]
+        env = dict(l.split("=", 1) for l in logs.decode().splitlines()[1:] if "=" in l)
+        assert env["CUDA_VISIBLE_DEVICES"] == "0,1" and env["NVIDIA_VISIBLE_DEVICES"] == "void"
+        assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+        host = docker_client.containers.get(h.ref).attrs["HostConfig"]
+        assert not host.get("DeviceRequests") and host["NetworkMode"] == "none" and host["ReadonlyRootfs"]
+        assert host["CapDrop"] == ["ALL"] and host["Memory"] == 64 * 1024 * 1024
+        # A CPU job on the same node has no notice: nothing about it is simulated.
+        h2 = driver.launch(make_spec())
+        assert wait_done(driver, h2) == (EXITED, 0) and driver.read_logs(h2, 0) == b"hello\n"
+    finally:
+        for c in docker_client.containers.list(all=True, filters={"label": [f"gpuportal.node={node_name}"]}):
+            c.remove(force=True)
+
+
+def test_real_gpus_on_an_engine_without_the_runtime_are_named_unusable(docker_driver):
+    if docker_driver.gpu_support():
+        pytest.fail("this engine has NVIDIA support; this test is for engines without it", pytrace=False)
+    assert docker_driver.gpu_problem() == "Docker engine has no NVIDIA runtime"
+
+
 def test_gpu_request_names_only_the_allocated_gpus(docker_driver):
     spec = make_spec(gpu_indexes=[2, 5], gpu_uuids=["GPU-a", "GPU-b"], gpu_fraction=0.5, gpu_memory_mb=8000)
     kw = docker_driver._create_kwargs(spec)
