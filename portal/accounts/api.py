@@ -55,7 +55,8 @@ class TokenViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenantViewS
         project = None
         slug = data.validated_data["project"]
         if slug:
-            project = Project.objects.for_user(request.user, "view").filter(slug=slug).first()
+            project = Project.objects.for_user(request.user, "view", project_id=self.actor.restricted_project_id) \
+                .filter(slug=slug).first()
             if project is None:
                 raise serializers.ValidationError({"project": [f"No project named {slug!r}."]})
         token, secret = token_issue(

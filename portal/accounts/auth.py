@@ -41,4 +41,13 @@ class TokenScopePermission(permissions.BasePermission):
         if not token.has_scope(scope):
             self.message = f"This token lacks the '{scope}' scope."
             return False
+        if token.project_id is not None and request.method not in permissions.SAFE_METHODS:
+            # A project-restricted token changes nothing outside its project. Only views that
+            # say a write stays inside one project (TenantViewSet: its queryset already hides the
+            # other projects) take one; any other view, present or future, refuses it.
+            inside = getattr(view, "write_stays_in_project", None)
+            if inside is None or not inside():
+                self.message = (f"This token is restricted to project {token.project.slug}; "
+                                "it cannot make changes outside that project.")
+                return False
         return True

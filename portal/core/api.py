@@ -127,6 +127,9 @@ class TenantViewSet(ActorMixin, viewsets.GenericViewSet):
     scoped_model = None
     write_scope = "admin"
     scope_for_action: dict[str, str] = {}
+    #: actions that act beyond any one project (create an organization): a project-restricted
+    #: token may not run them (accounts.auth.TokenScopePermission asks write_stays_in_project).
+    account_wide_actions: frozenset[str] = frozenset()
 
     def get_queryset(self):
         if getattr(self, "swagger_fake_view", False):  # schema generation: no request user
@@ -134,6 +137,11 @@ class TenantViewSet(ActorMixin, viewsets.GenericViewSet):
         return self.scoped_model.objects.for_user(
             self.request.user, "view", project_id=self.actor.restricted_project_id
         )
+
+    def write_stays_in_project(self) -> bool:
+        """True when this write touches only rows of the projects the queryset shows, so a
+        project-restricted token may make it (its service checks the project named in a body)."""
+        return self.action not in self.account_wide_actions
 
     def required_scope(self) -> str:
         if self.action in self.scope_for_action:

@@ -7,10 +7,11 @@ from rest_framework.decorators import action
 from rest_framework.response import Response
 
 from portal.core.api import StrictModelSerializer, TenantViewSet
+from portal.core.context import actor_from_request
 from portal.tenancy.models import Project
 
 from .models import TERMINAL, Job, JobEvent, JobTemplate
-from .selectors import log_read
+from .selectors import LOG_PAGE_MAX_BYTES, log_read
 from .services import job_cancel, job_resubmit, job_submit, template_delete, template_save
 from .spec import JobSpecSerializer
 
@@ -93,10 +94,20 @@ class JobFilter(django_filters.FilterSet):
 
 class LogsSerializer(serializers.Serializer):
     attempt = serializers.IntegerField()
-    offset = serializers.IntegerField()
-    next_offset = serializers.IntegerField()
-    data = serializers.CharField()
-    complete = serializers.BooleanField(help_text="True once the job has ended and the tail is shipped.")
+    offset = serializers.IntegerField(help_text="Byte offset this page starts at.")
+    next_offset = serializers.IntegerField(help_text="Byte offset to ask for next; equals `size` once all is read.")
+    size = serializers.IntegerField(help_text="Bytes stored for this attempt so far.")
+    data = serializers.CharField(help_text="The page's bytes as UTF-8 text; invalid bytes and NUL read as U+FFFD.")
+    complete = serializers.BooleanField(help_text="True once the job has ended: the agent ships the tail first, "
+                                                  "so nothing is added after `size`.")
+    truncated = serializers.BooleanField(help_text="The log reached JOB_LOG_MAX_BYTES; it ends with a notice.")
+
+
+class LogsQuerySerializer(serializers.Serializer):
+    offset = serializers.IntegerField(min_value=0, max_value=2**53, required=False, default=0)
+    limit = serializers.IntegerField(min_value=1, max_value=LOG_PAGE_MAX_BYTES, required=False,
+                                     default=LOG_PAGE_MAX_BYTES)
+    attempt = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False)
 
 
 class JobViewSet(mixins.ListModelMixin, TenantViewSet):
@@ -161,18 +172,21 @@ class JobViewSet(mixins.ListModelMixin, TenantViewSet):
 
     @extend_schema(responses=LogsSerializer, parameters=[
         OpenApiParameter("offset", int, description="byte offset to read from (default 0)"),
+        OpenApiParameter("limit", int, description=f"at most this many bytes (default and maximum "
+                                                   f"{LOG_PAGE_MAX_BYTES})"),
         OpenApiParameter("attempt", int, description="attempt (default: the latest)")])
     @action(detail=True, methods=["get"])
     def logs(self, request, pk=None):
+        """One page of an attempt's log; read on from `next_offset` until it equals `size`."""
         job = self.get_object()
-        try:
-            offset = max(0, int(request.query_params.get("offset", 0)))
-            attempt = int(request.query_params.get("attempt", job.attempt))
-        except ValueError:
-            raise serializers.ValidationError({"offset": ["Expected an integer."]}) from None
-        text, next_offset = log_read(job, attempt=attempt, offset=offset)
-        return Response({"attempt": attempt, "offset": offset, "next_offset": next_offset, "data": text,
-                         "complete": job.state in TERMINAL})
+        query = LogsQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        q = query.validated_data
+        attempt = q.get("attempt", job.attempt)
+        page = log_read(job, attempt=attempt, offset=q["offset"], limit=q["limit"])
+        return Response({"attempt": attempt, "offset": page.offset, "next_offset": page.next_offset,
+                         "size": page.size, "data": page.data, "complete": job.state in TERMINAL,
+                         "truncated": page.truncated})
 
 
 class JobTemplateSerializer(StrictModelSerializer):
@@ -189,7 +203,9 @@ class JobTemplateSerializer(StrictModelSerializer):
         super().__init__(*args, **kwargs)
         request = self.context.get("request")
         if request is not None and request.user.is_authenticated:
-            self.fields["project"].queryset = Project.objects.for_user(request.user, "view")
+            # The choices honour a token's project restriction: other projects do not exist for it.
+            self.fields["project"].queryset = Project.objects.for_user(
+                request.user, "view", project_id=actor_from_request(request).restricted_project_id)
 
 
 class JobTemplateViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenantViewSet):

@@ -36,6 +36,7 @@ class OrganizationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Tena
     scoped_model = Organization
     serializer_class = OrganizationSerializer
     lookup_field = "slug"
+    account_wide_actions = frozenset({"create"})  # a new organization lies outside a token's one project
 
     def create(self, request):
         data = OrganizationSerializer(data=request.data)
@@ -95,6 +96,7 @@ class ProjectViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenantVie
     scoped_model = Project
     serializer_class = ProjectSerializer
     lookup_field = "slug"
+    account_wide_actions = frozenset({"create"})  # a new project lies outside a token's one project
     filterset_fields = {"organization__slug": ["exact"]}
 
     def get_queryset(self):
