@@ -11,6 +11,9 @@ from rest_framework.test import APIClient
 
 from portal.accounts.services import token_issue
 from portal.core.context import Actor
+# The pinned wall clock: the `clock` fixture and marker, --clock-instants (see tests/clock.py).
+from tests.clock import (clock, pytest_addoption, pytest_collection_modifyitems, pytest_configure,  # noqa: F401
+                         pytest_generate_tests)
 
 
 @pytest.fixture(scope="session")

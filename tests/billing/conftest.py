@@ -1,4 +1,4 @@
-from datetime import datetime, timedelta, timezone as dt_timezone
+from datetime import datetime, timezone as dt_timezone
 
 import pytest
 
@@ -8,25 +8,13 @@ from portal.jobs.services import job_submit
 IMAGE = "gpuportal/busybox:latest"
 
 
-class Clock:
-    """A settable wall clock behind django.utils.timezone.now (transitions, auto_now, metering)."""
-
-    def __init__(self, start: datetime):
-        self.t = start
-
-    def __call__(self) -> datetime:
-        return self.t
-
-    def advance(self, **kw) -> datetime:
-        self.t += timedelta(**kw)
-        return self.t
-
-
 @pytest.fixture
-def clock(monkeypatch):
-    c = Clock(datetime(2026, 11, 3, 9, 40, 0, tzinfo=dt_timezone.utc))
-    monkeypatch.setattr("django.utils.timezone.now", c)
-    return c
+def clock(clock, request):
+    """The pinned clock (tests/clock.py) at 09:40 on 3 November, where the scenarios of this folder
+    count their hours from; tests marked clock (test_month_boundary.py) keep their instant."""
+    if request.node.get_closest_marker("clock") is None:
+        clock.move_to(datetime(2026, 11, 3, 9, 40, 0, tzinfo=dt_timezone.utc))
+    return clock
 
 
 @pytest.fixture

@@ -233,12 +233,14 @@ def test_job_list_query_count_is_flat(cluster, api, django_assert_max_num_querie
     assert r.json()["count"] == 20
 
 
-def test_budget_hard_stop_holds_queued_jobs(cluster, django_capture_on_commit_callbacks, sent):
+@pytest.mark.clock
+def test_budget_hard_stop_holds_queued_jobs(cluster, django_capture_on_commit_callbacks, sent, clock):
     job = submit(cluster, resources={"gpus": 1})
-    Quota.objects.filter(project=cluster.vision).update(gpu_hours_budget=Decimal("0.5"), budget_hard_stop=True)
+    # 3 GPU-minutes a month, spent this month (at least 5 minutes at every instant).
+    Quota.objects.filter(project=cluster.vision).update(gpu_hours_budget=Decimal("0.05"), budget_hard_stop=True)
     node = Node.objects.get(name="gpu-01")
     Allocation.objects.create(job=submit(cluster), attempt=1, gpu=node.gpus.first(),
-                              started_at=timezone.now() - timedelta(hours=1), released_at=timezone.now())
+                              started_at=clock.ago_this_month(hours=1), released_at=clock())
     run(django_capture_on_commit_callbacks)
     job.refresh_from_db()
     assert job.state == "queued" and job.reason_code == "budget"

@@ -117,18 +117,23 @@ def test_dependency_on_failed_job_is_refused(alice):
     assert r.status_code == 400 and "already ended failed" in r.json()["error"]["fields"]["depends_on"][0]
 
 
-def test_budget_exhausted_is_409(demo, alice):
+@pytest.mark.clock
+def test_budget_exhausted_is_409(demo, alice, clock):
     from portal.jobs.models import Allocation
     from portal.core.context import Actor
     from portal.nodes.services import node_add
-    from django.utils import timezone
     from datetime import timedelta
 
-    Quota.objects.filter(project=demo.vision).update(gpu_hours_budget=Decimal("1"))
+    Quota.objects.filter(project=demo.vision).update(gpu_hours_budget=Decimal("0.05"))  # 3 GPU-minutes a month
     node, _ = node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="1xH100-80GB")
     job = Job.objects.get(pk=submit(alice, spec(resources={"gpus": 1})).json()["id"])
-    Allocation.objects.create(job=job, attempt=1, gpu=node.gpus.get(), started_at=timezone.now() - timedelta(hours=2),
-                              released_at=timezone.now() - timedelta(hours=1) + timedelta(seconds=1))
+    # Last month's GPU-hours do not count against this month's budget.
+    Allocation.objects.create(job=job, attempt=1, gpu=node.gpus.get(),
+                              started_at=clock.month_start - timedelta(hours=3), released_at=clock.month_start)
+    assert submit(alice, spec(resources={"gpus": 1})).status_code == 201
+    # This month's do: at least 5 minutes at every instant, 2 hours at most.
+    Allocation.objects.create(job=job, attempt=2, gpu=node.gpus.get(), started_at=clock.ago_this_month(hours=2),
+                              released_at=clock())
     before = Job.objects.count()
     r = submit(alice, spec(resources={"gpus": 1}))
     assert r.status_code == 409 and r.json()["error"]["code"] == "budget_exhausted"

@@ -33,16 +33,24 @@ def test_dashboard_lists_my_active_and_finished_jobs(demo, browser, submit):
     assert "live-one" in active and "done-one" in finished and "bobs-job" not in page
 
 
-def test_dashboard_quota_bars_warn_at_50_and_danger_at_80_percent(demo, browser, submit):
+@pytest.mark.clock
+def test_dashboard_quota_bars_warn_at_50_and_danger_at_80_percent(demo, browser, submit, clock):
     node, _ = node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="8xH100-80GB")
-    Quota.objects.filter(project=demo.vision).update(max_gpus=Decimal(10), gpu_hours_budget=Decimal(100))
+    # 5 GPUs for 17 h this month (less at the start of a month): 85% of the budget, danger.
+    since = clock.ago_this_month(hours=17)
+    used = round(5 * (clock() - since).total_seconds() / 3600, 1)  # the page shows tenths
+    budget = Decimal(used / 0.85).quantize(Decimal("0.01"))
+    Quota.objects.filter(project=demo.vision).update(max_gpus=Decimal(10), gpu_hours_budget=budget)
     job = submit()
-    now = timezone.now()
-    for gpu in list(node.gpus.all())[:5]:  # 5 of 10 GPUs: warning; 5 GPUs for 17 h = 85 of 100 h: danger
-        Allocation.objects.create(job=job, attempt=1, gpu=gpu, started_at=now - timedelta(hours=17))
+    # Last month's GPU-hours do not count.
+    Allocation.objects.create(job=job, attempt=1, gpu=node.gpus.get(index=7),
+                              started_at=clock.month_start - timedelta(hours=90), released_at=clock.month_start)
+    for gpu in list(node.gpus.all())[:5]:  # 5 of 10 GPUs: warning
+        Allocation.objects.create(job=job, attempt=1, gpu=gpu, started_at=since)
     page = browser("alice").get("/").content.decode()
     assert 'class="bar warn"' in page and "5 of 10 max" in page
     assert 'class="bar danger"' in page and "budget nearly spent" in page
+    assert f">{used:g} of " in page
     assert 'aria-label="GPUs in use: 5 of 10 (50%), guaranteed 8"' in page
     # charlie's dashboard shows only nlp.
     page = browser("charlie").get("/").content.decode()
