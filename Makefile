@@ -5,8 +5,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-$(shell sha1sum requirements.txt | cut -c1-12)
 PORT   ?= 8000
 
-# PostgreSQL for the tests when one answers locally and DATABASE_URL is not set (CI sets it).
-LOCAL_PG := postgres://postgres@127.0.0.1:5432/test
+# What the suite runs against unless set: the PostgreSQL and Redis that .ci/services.sh starts.
+TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test
+TEST_BROKER_URL   ?= redis://127.0.0.1:6379/0
+TEST_REDIS_URL    ?= redis://127.0.0.1:6379/1
 
 .PHONY: run test venv clean
 
@@ -15,6 +17,7 @@ venv: $(STAMP)
 $(STAMP): requirements.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || { \
 	  echo "error: '$(PYTHON) -m venv' failed. On Debian: apt-get install python3-venv" >&2; exit 1; }
+	@bash .ci/build-deps.sh $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
 	@rm -f $(VENV)/.installed-*
@@ -25,9 +28,12 @@ run: venv
 	DEBUG=$${DEBUG:-1} $(PY) manage.py seed_demo
 	DEBUG=$${DEBUG:-1} $(PY) manage.py runstack --port $(PORT)
 
+# Installs (as root, through apt-get) and starts what the suite drives, then runs it all.
 test: venv
-	@if [ -z "$$DATABASE_URL" ] && command -v pg_isready >/dev/null && pg_isready -q -h 127.0.0.1 -p 5432; then \
-	  echo "make test: using local PostgreSQL ($(LOCAL_PG))"; export DATABASE_URL=$(LOCAL_PG); fi; \
+	bash .ci/services.sh
+	DATABASE_URL=$${DATABASE_URL:-$(TEST_DATABASE_URL)} \
+	CELERY_BROKER_URL=$${CELERY_BROKER_URL:-$(TEST_BROKER_URL)} \
+	REDIS_URL=$${REDIS_URL:-$(TEST_REDIS_URL)} \
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 clean:

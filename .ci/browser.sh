@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Browser for the e2e tests (tests/e2e): Debian's Chromium at /usr/bin/chromium, driven by
 # Playwright for Python (requirements.txt). `playwright install` cannot download browsers on
-# our machines, so Debian's package is the browser. Idempotent; fails loudly. Called from .ci/run.
+# our machines, so Debian's package is the browser. Idempotent; fails loudly. Called from .ci/services.sh (make test).
 set -euo pipefail
 
 die() { printf 'browser.sh FAILED: %s\n' "$*" >&2; exit 1; }

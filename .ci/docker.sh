@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Make a Docker engine answer on this machine and build the local job image.
-# Idempotent: every step checks first. Called from .ci/run on a fresh Debian 12
+# Idempotent: every step checks first. Called from .ci/services.sh (make test) on a fresh Debian 12
 # machine as root; no registry is reachable, so the job image is imported from
 # Debian's busybox-static rather than pulled.
 set -euo pipefail

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# KVM sandbox for the tests: the libvirt client library, virt-xml-validate and libvirt-python (built into
-# the project's virtualenv); QEMU, libvirtd (started by hand: there is no systemd) and busybox-static; then
+# KVM sandbox for the tests: the libvirt client library and virt-xml-validate (libvirt-python itself is
+# in requirements.txt); QEMU, libvirtd (started by hand: there is no systemd) and busybox-static; then
 # the guest image (a Debian kernel fetched with `apt-get download` plus a busybox initramfs) in var/kvm.
-# Idempotent and fast when already done; fails loudly. Called by .ci/run after `make venv`.
+# Idempotent and fast when already done; fails loudly. Called by .ci/services.sh (make test, after `make venv`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 die() { echo "kvm.sh: ERROR: $*" >&2; exit 1; }
@@ -21,8 +21,8 @@ if [ ${#need[@]} -gt 0 ]; then
   apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "${need[@]}" >/dev/null \
     || die "apt-get install ${need[*]} failed"
 fi
-.venv/bin/python -c "import libvirt" 2>/dev/null || .venv/bin/pip install --quiet "libvirt-python==12.8.0" \
-  || die "pip install libvirt-python failed"
+# libvirt-python is pinned in requirements.txt and built by `make venv` (.ci/build-deps.sh).
+.venv/bin/python -c "import libvirt" 2>/dev/null || die "libvirt-python is missing from .venv: run make venv"
 .venv/bin/python -c "import libvirt; libvirt.open('test:///default').close()" || die "libvirt test driver does not open"
 
 # No udev here: /dev/kvm may be root-only, and then libvirt re-probes QEMU on every call (createXML ~46 s).
