@@ -10,7 +10,7 @@ class ApiTokenAdmin(admin.ModelAdmin):
     list_display = ("prefix", "name", "user", "project", "scopes", "expires_at", "last_used_at", "revoked_at")
     list_filter = ("revoked_at", "expires_at", "project")
     search_fields = ("prefix", "name", "user__username")
-    readonly_fields = ("user", "name", "prefix", "digest", "scopes", "project", "created_at", "expires_at",
+    readonly_fields = ("user", "name", "prefix", "digest", "scopes", "project", "parent", "created_at", "expires_at",
                        "last_used_at")
     fields = readonly_fields + ("revoked_at",)
 

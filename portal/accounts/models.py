@@ -42,6 +42,10 @@ class ApiToken(models.Model):
         "tenancy.Project", null=True, blank=True, on_delete=models.CASCADE, related_name="api_tokens",
         help_text="When set, the token sees and acts on this project only.",
     )
+    parent = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.CASCADE, related_name="children",
+        help_text="The token this one was created with: it is never broader than it and dies with it.",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     expires_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)

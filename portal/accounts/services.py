@@ -16,8 +16,10 @@ def token_issue(*, actor: Actor, user, name: str, scopes: list[str], project=Non
                 expires_days: int | None = None) -> tuple[ApiToken, str]:
     """Create a token for `user`; returns the row and the secret, which is never stored.
 
-    A token cannot mint a token wider than itself: same or fewer scopes, and the
-    same project restriction.
+    A token cannot mint a token wider than itself: same or fewer scopes, the same
+    project restriction, and no later expiry (without `expires_days` the default is
+    cut to the parent's). The child records its parent and dies with it: revoking
+    the parent revokes it, and authentication refuses it once the parent is unusable.
     """
     scopes = sorted(set(scopes))
     if not scopes:
@@ -29,6 +31,7 @@ def token_issue(*, actor: Actor, user, name: str, scopes: list[str], project=Non
     if not 1 <= days <= settings.TOKEN_MAX_EXPIRY_DAYS:
         raise InvalidInput(f"expires_days must be between 1 and {settings.TOKEN_MAX_EXPIRY_DAYS}.",
                            field="expires_days")
+    expires_at = timezone.now() + timedelta(days=days)
     parent = actor.token
     if parent is not None:
         wider = [s for s in scopes if not parent.has_scope(s)]
@@ -38,11 +41,16 @@ def token_issue(*, actor: Actor, user, name: str, scopes: list[str], project=Non
         if parent.project_id is not None and (project is None or project.pk != parent.project_id):
             raise Forbidden("A project-restricted token can only create tokens for the same project.",
                             field="project")
+        if parent.expires_at is not None and expires_at > parent.expires_at:
+            if expires_days is not None:
+                raise InvalidInput(f"This token expires at {parent.expires_at:%Y-%m-%d %H:%M} UTC; a token it "
+                                   "creates cannot outlive it.", field="expires_days")
+            expires_at = parent.expires_at
     secret = tokens.generate()
     with transaction.atomic():
         token = ApiToken.objects.create(
             user=user, name=name, prefix=secret[: tokens.PREFIX_LEN], digest=tokens.digest(secret),
-            scopes=scopes, project=project, expires_at=timezone.now() + timedelta(days=days),
+            scopes=scopes, project=project, expires_at=expires_at, parent=parent,
         )
         audit_record(actor=actor, action="token.create", obj=token, project=project,
                      scopes=scopes, expires_at=token.expires_at.isoformat())
@@ -50,12 +58,19 @@ def token_issue(*, actor: Actor, user, name: str, scopes: list[str], project=Non
 
 
 def token_revoke(*, actor: Actor, token: ApiToken) -> ApiToken:
+    """Revoke a token and every token minted with it, at any depth."""
+    now = timezone.now()
     with transaction.atomic():
-        updated = ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(revoked_at=timezone.now())
+        updated = ApiToken.objects.filter(pk=token.pk, revoked_at__isnull=True).update(revoked_at=now)
         if not updated:
             raise Conflict("This token is already revoked.")
+        descendants, level = [], [token.pk]
+        while level:
+            level = list(ApiToken.objects.filter(parent_id__in=level).values_list("pk", flat=True))
+            descendants += level
+        children = ApiToken.objects.filter(pk__in=descendants, revoked_at__isnull=True).update(revoked_at=now)
         token.refresh_from_db()
-        audit_record(actor=actor, action="token.revoke", obj=token, project=token.project)
+        audit_record(actor=actor, action="token.revoke", obj=token, project=token.project, children_revoked=children)
     return token
 
 
@@ -63,9 +78,17 @@ def token_authenticate(secret: str) -> ApiToken | None:
     """The usable token for `secret`, or None. Records the last use at most once a minute."""
     if not tokens.looks_valid(secret):
         return None
-    token = ApiToken.objects.usable().select_related("user", "project").filter(digest=tokens.digest(secret)).first()
+    token = ApiToken.objects.usable().select_related("user", "project", "parent") \
+        .filter(digest=tokens.digest(secret)).first()
     if token is None or not token.user.is_active:
         return None
+    # A minted token lives only while every token above it does (revoke cascades, but a
+    # revocation made in the admin or by hand must hold too).
+    ancestor = token.parent
+    while ancestor is not None:
+        if not ancestor.is_active:
+            return None
+        ancestor = ancestor.parent  # one query per level; chains are short
     now = timezone.now()
     if token.last_used_at is None or now - token.last_used_at > timedelta(minutes=1):
         ApiToken.objects.filter(pk=token.pk).update(last_used_at=now)

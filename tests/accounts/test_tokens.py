@@ -119,3 +119,49 @@ def test_issue_token_command_errors(demo, args, message):
     with pytest.raises(CommandError, match=message):
         call_command("issue_token", *args, stdout=StringIO())
     assert not ApiToken.objects.exists()
+
+
+def _mint(client, **body):
+    return client.post("/api/v1/tokens/", data={"name": "child", "scopes": ["read"], **body}, format="json")
+
+
+def test_minted_token_cannot_outlive_its_parent(demo, api):
+    """M1: a 1-day token created a 365-day token."""
+    parent = make_token(demo.users["alice"], ["read", "submit", "admin"], expires_days=1)
+    parent_row = ApiToken.objects.filter(user=demo.users["alice"]).latest("id")
+    r = _mint(api(token=parent), scopes=["read", "submit", "admin"], expires_days=365)
+    assert r.status_code == 400 and "expires_days" in r.json()["error"]["fields"]
+    # Without expires_days the default is cut to the parent's expiry.
+    r = _mint(api(token=parent))
+    assert r.status_code == 201
+    child = ApiToken.objects.get(pk=r.json()["id"])
+    assert child.expires_at == parent_row.expires_at and child.parent_id == parent_row.pk
+    # A session (no parent token) still gets the full default.
+    r = _mint(api("alice"))
+    assert ApiToken.objects.get(pk=r.json()["id"]).expires_at > parent_row.expires_at + timedelta(days=10)
+
+
+def test_revoking_a_token_kills_the_tokens_minted_with_it(demo, api):
+    parent = make_token(demo.users["alice"], ["read", "admin"])
+    parent_row = ApiToken.objects.filter(user=demo.users["alice"]).latest("id")
+    child = _mint(api(token=parent), scopes=["read", "admin"]).json()["token"]
+    grandchild = _mint(api(token=child)).json()["token"]
+    assert api(token=grandchild).get("/api/v1/me/").status_code == 200
+    assert api("alice").delete(f"/api/v1/tokens/{parent_row.pk}/").status_code == 204
+    for secret in (parent, child, grandchild):
+        assert api(token=secret).get("/api/v1/me/").status_code == 401
+    listed = {t["name"]: t["active"] for t in api("alice").get("/api/v1/tokens/").json()["results"]}
+    assert listed["child"] is False
+
+
+@pytest.mark.parametrize("kill", ["revoked", "expired"])
+def test_child_dies_with_a_parent_made_unusable_outside_the_service(demo, api, kill):
+    """Revoked in the admin, or simply expired: the check at authentication holds."""
+    parent = make_token(demo.users["alice"], ["read", "admin"])
+    parent_row = ApiToken.objects.filter(user=demo.users["alice"]).latest("id")
+    child = _mint(api(token=parent), scopes=["read", "admin"]).json()["token"]
+    grandchild = _mint(api(token=child)).json()["token"]
+    past = timezone.now() - timedelta(seconds=1)
+    ApiToken.objects.filter(pk=parent_row.pk).update(**{"revoked_at" if kill == "revoked" else "expires_at": past})
+    assert api(token=child).get("/api/v1/me/").status_code == 401
+    assert api(token=grandchild).get("/api/v1/me/").status_code == 401
