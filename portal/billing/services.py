@@ -109,9 +109,10 @@ def usage_meter(*, now: datetime | None = None, batch: int = 500) -> dict:
             w, c = _meter_batch(rows[i:i + batch], now, rates)
             written += w
             closed += c
-        if rows:
-            usage_days_rebuild(since=min(_first_rewritten_hour(row) for row in rows))
-        alerts = budgets_check(now=now)
+        since = min((_first_rewritten_hour(row) for row in rows), default=None)
+        if since is not None:
+            usage_days_rebuild(since=since)
+        alerts = budgets_check(now=now, since=since)
     return {"allocations": len(rows), "records": written, "closed": closed, "budget_alerts": alerts}
 
 
@@ -194,16 +195,28 @@ def gpu_hours_billed(project_ids, *, month: date) -> dict[int, float]:
     return {r["project_id"]: float(r["s"]) / 3600 for r in rows}
 
 
-def budgets_check(*, now: datetime | None = None) -> int:
+def budgets_check(*, now: datetime | None = None, since: datetime | None = None) -> int:
     """Record a BudgetAlert (and an audit event) the first time a project passes 80% / 100% of
-    its monthly GPU-hour budget. The scheduler enforces a hard stop itself from the same figure."""
+    its monthly GPU-hour budget, in the UTC month of `now` and in each month from `since` on: the
+    run after midnight that meters the last minutes of the month before (or the first run after
+    an outage) still alerts for that month. The scheduler enforces a hard stop itself from the
+    same figure."""
     from portal.tenancy.models import Quota
 
     now = now or timezone.now()
-    month = now.astimezone(dt_timezone.utc).date().replace(day=1)
     quotas = {q.project_id: q for q in Quota.objects.filter(gpu_hours_budget__gt=0).select_related("project")}
     if not quotas:
         return 0
+    month = now.astimezone(dt_timezone.utc).date().replace(day=1)
+    first = min(month, since.astimezone(dt_timezone.utc).date().replace(day=1)) if since else month
+    created = 0
+    while first <= month:
+        created += _budgets_check_month(quotas, first)
+        first = month_bounds(first)[1].date()
+    return created
+
+
+def _budgets_check_month(quotas: dict, month: date) -> int:
     used = gpu_hours_billed(quotas, month=month)
     done = set(BudgetAlert.objects.filter(project_id__in=list(quotas), month=month).values_list("project_id", "level"))
     warn = int(round(settings.BILLING_BUDGET_WARN_FRACTION * 100))
@@ -219,7 +232,7 @@ def budgets_check(*, now: datetime | None = None) -> int:
                 if new:
                     created += 1
                     audit_record(actor=SYSTEM, action="budget.exceeded" if level >= 100 else "budget.warning",
-                                 obj=quota.project, project=quota.project, level=level,
+                                 obj=quota.project, project=quota.project, level=level, month=f"{month:%Y-%m}",
                                  used_gpu_hours=str(alert.used_gpu_hours), budget=str(quota.gpu_hours_budget),
                                  hard_stop=quota.budget_hard_stop)
     return created
