@@ -16,7 +16,8 @@ if [ ! -x "$CHROMIUM" ]; then
 fi
 [ -x "$CHROMIUM" ] || die "$CHROMIUM is still missing after apt-get install chromium"
 
-# It must start headless with the flags the tests use (see /work/shared/notes/browser.md).
+# It must start headless with the flags the tests use (tests/e2e/conftest.py); without the
+# background-networking flags Chromium keeps trying to reach outside hosts.
 version=$(timeout 60 "$CHROMIUM" --headless --no-sandbox --disable-gpu --disable-background-networking \
   --disable-component-update --disable-sync --no-first-run --version 2>&1) || die "$CHROMIUM does not start: $version"
 # (Debian's wrapper script may print a harmless shell warning first: keep the version line.)

@@ -31,7 +31,7 @@ if ! docker info >/dev/null 2>&1; then
   # No bridge, no iptables: job containers use network none, and we must not
   # touch the host's network configuration.
   say "starting dockerd (log: $STATE/dockerd.log)"
-  # --live-restore: job containers survive a dockerd restart (reliability.md F-12).
+  # --live-restore: job containers survive a dockerd restart (docs/reliability.md F-12).
   nohup dockerd --bridge=none --iptables=false --ip-forward=false --ip-masq=false --live-restore \
     --pidfile "$STATE/dockerd.pid" >"$STATE/dockerd.log" 2>&1 </dev/null &
   dpid=$!

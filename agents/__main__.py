@@ -8,7 +8,7 @@ Docker engine), register with the portal (retrying until it answers), adopt
 sandboxes left by a previous run, send a first heartbeat so the portal can
 stop stale ones, then start the heartbeat and supervisor threads and the
 Celery worker on queue ``node.<NAME>`` in this thread. Stopping the agent
-leaves sandboxes running: the next start adopts them (reliability.md F-04a).
+leaves sandboxes running: the next start adopts them (docs/reliability.md F-04a).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """REST client for the portal's agent API (``/api/agent/v1/...``).
 
-Facts go up through here (DESIGN.md section 1): registration, heartbeats with
+Facts go up through here (docs/design.md section 1): registration, heartbeats with
 GPU samples, fencing confirmations, job events and log chunks. Every call is
 idempotent on the portal side, so a connection error or a 5xx is retried with
 backoff; 409 means the attempt is stale and is raised as ``StaleAttempt``.

@@ -9,7 +9,7 @@ callers drive it (agents/__main__.py):
 - a heartbeat thread calls ``heartbeat_once`` every ``heartbeat_interval_s``;
 - a supervisor thread calls ``supervise_once`` about once a second.
 
-Invariants it keeps (DESIGN.md section 6, reliability.md F-04/F-05/F-09/F-10):
+Invariants it keeps (docs/design.md section 6, docs/reliability.md F-04/F-05/F-09/F-10):
 
 1. Nothing starts without the portal's confirmation of ``(job_id, attempt)``;
    a 409 at any point means "stale": start nothing, stop what runs.
@@ -23,7 +23,7 @@ Invariants it keeps (DESIGN.md section 6, reliability.md F-04/F-05/F-09/F-10):
    before the terminal report (which frees the GPUs for the next placement),
    the probe clears the memory of every GPU no other running job shares. A GPU
    that could not be cleared is named in the report, and the portal takes it
-   and its node out of service (reliability.md 2.2 and rule 5).
+   and its node out of service (docs/reliability.md 2.2 and rule 5).
 6. A job starts only on GPUs no other sandbox still holds (a whole GPU waits
    for the last job's sandbox to end, a shared one only for ending sandboxes:
    the portal frees GPUs at cancel or preemption, before the old sandbox is
@@ -356,7 +356,7 @@ class Agent:
             state, code = self.driver.poll(t.handle)
         if state == RUNNING:
             # Still there after SIGKILL (a process stuck in the kernel, a wedged engine): the job is over for
-            # the portal, but this node must take no more work until someone looks (reliability.md F-15).
+            # the portal, but this node must take no more work until someone looks (docs/reliability.md F-15).
             t.node_problem = f"the sandbox of job {t.job_id} attempt {t.attempt} could not be killed"
             log.error("job %s attempt %s: %s", t.job_id, t.attempt, t.node_problem)
             reason = f"{reason}; {t.node_problem}"

@@ -3,7 +3,7 @@
 #  1. the agent's NVML probe: inventory and a few samples as JSON
 #     (python -m agents.probe --gpus nvml; nvml, not auto: a silent fall-back
 #     to simulated GPUs would hide exactly what this check is for);
-#  2. the residue test of reliability.md G-03 on GPU 0, through libcuda only
+#  2. the residue test of docs/reliability.md G-03 on GPU 0, through libcuda only
 #     (agents/probe/cuda_scrub.py): tenant A fills GIB GiB with a pattern and
 #     exits; tenant B scans as much fresh memory for it (informational: does
 #     CUDA hand out old memory?); then A again, our scrub, and B again, which

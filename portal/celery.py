@@ -1,4 +1,4 @@
-"""The portal's Celery app and its queues (DESIGN.md section 1).
+"""The portal's Celery app and its queues (docs/design.md section 1).
 
 - `scheduler`: schedule_pass, reap_nodes, meter_usage, rollup_metrics, autoscale.
   Run by the portal's own workers; one scheduling pass at a time (advisory lock).

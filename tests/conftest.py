@@ -1,4 +1,4 @@
-"""Personas used across the suite (DESIGN.md / STYLE.md habit 9):
+"""Personas used across the suite (every area tests its endpoints against an outsider):
 
 admin (staff); acme/vision: alice owner, bob member, dave viewer;
 globex/nlp: charlie owner, the outsider to everything of acme.

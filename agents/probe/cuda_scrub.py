@@ -2,7 +2,7 @@
 
 CUDA does not clear memory it hands out ("The memory is not cleared":
 ``cuMemAlloc``), so a job could read what the previous tenant left on the GPU
-(reliability.md 2.2). After a job, the agent runs this in a child process with
+(docs/reliability.md 2.2). After a job, the agent runs this in a child process with
 ``CUDA_VISIBLE_DEVICES=<uuid>``: it allocates the GPU's free memory in chunks,
 writes zeros over all of it, waits for the GPU, and frees it. A child, not the
 agent, so no CUDA context ever lives in the agent and a hang is killed by a

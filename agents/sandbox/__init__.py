@@ -3,8 +3,8 @@
 Every driver offers the same six calls (``Driver`` below) over a
 ``SandboxHandle``; the agent never looks inside a handle. Drivers:
 
-- ``docker``: the production default, hardened per DESIGN.md section 6 and
-  reliability.md 2.3;
+- ``docker``: the production default, hardened per docs/design.md section 6 and
+  docs/reliability.md 2.3;
 - ``process``: a plain subprocess for machines without Docker; it isolates
   nothing and says so at every start;
 - ``kvm``: a libvirt VM per job that boots the project's kernel and initramfs

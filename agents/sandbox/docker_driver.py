@@ -1,6 +1,6 @@
 """Docker sandbox: the production driver.
 
-Hardening follows reliability.md 2.3 and DESIGN.md section 6: no network unless
+Hardening follows docs/reliability.md 2.3 and docs/design.md section 6: no network unless
 the job asked and the project allowed it, every capability dropped,
 no-new-privileges, read-only root with tmpfs /work and /tmp, a non-root user,
 memory (no swap), pids and CPU limits, and only the allocated GPUs by UUID.

@@ -28,7 +28,7 @@ image's size and the initrd's on top of the job's memory, and images over
 Domain type: ``kvm`` only when KVM really works here (a hardware-virtualisation
 module, not PVM, and libvirt agrees); otherwise libvirt's ``qemu`` type (TCG,
 software emulation, a few seconds per boot), and the driver says so in its log
-(shared/notes/sandboxes.md section 2: /dev/kvm on the development machines is
+(docs/sandboxes.md section 2: /dev/kvm on the development machines is
 PVM, which hangs stock kernels). GPUs pass through by VFIO; the development
 machines have no VFIO, so only the XML is tested there.
 
@@ -121,7 +121,7 @@ def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: s
     ET.SubElement(os_, "initrd").text = initrd
     ET.SubElement(os_, "cmdline").text = f"{CMDLINE} gpuportal.job={spec.job_id}"
     feats = ET.SubElement(d, "features")
-    ET.SubElement(feats, "acpi")  # without it poweroff never ends the domain (sandboxes.md)
+    ET.SubElement(feats, "acpi")  # without it poweroff never ends the domain (docs/sandboxes.md section 2)
     if spec.gpu_uuids:
         # Older NVIDIA drivers refuse to start when they see a hypervisor.
         ET.SubElement(ET.SubElement(feats, "kvm"), "hidden", state="on")

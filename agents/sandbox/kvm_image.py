@@ -8,7 +8,7 @@ Writes into ``--out``:
 
 - ``vmlinux``: the kernel's uncompressed ELF, cut out of the Debian bzImage.
   QEMU boots it through PVH, which skips the decompressor (about 3 s under TCG,
-  shared/notes/sandboxes.md section 2). ``vmlinuz`` is kept as well, and used
+  docs/sandboxes.md section 2). ``vmlinuz`` is kept as well, and used
   when the ELF cannot be cut out;
 - ``initramfs.cpio.gz``: busybox-static, the two modules ACPI power-button
   handling needs (``button``, ``evdev``), virtio-net's modules (loaded only

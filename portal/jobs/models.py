@@ -54,7 +54,7 @@ class Job(models.Model):
     project = models.ForeignKey("tenancy.Project", on_delete=models.PROTECT, related_name="jobs")
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="jobs")
     name = models.CharField(max_length=200)
-    # The spec (DESIGN.md section 4)
+    # The spec (docs/design.md section 4)
     image = models.CharField(max_length=255)
     command = models.JSONField(default=list)
     env = models.JSONField(default=dict, blank=True)

@@ -1,4 +1,4 @@
-"""The job spec (DESIGN.md section 4): parsing and every rule a submit is checked against.
+"""The job spec (docs/design.md section 4): parsing and every rule a submit is checked against.
 
 Field-level rules live in the serializers; rules that need the project's quota are in
 `JobSpecSerializer.validate`, so every message names its field and the limit.

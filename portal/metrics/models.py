@@ -1,4 +1,4 @@
-"""GPU samples from heartbeats, and their 1-minute and 1-hour rollups (DESIGN.md section 7).
+"""GPU samples from heartbeats, and their 1-minute and 1-hour rollups (docs/design.md section 7).
 
 Raw samples are written in batches (COPY on PostgreSQL) and kept METRICS_RAW_DAYS days;
 charts read rollups, never raw rows. Billing does not read any of this: it meters allocations.

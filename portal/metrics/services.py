@@ -158,7 +158,7 @@ def samples_ingest(*, node, samples: list[dict], now: datetime | None = None) ->
 
 
 def health_verdict(sample: dict) -> str | None:
-    """Why a sample makes its GPU unhealthy, or None when it is fine (DESIGN.md section 6)."""
+    """Why a sample makes its GPU unhealthy, or None when it is fine (docs/design.md section 6)."""
     xids = [int(x) for x in _list(sample.get("xid_errors")) if str(x).lstrip("-").isdigit()]
     xids = [x for x in xids if x not in settings.GPU_HEALTH_IGNORED_XIDS]
     if xids:

@@ -212,7 +212,7 @@ def agent_heartbeat(*, node: Node, samples: list[dict], jobs: list[dict]) -> dic
 
 
 def gpu_unhealthy_handle(*, gpu: GPU, reason: str) -> dict:
-    """What follows a GPU turning unhealthy (DESIGN.md section 6); runs in the caller's transaction.
+    """What follows a GPU turning unhealthy (docs/design.md section 6); runs in the caller's transaction.
 
     1. Each job holding the GPU: a preemptible one with attempts left goes back to the queue as
        a new attempt (reason `gpu_unhealthy`, the scheduler places it elsewhere) and its old
@@ -257,11 +257,11 @@ def gpu_unhealthy_handle(*, gpu: GPU, reason: str) -> dict:
 
 
 def gpus_scrub_failed(*, node: Node, failures: list[dict], job_id) -> list[int]:
-    """GPUs whose memory the agent could not clear after a job (reliability.md 2.2).
+    """GPUs whose memory the agent could not clear after a job (docs/reliability.md 2.2).
 
     The next tenant could read what the last one left, so each GPU turns unhealthy (the scheduler
     skips it) until an operator clears it, and the node is drained, whatever GPU_HEALTH_AUTO_DRAIN
-    says (reliability.md rule 5, Slurm's ReturnToService=0). The agent scrubs only GPUs no running
+    says (docs/reliability.md rule 5, Slurm's ReturnToService=0). The agent scrubs only GPUs no running
     job shares, so no other job is touched. Returns the GPU indexes marked.
     """
     system = Actor(user=None, label=f"node:{node.name}")
@@ -285,7 +285,7 @@ def gpus_scrub_failed(*, node: Node, failures: list[dict], job_id) -> list[int]:
 def node_drain_for_fault(*, node: Node, problem: str) -> bool:
     """Drain a node its agent reports broken (a GPU it could not scrub, a sandbox it could not kill),
     whatever GPU_HEALTH_AUTO_DRAIN says: no new job lands there until an operator undrains it
-    (reliability.md rule 5). Returns True when this call drained it."""
+    (docs/reliability.md rule 5). Returns True when this call drained it."""
     from portal.jobs.models import HOLDING
 
     reason = f"Auto-drained: {problem}"[:200]

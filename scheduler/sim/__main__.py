@@ -1,9 +1,9 @@
 """Replay a GPU cluster trace through the scheduler core with a virtual clock.
 
-    python -m scheduler.sim --trace ../shared/traces/philly_dev.csv --start-day 48 --days 7 \
-        --gpus 384 --gpus-per-node 8 --policy multifactor --quota ../shared/traces/philly_vc_quota.csv
+    python -m scheduler.sim --trace tests/scheduler/data/philly_dev.csv --start-day 48 --days 1 \
+        --gpus 384 --gpus-per-node 8 --policy multifactor --quota tests/scheduler/data/philly_vc_quota.csv
 
-Preempted jobs restart from zero. Prints the DESIGN.md section 9 metrics,
+Preempted jobs restart from zero. Prints the docs/design.md section 9 metrics,
 overall and per tenant, as a table or (--json) as one JSON object.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ def print_table(out: dict, file=sys.stdout) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m scheduler.sim", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", required=True, help="trace CSV (DESIGN.md section 9 format)")
+    ap.add_argument("--trace", required=True, help="trace CSV (docs/design.md section 9 format)")
     ap.add_argument("--start-day", type=float, default=None, help="first day of the window (from trace time 0)")
     ap.add_argument("--days", type=float, default=None, help="length of the window in days")
     ap.add_argument("--gpus", type=int, default=384, help="cluster size in GPUs (ignored with --nodes)")

@@ -1,4 +1,4 @@
-"""The metrics of DESIGN.md section 9, defined once for the sim and the benches."""
+"""The metrics of docs/design.md section 9, defined once for the sim and the benches."""
 from __future__ import annotations
 
 import math

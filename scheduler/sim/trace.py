@@ -1,4 +1,4 @@
-"""Reading traces (DESIGN.md section 9) into core jobs, nodes and quotas."""
+"""Reading traces (docs/design.md section 9) into core jobs, nodes and quotas."""
 from __future__ import annotations
 
 import csv

@@ -315,7 +315,7 @@ def test_a_failed_stop_is_tried_again(env):
     assert env.driver.running() == [] and env.portal.events[-1][2] == "timeout"
 
 
-# -- GPU memory scrub between tenants (reliability.md 2.2, G-03) ----------------
+# -- GPU memory scrub between tenants (docs/reliability.md 2.2, G-03) ----------------
 
 
 def test_gpus_are_scrubbed_before_the_terminal_report(env, monkeypatch):
@@ -437,7 +437,7 @@ def test_a_gpu_that_cannot_be_scrubbed_before_a_job_fails_the_launch_and_says_so
 
 
 def test_a_sandbox_that_cannot_be_killed_is_reported_and_its_gpus_withheld(env):
-    """reliability.md F-15: the backend refuses the kill; the job still ends once, and the report
+    """docs/reliability.md F-15: the backend refuses the kill; the job still ends once, and the report
     tells the portal to drain the node and take the GPUs out of service."""
     env.agent.launch("j1", 1, SPEC)
     env.driver.unkillable.add("j1")

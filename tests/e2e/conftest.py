@@ -1,5 +1,5 @@
 """Browser end-to-end tests: Playwright for Python drives Debian's Chromium against
-pytest-django's live_server (see /work/shared/notes/browser.md and .ci/browser.sh).
+pytest-django's live_server (Debian's Chromium: see .ci/browser.sh).
 
 Playwright's sync API keeps an event loop in the main thread, where Django refuses
 database calls; tests therefore touch the database only in fixtures that run before

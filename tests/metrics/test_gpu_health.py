@@ -1,4 +1,4 @@
-"""What a GPU turning unhealthy does to its jobs and node (DESIGN.md section 6)."""
+"""What a GPU turning unhealthy does to its jobs and node (docs/design.md section 6)."""
 import pytest
 from rest_framework.test import APIClient
 

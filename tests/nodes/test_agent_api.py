@@ -185,7 +185,7 @@ def test_agent_reports_no_mps_for_simulated_gpus():
 def test_a_gpu_the_agent_could_not_scrub_is_taken_out_of_service(node, placed, demo, settings):
     from portal.core.models import AuditEvent
 
-    settings.GPU_HEALTH_AUTO_DRAIN = False  # a failed scrub drains regardless (reliability.md rule 5)
+    settings.GPU_HEALTH_AUTO_DRAIN = False  # a failed scrub drains regardless (docs/reliability.md rule 5)
     gpu = Allocation.objects.get(job=placed).gpu
     post(node, f"jobs/{placed.pk}/confirm", {"attempt": 1})
     r = post(node, f"jobs/{placed.pk}/events", {"attempt": 1, "state": "succeeded", "exit_code": 0, "scrub_failures": [

@@ -9,7 +9,7 @@ from scheduler.sim.runner import ReplaySpec, replay
 from scheduler.sim.trace import TraceJob, uniform_nodes
 from scheduler.core import Config
 
-# Slices of ../shared/traces kept in the repository (see data/README.md): no test depends on
+# Slices of public GPU cluster traces kept in the repository (see data/README.md): no test depends on
 # a folder outside the checkout, and none is skipped.
 TRACES = Path(__file__).resolve().parent / "data"
 KEYS = {"jobs", "jct_mean", "jct_p50", "jct_p95", "jct_p99", "wait_mean", "bounded_slowdown_mean",
