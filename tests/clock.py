@@ -5,9 +5,11 @@ invoices, leases, idle detection, retention): such a test passes whatever the da
   `django.utils.timezone.now()`, `time.time()` and `auto_now` fields all read it, and it does not
   move by itself. `clock()` is now, `clock.advance(minutes=5)` moves it, `clock.month_start` is
   when the current UTC month began. `time.monotonic()` is not pinned, so deadlines still expire.
-- `@pytest.mark.clock` says a test must pass at any instant: it runs once per instant chosen with
-  `--clock-instants` (its id names the instant, e.g. `test_x[month-start]`); `clock` is pinned there.
-  Without the marker `clock` pins the ordinary instant.
+- `@pytest.mark.clock` (on a test, or a module's `pytestmark`) says a test must pass at any
+  instant: each marked test that uses the `clock` fixture (itself or through another fixture) runs
+  once per instant chosen with `--clock-instants`, its id naming the instant
+  (`test_x[month-start]`), with `clock` pinned there. Without the marker `clock` pins the
+  ordinary instant. The clock is pinned before the test's other fixtures run.
 
 `--clock-instants`: `all` (every named instant below, what the project's pytest.ini asks for),
 a comma-separated list of names or ISO 8601 instants (`month-end,2027-03-31T23:59:30Z`), or `now`
@@ -94,10 +96,8 @@ def pytest_configure(config):
 
 
 def pytest_generate_tests(metafunc):
-    if metafunc.definition.get_closest_marker("clock") is None:
+    if metafunc.definition.get_closest_marker("clock") is None or "clock" not in metafunc.fixturenames:
         return
-    if "clock" not in metafunc.fixturenames:
-        raise pytest.UsageError(f"{metafunc.definition.nodeid}: a test marked clock must use the clock fixture")
     names, instants = zip(*_instants(metafunc.config))
     metafunc.parametrize("clock", instants, ids=names, indirect=True)
 

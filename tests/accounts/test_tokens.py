@@ -89,14 +89,15 @@ def test_token_cannot_mint_a_wider_token(demo, api):
     assert r.status_code == 201
 
 
-def test_expiry_is_capped(demo, settings):
+@pytest.mark.clock
+def test_expiry_is_capped(demo, settings, clock):
     settings.TOKEN_MAX_EXPIRY_DAYS = 30
     settings.TOKEN_DEFAULT_EXPIRY_DAYS = 20
     with pytest.raises(ServiceError, match="between 1 and 30"):
         make_token(demo.users["alice"], ["read"], expires_days=31)
     make_token(demo.users["alice"], ["read"])
     token = ApiToken.objects.filter(user=demo.users["alice"]).latest("id")
-    assert token.expires_at <= timezone.now() + timedelta(days=settings.TOKEN_DEFAULT_EXPIRY_DAYS, seconds=5)
+    assert token.expires_at == clock() + timedelta(days=settings.TOKEN_DEFAULT_EXPIRY_DAYS)
 
 
 def test_issue_token_command(demo, api):

@@ -54,7 +54,8 @@ def test_tenants_get_403(busy, client, username):
     assert client.get("/console/").status_code == 403
 
 
-def test_staff_sees_charts_and_numbers(busy, client):
+@pytest.mark.clock
+def test_staff_sees_charts_and_numbers(clock, busy, client):
     client.force_login(busy.users["admin"])
     r = client.get("/console/")
     assert r.status_code == 200

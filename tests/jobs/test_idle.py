@@ -13,6 +13,9 @@ from portal.nodes.services import node_add
 from portal.tenancy.models import Quota
 from scheduler.adapter import run_pass
 
+# Samples, rollups and ages in minutes: every instant of --clock-instants (tests/clock.py).
+pytestmark = pytest.mark.clock
+
 
 @pytest.fixture
 def sent(monkeypatch):
@@ -23,7 +26,7 @@ def sent(monkeypatch):
 
 
 @pytest.fixture
-def cluster(demo, sent):
+def cluster(clock, demo, sent):
     node, _ = node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="4xH100-80GB")
     demo.gpus = list(node.gpus.order_by("index"))
     return demo

@@ -136,7 +136,8 @@ def test_array_throttle_and_parent_state(cluster, django_capture_on_commit_callb
     assert parent.state == "succeeded"
 
 
-def test_preemption_of_borrowed_work(cluster, settings, sent, django_capture_on_commit_callbacks):
+@pytest.mark.clock
+def test_preemption_of_borrowed_work(cluster, settings, sent, django_capture_on_commit_callbacks, clock):
     settings.SCHEDULER_MIN_RUNTIME_S = 0
     # charlie's nlp borrows the whole node (guarantee 4, max 8) while vision is idle.
     borrowers = [submit(cluster, user="charlie", project="nlp", resources={"gpus": 2}) for _ in range(4)]
@@ -187,7 +188,8 @@ def test_cpu_only_job_goes_to_a_node(cluster, django_capture_on_commit_callbacks
     assert sent[0][0] == "agent.launch" and sent[0][2][2]["gpu_indexes"] == []
 
 
-def test_lost_launch_is_resent(cluster, settings, sent, django_capture_on_commit_callbacks):
+@pytest.mark.clock
+def test_lost_launch_is_resent(cluster, settings, sent, django_capture_on_commit_callbacks, clock):
     job = submit(cluster, resources={"gpus": 1})
     run_pass()  # committed, but its on_commit publish never ran: the launch was "lost"
     assert sent == []

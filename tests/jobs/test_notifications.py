@@ -104,7 +104,8 @@ def test_cancel_by_the_user_is_not_mailed(cluster, django_capture_on_commit_call
     assert mail.outbox == []
 
 
-def test_preemption_mails_per_attempt(cluster, settings, django_capture_on_commit_callbacks):
+@pytest.mark.clock
+def test_preemption_mails_per_attempt(cluster, settings, django_capture_on_commit_callbacks, clock):
     settings.SCHEDULER_MIN_RUNTIME_S = 0
     borrowers = [Job.objects.get(pk=job_submit(actor=Actor(user=cluster.users["charlie"]), data={
         "project": "nlp", "name": "borrow", "image": IMAGE, "command": ["true"], "resources": {"gpus": 2},
@@ -129,7 +130,8 @@ def test_requeue_off_an_unhealthy_gpu_counts_as_preemption():
     assert notification_kind("cancelled") is None and notification_kind("running") is None
 
 
-def test_idle_flag_mails(cluster, django_capture_on_commit_callbacks):
+@pytest.mark.clock
+def test_idle_flag_mails(cluster, django_capture_on_commit_callbacks, clock):
     from portal.jobs.services import jobs_flag_idle
     from portal.metrics.services import rollup_minutes, samples_write
 

@@ -118,7 +118,8 @@ def test_heartbeat_says_drain(node):
     assert post(node, "heartbeat", {"samples": [], "jobs": []}).json() == {"drain": True, "stop": []}
 
 
-def test_silent_node_goes_down_and_its_job_is_requeued(node, placed, settings):
+@pytest.mark.clock
+def test_silent_node_goes_down_and_its_job_is_requeued(node, placed, settings, clock):
     Node.objects.filter(pk=node.node.pk).update(
         last_heartbeat_at=timezone.now() - timedelta(seconds=settings.NODE_TIMEOUT_S + 1))
     assert nodes_reap() == {"down": 1, "requeued": 1, "node_fail": 0}
@@ -131,7 +132,8 @@ def test_silent_node_goes_down_and_its_job_is_requeued(node, placed, settings):
     assert Node.objects.get(pk=node.node.pk).state == "ready"
 
 
-def test_out_of_attempts_ends_node_fail(node, placed, settings):
+@pytest.mark.clock
+def test_out_of_attempts_ends_node_fail(node, placed, settings, clock):
     Job.objects.filter(pk=placed.pk).update(attempt=settings.JOB_MAX_ATTEMPTS)
     Allocation.objects.filter(job=placed).update(attempt=settings.JOB_MAX_ATTEMPTS)
     Node.objects.filter(pk=node.node.pk).update(last_heartbeat_at=timezone.now() - timedelta(hours=1))
@@ -139,7 +141,8 @@ def test_out_of_attempts_ends_node_fail(node, placed, settings):
     assert Job.objects.get(pk=placed.pk).state == "node_fail"
 
 
-def test_mass_silence_marks_nothing(demo, settings):
+@pytest.mark.clock
+def test_mass_silence_marks_nothing(demo, settings, clock):
     admin = Actor(user=demo.users["admin"])
     for i in range(4):
         node_add(actor=admin, name=f"n{i}", gpus="1xH100-80GB")
