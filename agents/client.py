@@ -6,8 +6,18 @@ idempotent on the portal side, so a connection error or a 5xx is retried with
 backoff; 409 means the attempt is stale and is raised as ``StaleAttempt``.
 
 ``last_contact`` (monotonic) is when the portal last *processed* a request
-(2xx or 409). The agent's lease runs from it: a 5xx does not count, because a
-portal that cannot reach its database cannot vouch for our jobs either.
+(2xx or 409). ``lease_renewed_at`` (monotonic) is when the last request that
+renews this node's lease was *sent* (the portal records the heartbeat after
+that, so the agent's lease never outlasts the portal's view of it):
+
+- a heartbeat or registration the portal processed;
+- any request the portal answered with its own outage answer (503 with the
+  ``X-Gpuportal-Outage`` header: its database is out). A portal that cannot
+  reach its database cannot mark this node down either, and gives every node a
+  fresh lease once it is back, so the jobs keep running through its outage.
+
+Other 5xx (a proxy with no portal behind it) and no answer at all do not renew
+it: that is the silence the lease is for.
 """
 
 from __future__ import annotations
@@ -42,6 +52,10 @@ class StaleAttempt(PortalError):
     """409: the portal has moved this job past this attempt; start or keep nothing."""
 
 
+OUTAGE_HEADER = "X-Gpuportal-Outage"  # set by the portal's portal/core/middleware.py
+LEASE_PATHS = ("/heartbeat", "/register")
+
+
 class PortalClient:
     def __init__(self, portal_url: str, token: str, *, timeout_s: float = 10.0, retries: int = 3,
                  backoff_s: float = 0.5, max_backoff_s: float = 5.0, session: requests.Session | None = None,
@@ -61,6 +75,8 @@ class PortalClient:
         self._clock = clock
         self._sleep = sleep
         self.last_contact: float | None = None
+        self.lease_renewed_at: float | None = None
+        self.portal_outage: str = ""  # what the portal last said is out ("database"), "" once it answers
 
     # -- transport ------------------------------------------------------------
 
@@ -72,6 +88,7 @@ class PortalClient:
             if attempt:
                 self._sleep(delay)
                 delay = min(delay * 2, self.max_backoff_s)
+            sent = self._clock()
             try:
                 r = self.session.post(url, json=body, timeout=self.timeout_s)
             except (requests.ConnectionError, requests.Timeout) as exc:
@@ -80,7 +97,17 @@ class PortalClient:
                 continue
             if r.status_code >= 500:
                 last_err = f"HTTP {r.status_code}"
+                outage = r.headers.get(OUTAGE_HEADER, "")
+                if outage:
+                    if outage != self.portal_outage:
+                        log.warning("the portal says its %s is out; jobs keep running while it answers", outage)
+                    self.portal_outage = outage
+                    last_err += f" (portal {outage} outage)"
+                    self.lease_renewed_at = max(self.lease_renewed_at or sent, sent)
                 continue
+            self.portal_outage = ""
+            if path in LEASE_PATHS and r.status_code < 400:
+                self.lease_renewed_at = max(self.lease_renewed_at or sent, sent)
             if r.status_code == 409:
                 self.last_contact = self._clock()
                 raise StaleAttempt(f"{path}: stale ({_detail(r)})", 409)

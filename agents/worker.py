@@ -98,6 +98,9 @@ class Agent:
         self._wall = wall
         self.heartbeat_interval_s = 10.0
         self.lease_s = 60.0
+        # SIGTERM grace when the lease runs out: the portal may start these jobs elsewhere once
+        # the lease, this grace and a margin have passed (portal/settings.py, NODE_TIMEOUT_S).
+        self.fence_grace_s = 3.0
         self.node_id = None
         self.drain = False
         self.fenced = False  # True after the lease ran out, until the portal answers again
@@ -127,6 +130,7 @@ class Agent:
         self.node_id = resp.get("node")
         self.heartbeat_interval_s = float(resp.get("heartbeat_interval_s") or self.heartbeat_interval_s)
         self.lease_s = float(resp.get("lease_s") or self.lease_s)
+        self.fence_grace_s = float(resp.get("fence_grace_s", self.fence_grace_s))
         log.info("registered as %s (node %s): %d GPU(s) via %s probe, %s sandbox, heartbeat %ss, lease %ss",
                  self.name, self.node_id, len(gpus), self.probe.kind, self.driver.name,
                  self.heartbeat_interval_s, self.lease_s)
@@ -523,8 +527,13 @@ class Agent:
 
     def check_lease(self) -> bool:
         """Stop every sandbox once the portal has been silent for longer than the
-        lease (it may already be re-placing these jobs). Returns True if fenced."""
-        last = self.client.last_contact if self.client.last_contact is not None else self._started
+        lease (it may already be re-placing these jobs). Returns True if fenced.
+
+        The lease runs from the sending of the last heartbeat the portal took (or
+        of any request it answered with its outage 503: agents/client.py), not from
+        log or event calls: the portal's reaper counts heartbeats only."""
+        renewed = getattr(self.client, "lease_renewed_at", None)
+        last = renewed if renewed is not None else self._started
         silent = self._clock() - last
         if self.fenced or silent <= self.lease_s:
             return self.fenced
@@ -535,7 +544,7 @@ class Agent:
                   silent, self.lease_s, len(live))
         for t in live:
             self._begin_stop(t, "failed", f"stopped by the agent: portal unreachable for {silent:.0f}s "
-                             f"(lease {self.lease_s:g}s)", self.stop_grace_s)
+                             f"(lease {self.lease_s:g}s)", min(self.stop_grace_s, self.fence_grace_s))
         return True
 
     # -- threads ----------------------------------------------------------------------

@@ -9,6 +9,7 @@
 import os
 
 from celery import Celery
+from django.conf import settings
 from kombu import Queue
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
@@ -29,7 +30,9 @@ app.autodiscover_tasks(["portal.billing", "portal.metrics"])
 app.conf.beat_schedule = {
     # Passes also run on submit, job end and node change; this catches everything else.
     "schedule-pass": {"task": "scheduler.schedule_pass", "schedule": 5.0, "options": {"queue": "scheduler"}},
-    "reap-nodes": {"task": "nodes.reap_nodes", "schedule": 10.0, "options": {"queue": "scheduler"}},
+    # Detection time of a dead node is NODE_TIMEOUT_S plus this period (portal/settings.py).
+    "reap-nodes": {"task": "nodes.reap_nodes", "schedule": settings.NODE_REAP_INTERVAL_S,
+                   "options": {"queue": "scheduler"}},
     # Upserted totals per (allocation, hour): a late or doubled run bills nothing twice.
     "meter-usage": {"task": "billing.meter_usage", "schedule": 60.0, "options": {"queue": "scheduler"}},
     "rollup-metrics-minute": {"task": "metrics.rollup_minute", "schedule": 60.0, "options": {"queue": "scheduler"}},

@@ -136,6 +136,8 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django_htmx.middleware.HtmxMiddleware",  # request.htmx: pages answer htmx polls with fragments
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # A database outage answers 503 + Retry-After, not 500 (portal/core/middleware.py).
+    "portal.core.middleware.DatabaseOutageMiddleware",
     # Last, as django-axes asks: it turns a lockout into a response.
     "axes.middleware.AxesMiddleware",
 ]
@@ -220,9 +222,12 @@ WHITENOISE_USE_FINDERS = True  # serve straight from static/ without collectstat
 DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("MAX_REQUEST_BYTES", 1024 * 1024, minimum=1024)
 
 CACHES = {
+    # Redis that degrades to misses when unreachable (portal/core/cache.py): the cache holds
+    # nothing that must survive, so its outage must not fail heartbeats or requests.
     "default": {
-        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "BACKEND": "portal.core.cache.ResilientRedisCache",
         "LOCATION": env_str("REDIS_URL"),
+        "OPTIONS": {"socket_connect_timeout": 1.0, "socket_timeout": 1.0},
     }
     if env_str("REDIS_URL")
     else {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
@@ -332,15 +337,36 @@ SCHEDULER_MIN_RUNTIME_S = env_int("SCHEDULER_MIN_RUNTIME_S", 600, minimum=0)
 SCHEDULER_FAIRSHARE_HALF_LIFE_S = env_int("SCHEDULER_FAIRSHARE_HALF_LIFE_S", 7 * 86400, minimum=60)
 LAUNCH_RESEND_S = env_int("LAUNCH_RESEND_S", 60, minimum=1)
 TESTING_CRASHPOINTS = env_bool("GPUPORTAL_CRASHPOINTS", False)
-# Nodes and agents (seconds). The portal re-places a silent node's jobs only after the agent's
-# lease plus a margin, so an agent cut off from the portal has stopped them first.
+# Nodes and agents (seconds; docs/configuration.md, "Node leases"). An agent that has not had a
+# heartbeat answered for AGENT_LEASE_S stops its sandboxes (SIGTERM, AGENT_FENCE_GRACE_S, SIGKILL);
+# the portal marks a node silent for NODE_TIMEOUT_S down and requeues its jobs, so the old
+# attempt is dead before a new one can start. The reaper runs every NODE_REAP_INTERVAL_S: a
+# dead node's jobs are requeued at most NODE_TIMEOUT_S + NODE_REAP_INTERVAL_S after its last
+# heartbeat (25 s by default).
 NODE_HEARTBEAT_INTERVAL_S = env_float("NODE_HEARTBEAT_INTERVAL_S", 5.0)
-AGENT_LEASE_S = env_float("AGENT_LEASE_S", 30.0)
-NODE_TIMEOUT_S = env_float("NODE_TIMEOUT_S", 45.0)
+AGENT_LEASE_S = env_float("AGENT_LEASE_S", 15.0)
+AGENT_FENCE_GRACE_S = env_float("AGENT_FENCE_GRACE_S", 3.0)
+NODE_TIMEOUT_S = env_float("NODE_TIMEOUT_S", 20.0)
+NODE_REAP_INTERVAL_S = env_float("NODE_REAP_INTERVAL_S", 5.0)
 NODE_MASS_FAILURE_FRACTION = env_float("NODE_MASS_FAILURE_FRACTION", 0.5)
 JOB_MAX_ATTEMPTS = env_int("JOB_MAX_ATTEMPTS", 3, minimum=1)
-if NODE_TIMEOUT_S <= AGENT_LEASE_S:
-    raise ImproperlyConfigured("NODE_TIMEOUT_S: must be longer than AGENT_LEASE_S so agents fence themselves first")
+# The agent checks its lease every second and a SIGKILL takes a moment: the portal waits this
+# much beyond the agent's lease and fence grace before it may start the job elsewhere.
+NODE_FENCE_MARGIN_S = 2.0
+for _name in ("NODE_HEARTBEAT_INTERVAL_S", "AGENT_LEASE_S", "NODE_TIMEOUT_S", "NODE_REAP_INTERVAL_S"):
+    if globals()[_name] <= 0:
+        raise ImproperlyConfigured(f"{_name}: must be a positive number of seconds")
+if AGENT_FENCE_GRACE_S < 0:
+    raise ImproperlyConfigured("AGENT_FENCE_GRACE_S: must be 0 or more seconds")
+if AGENT_LEASE_S < 2 * NODE_HEARTBEAT_INTERVAL_S:
+    raise ImproperlyConfigured(
+        f"AGENT_LEASE_S: {AGENT_LEASE_S:g} is less than two heartbeats ({2 * NODE_HEARTBEAT_INTERVAL_S:g}s at "
+        f"NODE_HEARTBEAT_INTERVAL_S={NODE_HEARTBEAT_INTERVAL_S:g}); one lost heartbeat would stop every job")
+if NODE_TIMEOUT_S < AGENT_LEASE_S + AGENT_FENCE_GRACE_S + NODE_FENCE_MARGIN_S:
+    raise ImproperlyConfigured(
+        f"NODE_TIMEOUT_S: {NODE_TIMEOUT_S:g} must be at least AGENT_LEASE_S + AGENT_FENCE_GRACE_S + "
+        f"{NODE_FENCE_MARGIN_S:g}s = {AGENT_LEASE_S + AGENT_FENCE_GRACE_S + NODE_FENCE_MARGIN_S:g}, so a cut-off "
+        f"agent has killed its sandboxes before the portal starts their jobs elsewhere")
 PREEMPT_GRACE_S = env_int("PREEMPT_GRACE_S", 30, minimum=0)
 if SCHEDULER_POLICY not in ("fifo", "multifactor", "las"):
     raise ImproperlyConfigured(f"SCHEDULER_POLICY: use fifo, multifactor or las, got {SCHEDULER_POLICY!r}")

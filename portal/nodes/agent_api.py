@@ -48,13 +48,15 @@ class RegisterView(AgentView):
     # Why the agent's sandbox cannot give its GPUs to jobs (docker without the NVIDIA runtime); "" = it can.
     gpus_unusable = serializers.CharField(max_length=150, required=False, allow_blank=True, default="")
         "node": serializers.CharField(), "heartbeat_interval_s": serializers.FloatField(),
-        "lease_s": serializers.FloatField()}))
+        "lease_s": serializers.FloatField(), "fence_grace_s": serializers.FloatField()}))
     def post(self, request):
         data = RegisterSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         node = agent_register(node=self.node, **data.validated_data)
+        # The agent stops its sandboxes when no heartbeat was answered for lease_s (SIGTERM, then
+        # SIGKILL after fence_grace_s): NODE_TIMEOUT_S covers both (portal/settings.py).
         return Response({"node": node.name, "heartbeat_interval_s": settings.NODE_HEARTBEAT_INTERVAL_S,
-                         "lease_s": settings.AGENT_LEASE_S})
+                         "lease_s": settings.AGENT_LEASE_S, "fence_grace_s": settings.AGENT_FENCE_GRACE_S})
 
 
 class JobKeySerializer(serializers.Serializer):

@@ -60,3 +60,18 @@ class GPU(models.Model):
 
     def __str__(self) -> str:
         return f"{self.node.name}/gpu{self.index} ({self.model})"
+
+
+class ReaperState(models.Model):
+    """One row (pk=1): when the reaper last ran, and since when every node's lease counts.
+
+    A reaper that could not run for a while (database, broker or every portal process down)
+    has not heard heartbeats either, and that silence is the portal's, not the nodes': its
+    next run gives every node a fresh lease from `leases_fresh_since` before it reaps anyone.
+    """
+
+    last_run_at = models.DateTimeField()
+    leases_fresh_since = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"reaper ran {self.last_run_at:%Y-%m-%d %H:%M:%S}"

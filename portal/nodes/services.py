@@ -9,7 +9,7 @@ from portal.core.context import Actor
 from portal.core.errors import Conflict, Forbidden, InvalidInput
 from portal.core.services import audit_record
 
-from .models import GPU, GPUHealth, GPUMode, Node, NodeState
+from .models import GPU, GPUHealth, GPUMode, Node, NodeState, ReaperState
 
 GPU_SPEC = re.compile(r"^(?P<count>\d{1,3})x(?P<model>[A-Za-z0-9][A-Za-z0-9._-]*?)(?:-(?P<mem>\d{1,4})GB)?$")
 NODE_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
@@ -302,12 +302,19 @@ def node_drain_for_fault(*, node: Node, problem: str) -> bool:
 def nodes_reap() -> dict:
     """Mark nodes silent past NODE_TIMEOUT_S down and end or requeue their jobs.
 
-    If most nodes went silent at once, the portal side (database, broker, network) is the
-    likelier culprit: mark nothing and say so (the Kubernetes all-zones rule).
+    The portal's own outages are not node failures (docs/configuration.md, "Node leases"):
+    1. If the reaper itself could not run for a while (database, broker, workers or beat out,
+       every portal process restarted), no heartbeat was heard either: every node gets a fresh
+       lease from now before anyone is reaped.
+    2. If most nodes went silent at once, the portal side (database, broker, network) is the
+       likelier culprit: mark nothing, say so, and count leases afresh once it is over (the
+       Kubernetes all-zones rule), so the nodes that come back last are not reaped for it.
     """
+    import logging
     from datetime import timedelta
 
     from django.conf import settings
+    from django.db.models import Q
     from django.utils import timezone
 
     from portal.jobs.models import HOLDING, Job
@@ -315,19 +322,19 @@ def nodes_reap() -> dict:
 
     now = timezone.now()
     cutoff = now - timedelta(seconds=settings.NODE_TIMEOUT_S)
+    fresh_since = _reaper_mark_run(now)
+    if fresh_since > cutoff:
+        return {"down": 0, "fresh_lease_until": fresh_since + timedelta(seconds=settings.NODE_TIMEOUT_S)}
     live = Node.objects.filter(state__in=[NodeState.READY, NodeState.DRAINING, NodeState.DRAINED])
     total = live.count()
-    from django.db.models import Q
-
     silent = list(live.filter(Q(last_heartbeat_at__lt=cutoff) | Q(last_heartbeat_at__isnull=True,
                                                                     created_at__lt=cutoff)))
     if not silent:
         return {"down": 0}
     if total >= 3 and len(silent) > total * settings.NODE_MASS_FAILURE_FRACTION:
-        import logging
-
         logging.getLogger(__name__).error(
             "%d of %d nodes silent at once: suspecting the portal side, not marking them down", len(silent), total)
+        ReaperState.objects.filter(pk=1).update(leases_fresh_since=now)
         return {"down": 0, "suspected_portal_failure": len(silent)}
     requeued = failed = 0
     for node in silent:
@@ -345,3 +352,25 @@ def nodes_reap() -> dict:
                 failed += outcome == "node_fail"
     _request_pass()
     return {"down": len(silent), "requeued": requeued, "node_fail": failed}
+
+
+def _reaper_mark_run(now):
+    """Record this reaper run; returns since when every node's lease counts (ReaperState)."""
+    import logging
+    from datetime import timedelta
+
+    from django.conf import settings
+
+    with transaction.atomic():
+        state, created = ReaperState.objects.select_for_update().get_or_create(
+            pk=1, defaults={"last_run_at": now, "leases_fresh_since": now - timedelta(days=1)})
+        gap = (now - state.last_run_at).total_seconds()
+        if not created and gap > 3 * settings.NODE_REAP_INTERVAL_S:
+            logging.getLogger(__name__).warning(
+                "the reaper last ran %.0fs ago (every %gs expected): the portal was out, so every node gets a "
+                "fresh lease of %gs before anyone is marked down", gap, settings.NODE_REAP_INTERVAL_S,
+                settings.NODE_TIMEOUT_S)
+            state.leases_fresh_since = now
+        state.last_run_at = max(state.last_run_at, now)
+        state.save(update_fields=["last_run_at", "leases_fresh_since"])
+    return state.leases_fresh_since

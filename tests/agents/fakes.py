@@ -13,6 +13,7 @@ class FakePortal:
     def __init__(self, clock):
         self.clock = clock
         self.last_contact = None
+        self.lease_renewed_at = None  # as PortalClient: heartbeats and registration renew the lease
         self.unreachable = False
         self.stale: set = set()  # (job_id, attempt) the portal calls stale
         self.spec: dict = {}  # what confirm returns as the spec
@@ -33,11 +34,13 @@ class FakePortal:
 
     def register(self, **body):
         self._call()
+        self.lease_renewed_at = self.clock()
         self.registered = body
         return {"node": 7, "heartbeat_interval_s": 5, "lease_s": 30}
 
     def heartbeat(self, *, samples, jobs):
         self._call()
+        self.lease_renewed_at = self.clock()
         self.heartbeats.append({"samples": samples, "jobs": jobs})
         stop, self.stop_list = self.stop_list, []
         return {"drain": False, "stop": stop}

@@ -15,6 +15,9 @@ class PortalStub:
         self.stale: set = set()
         self.spec: dict = {}
         self.stop_list: list = []
+        self.refuse: dict[str, int] = {}  # path suffix -> the status every such request gets
+        # While set, every request gets the portal's own outage answer (its database is out).
+        self.outage = False
         self.lock = threading.Lock()
         stub = self
 
@@ -29,13 +32,21 @@ class PortalStub:
                     status = stub.fail_next.pop(0) if stub.fail_next else None
                 if status:
                     return self._send(status, {"detail": "injected"})
+                if stub.outage:
+                    return self._send(503, {"detail": "database out"},
+                                      {"Retry-After": "5", "X-Gpuportal-Outage": "database"})
+                refused = [code for suffix, code in stub.refuse.items() if self.path.endswith(suffix)]
+                if refused:
+                    return self._send(refused[0], {"detail": "refused"})
                 if self.headers.get("Authorization") != f"Bearer {TOKEN}":
                     return self._send(401, {"detail": "bad token"})
                 self._send(*stub.answer(self.path, body))
 
-            def _send(self, status, payload):
+            def _send(self, status, payload, headers=None):
                 data = json.dumps(payload).encode()
                 self.send_response(status)
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()

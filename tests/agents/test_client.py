@@ -91,3 +91,28 @@ def test_auth_failure_is_not_retried(stub):
     assert e.value.status == 401 and "bad token" in str(e.value) and len(stub.requests) == 1
     with pytest.raises(ValueError):
         PortalClient(stub.url, "gpp_user_token")
+
+
+def test_only_heartbeats_and_registration_renew_the_lease(stub):
+    now = [100.0]
+    c = client(stub.url, clock=lambda: now[0])
+    c.event("1", 1, "running")
+    c.logs("1", 1, 0, b"x")
+    assert c.last_contact == 100.0 and c.lease_renewed_at is None  # the reaper counts heartbeats only
+    now[0] = 105.0
+    c.heartbeat(samples=[], jobs=[])
+    assert c.lease_renewed_at == 105.0
+
+
+def test_the_portals_outage_answer_renews_the_lease_a_proxys_5xx_does_not(stub):
+    now = [100.0]
+    c = client(stub.url, clock=lambda: now[0], retries=0)
+    stub.fail_next = [502]  # a proxy with no portal behind it: silence
+    with pytest.raises(PortalUnreachable):
+        c.heartbeat(samples=[], jobs=[])
+    assert c.lease_renewed_at is None
+    stub.outage = True  # the portal answers, its database is out: it cannot reap us either
+    now[0] = 130.0
+    with pytest.raises(PortalUnreachable, match="database outage"):
+        c.heartbeat(samples=[], jobs=[])
+    assert c.lease_renewed_at == 130.0 and c.portal_outage == "database" and c.last_contact is None

@@ -1,0 +1,60 @@
+"""The cache backend: Redis that degrades instead of failing.
+
+The cache holds only what can be lost (the latest sample per GPU, throttle counters), so an
+unreachable Redis must not fail a heartbeat, a page or an API call: reads answer their
+default (a miss) and writes are dropped, with one warning per outage. After an error the
+cache is skipped for `RETRY_AFTER_S`, so a Redis that hangs costs one socket timeout, not
+one per request.
+"""
+import logging
+import time
+
+from django.core.cache.backends.redis import RedisCache
+from redis.exceptions import RedisError
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 5.0
+
+
+def _degrading(name: str, default_for):
+    """Wrap RedisCache.<name>: on a Redis error answer default_for(*args) instead of raising."""
+    method = getattr(RedisCache, name)
+
+    def wrapper(self, *args, **kwargs):
+        if time.monotonic() < self._down_until:
+            return default_for(*args, **kwargs)
+        try:
+            value = method(self, *args, **kwargs)
+        except (RedisError, OSError) as exc:  # ConnectionError, TimeoutError, BusyLoadingError...
+            if not self._down_since:
+                self._down_since = time.monotonic()
+                log.warning("cache unreachable (%s: %s); going on without it", type(exc).__name__, exc)
+            self._down_until = time.monotonic() + RETRY_AFTER_S
+            return default_for(*args, **kwargs)
+        if self._down_since:
+            log.warning("cache reachable again after %.0fs", time.monotonic() - self._down_since)
+            self._down_since = 0.0
+        return value
+
+    wrapper.__name__ = name
+    return wrapper
+
+
+class ResilientRedisCache(RedisCache):
+    def __init__(self, server, params):
+        super().__init__(server, params)
+        self._down_until = 0.0
+        self._down_since = 0.0
+
+    get = _degrading("get", lambda key, default=None, *a, **k: default)
+    get_many = _degrading("get_many", lambda *a, **k: {})
+    has_key = _degrading("has_key", lambda *a, **k: False)
+    set = _degrading("set", lambda *a, **k: None)
+    add = _degrading("add", lambda *a, **k: False)
+    touch = _degrading("touch", lambda *a, **k: False)
+    set_many = _degrading("set_many", lambda data, *a, **k: list(data))  # the keys not stored
+    delete = _degrading("delete", lambda *a, **k: False)
+    delete_many = _degrading("delete_many", lambda *a, **k: None)
+    incr = _degrading("incr", lambda key, delta=1, *a, **k: delta)
+    clear = _degrading("clear", lambda *a, **k: False)

@@ -1,0 +1,110 @@
+"""The agent's lease through the portal's own outages, with the real HTTP client, a portal
+stub on 127.0.0.1 and the process sandbox (docs/agent.md, "Lease")."""
+
+import threading
+import time
+
+import pytest
+
+from agents.client import PortalClient, PortalUnreachable
+from agents.probe.sim import SimProbe
+from agents.sandbox import RUNNING
+from agents.sandbox.process_driver import ProcessDriver
+from agents.worker import Agent
+from tests.agents.fakes import Clock, FakeDriver, FakePortal
+from tests.agents.portal_stub import TOKEN, PortalStub
+
+JOB = {"image": "busybox", "command": ["sleep", "120"], "cpus": 1, "memory_mb": 64, "time_limit_s": 300}
+LEASE_S = 2.0
+
+
+def wait_for(pred, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def live(tmp_path):
+    """A real agent (client, process driver, heartbeat and supervisor threads) with a 2 s lease."""
+    stub = PortalStub()
+    client = PortalClient(stub.url, TOKEN, timeout_s=2, retries=0)
+    driver = ProcessDriver(node="lease", state_dir=str(tmp_path))
+    agent = Agent(name="lease", client=client, driver=driver, probe=SimProbe("1xH100-80GB", node_name="lease"),
+                  stop_grace_s=1.0, scrub_gpus=False)
+    agent.register()
+    agent.heartbeat_interval_s, agent.lease_s, agent.fence_grace_s = 0.3, LEASE_S, 0.5
+    stop = threading.Event()
+    threads = [threading.Thread(target=agent.run_heartbeats, args=(stop,), daemon=True),
+               threading.Thread(target=agent.run_supervisor, args=(stop, 0.1), daemon=True)]
+    for th in threads:
+        th.start()
+    try:
+        yield type("Live", (), dict(stub=stub, agent=agent, driver=driver))
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(10)
+        for _, _, handle in driver.list_own():
+            driver.stop(handle, 0)
+            driver.remove(handle)
+        agent.join_stops()
+        stub.close()
+
+
+def running(live, job_id):
+    return any(j == job_id and live.driver.poll(h)[0] == RUNNING for j, _, h in live.driver.list_own())
+
+
+def test_job_keeps_running_while_the_portal_answers_503_longer_than_the_lease(live):
+    assert live.agent.launch("j1", 1, JOB) == "started"
+    live.stub.outage = True  # its database is out: every request answers 503 + X-Gpuportal-Outage
+    t_end = time.monotonic() + 3 * LEASE_S
+    while time.monotonic() < t_end:  # three leases long, the job must never stop
+        assert running(live, "j1") and not live.agent.fenced
+        time.sleep(0.1)
+    assert live.agent.client.portal_outage == "database"
+    live.stub.outage = False
+    wait_for(lambda: live.agent.client.portal_outage == "", 5, "the portal to answer again")
+    assert running(live, "j1")
+    assert [c["state"] for c in live.stub.calls("/jobs/j1/events")] == ["starting", "running"]
+
+
+def test_silence_past_the_lease_stops_the_job(live):
+    """The control: a proxy's 502 (no portal behind it) is silence, and the lease fences."""
+    assert live.agent.launch("j1", 1, JOB) == "started"
+    t0 = time.monotonic()
+    live.stub.fail_next = [502] * 10_000
+    wait_for(lambda: not running(live, "j1"), LEASE_S + 5, "the lease to stop the job")
+    assert live.agent.fenced and time.monotonic() - t0 >= LEASE_S - 0.5
+    live.stub.fail_next = []
+    wait_for(lambda: "failed" in [c["state"] for c in live.stub.calls("/jobs/j1/events")], 10,
+             "the fenced job's report")
+    assert "portal unreachable" in live.stub.calls("/jobs/j1/events")[-1]["message"]
+
+
+class HeartbeatsLost(FakePortal):
+    def heartbeat(self, *, samples, jobs):
+        raise PortalUnreachable("heartbeat lost (fake)")
+
+
+def test_log_and_event_calls_do_not_renew_the_lease():
+    """The portal's reaper counts heartbeats only: a node whose heartbeats are lost is reaped even
+    though its logs still arrive, so the agent must fence on heartbeats alone."""
+    clock, wall = Clock(), Clock(1000.0)
+    portal = HeartbeatsLost(clock)
+    driver = FakeDriver()
+    agent = Agent(name="n1", client=portal, driver=driver, probe=SimProbe("2xH100-80GB", node_name="n1", clock=wall),
+                  stop_grace_s=10.0, background=False, clock=clock, wall=wall)
+    agent.register()
+    agent.lease_s, agent.fence_grace_s = 15.0, 3.0
+    agent.launch("j1", 1, {**JOB, "gpu_indexes": [0]})
+    for _ in range(4):  # 20 s of successful log shipping, no heartbeat answered
+        clock.t += 5
+        agent.supervise_once()
+        agent.heartbeat_once()
+    assert driver.running() == [] and agent.fenced
+    assert driver.stopped[-1][2] == 3.0  # the fence grace, not the 10 s stop grace
