@@ -7,6 +7,7 @@ from django.utils import timezone
 from portal.core.context import Actor
 from portal.core.errors import Conflict, Forbidden, InvalidInput
 from portal.core.services import audit_record
+from portal.core.text import check_plain_name
 
 from . import tokens
 from .models import ApiToken, Scope
@@ -21,6 +22,7 @@ def token_issue(*, actor: Actor, user, name: str, scopes: list[str], project=Non
     cut to the parent's). The child records its parent and dies with it: revoking
     the parent revokes it, and authentication refuses it once the parent is unusable.
     """
+    check_plain_name(name)
     scopes = sorted(set(scopes))
     if not scopes:
         raise InvalidInput("Choose at least one scope.", field="scopes")

@@ -8,6 +8,7 @@ from portal.core.context import Actor
 from portal.core.errors import Conflict, Forbidden, InvalidInput
 from portal.core.querysets import user_can
 from portal.core.services import audit_record
+from portal.core.text import check_plain_name
 from portal.tenancy.models import Project
 
 from .models import CANCELLABLE, HOLDING, TERMINAL, Job, JobState, JobTemplate
@@ -181,6 +182,7 @@ def template_save(*, actor: Actor, project: Project, name: str, spec: dict, lock
                   description: str = "", template: JobTemplate | None = None) -> JobTemplate:
     if not user_can(actor.user, "manage", project):
         raise Forbidden(f"You need the owner or admin role in {project.slug} to manage templates.")
+    check_plain_name(name)
     unknown = [f for f in list(spec) + list(locked) if f not in SPEC_FIELDS]
     if unknown:
         raise InvalidInput(f"{unknown[0]!r} is not a job spec field.", field="spec" if unknown[0] in spec else "locked")

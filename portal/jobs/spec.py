@@ -11,18 +11,29 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from portal.core.api import StrictCharField, StrictSerializer
+from portal.core.text import plain_name
 
 from .models import Priority
 
 # Fractions a shared GPU is cut into; anything else would fragment it.
 SHARED_GPU_FRACTIONS = (Decimal("0.125"), Decimal("0.25"), Decimal("0.5"))
+# Env names a job may not set, in any letter case: the agent drops these prefixes whatever their
+# case (agents/sandbox job_env) and sets the rendezvous names of a gang itself; refusing them here
+# says so at submit instead of dropping them silently. tests/jobs/test_submit.py keeps both lists equal.
 RESERVED_ENV_PREFIXES = ("CUDA_", "NVIDIA_", "LD_", "GPUPORTAL_")
-RESERVED_ENV_NAMES = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "LOCAL_WORLD_SIZE", "RANK"}
+RESERVED_ENV_NAMES = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "LOCAL_WORLD_SIZE"}
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 IMAGE = re.compile(r"^[a-z0-9][a-z0-9._/-]{0,200}(:[A-Za-z0-9._-]{1,128})?(@sha256:[0-9a-f]{64})?$")
 ARRAY = re.compile(r"^(?P<items>\d{1,7}(-\d{1,7})?(,\d{1,7}(-\d{1,7})?)*)(%(?P<limit>\d{1,6}))?$")
 DURATION = re.compile(r"^(?:(?P<d>\d+)-)?(?:(?P<h>\d+):)?(?P<m>\d+):(?P<s>\d+)$")
 UNIT_DURATION = re.compile(r"^(?P<n>\d+)(?P<u>[smhd])$")
+
+
+def single_line_value(value: str) -> None:
+    """An env value is one line of text: NUL cannot pass through execve, and a newline would
+    let a value forge further variables wherever the environment is written out as lines."""
+    if "\x00" in value or "\n" in value or "\r" in value:
+        raise serializers.ValidationError("A value may not hold NUL or line breaks.")
 
 
 def parse_array(text: str) -> tuple[list[int], int | None]:
@@ -108,11 +119,12 @@ class JobSpecSerializer(StrictSerializer):
 
     project = serializers.CharField(max_length=50)
     template = serializers.CharField(max_length=100, required=False, allow_blank=True)
-    name = serializers.CharField(max_length=200)
+    name = serializers.CharField(max_length=200, validators=[plain_name])
     image = serializers.CharField(max_length=400)
     command = serializers.ListField(child=StrictCharField(max_length=8192, allow_blank=True, trim_whitespace=False),
                                     min_length=1, max_length=1024)
-    env = serializers.DictField(child=StrictCharField(max_length=32768, allow_blank=True, trim_whitespace=False),
+    env = serializers.DictField(child=StrictCharField(max_length=32768, allow_blank=True, trim_whitespace=False,
+                                                      validators=[single_line_value]),
                                 required=False, default=dict)
     resources = ResourcesSerializer(required=False)
     time_limit = DurationField(required=False)
@@ -135,7 +147,7 @@ class JobSpecSerializer(StrictSerializer):
         for name in value:
             if not ENV_NAME.match(name):
                 raise serializers.ValidationError(f"{name!r} is not a valid variable name.")
-            if name.startswith(RESERVED_ENV_PREFIXES) or name in RESERVED_ENV_NAMES:
+            if name.upper().startswith(RESERVED_ENV_PREFIXES) or name.upper() in RESERVED_ENV_NAMES:
                 raise serializers.ValidationError(
                     f"{name} is reserved: the portal sets {', '.join(p + '*' for p in RESERVED_ENV_PREFIXES)} "
                     "and the rendezvous variables itself.")

@@ -11,6 +11,7 @@ from portal.core.context import Actor
 from portal.core.errors import Conflict, Forbidden, InvalidInput
 from portal.core.querysets import user_can
 from portal.core.services import audit_record
+from portal.core.text import check_plain_name
 
 from .models import ALL_PROJECT_PERMS, ROLE_PERMS, Membership, Organization, Project, Quota, Role
 
@@ -45,6 +46,7 @@ def _actor_is_owner(actor: Actor, project: Project) -> bool:
 
 def organization_create(*, actor: Actor, slug: str, name: str, max_gpus: int | None = None) -> Organization:
     _require_staff(actor, "create organizations")
+    check_plain_name(name)
     with transaction.atomic():
         if Organization.objects.filter(slug=slug).exists():
             raise InvalidInput(f"An organization with slug {slug!r} already exists.", field="slug")
@@ -57,6 +59,7 @@ def project_create(*, actor: Actor, organization: Organization, slug: str, name:
                    owner=None, quota: dict | None = None) -> Project:
     """Create a project with its quota; `owner` (a User) becomes its first owner."""
     _require_staff(actor, "create projects")
+    check_plain_name(name)
     try:
         with transaction.atomic():
             if Project.objects.filter(slug=slug).exists():
@@ -79,6 +82,8 @@ def project_update(*, actor: Actor, project: Project, **changes) -> Project:
     unknown = set(changes) - allowed
     if unknown:
         raise InvalidInput("This field cannot be changed here.", field=sorted(unknown)[0])
+    if "name" in changes:
+        check_plain_name(changes["name"])
     with transaction.atomic():
         for key, value in changes.items():
             setattr(project, key, value)

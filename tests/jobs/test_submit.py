@@ -191,3 +191,89 @@ def test_template_management_rules(demo, api):
     r = api("bob").post("/api/v1/job-templates/", data={"project": "vision", "name": "t", "spec": {}}, format="json")
     assert r.status_code == 403
     assert not JobTemplate.objects.exists()
+
+
+@pytest.mark.parametrize("name", ["ld_preload", "Ld_Library_Path", "cuda_visible_devices", "nvidia_driver_capabilities",
+                                  "gpuportal_job_id", "master_addr", "World_Size"])
+def test_reserved_env_names_are_refused_in_any_case(alice, name):
+    """`ld_preload` was accepted at submit and silently dropped by the agent."""
+    r = submit(alice, spec(env={name: "x"}))
+    assert r.status_code == 400 and "is reserved" in r.json()["error"]["fields"]["env"][0]
+    assert Job.objects.count() == 0
+
+
+def test_reserved_env_names_match_what_the_agent_drops_and_sets():
+    from agents.sandbox import RENDEZVOUS_KEYS
+    from agents.sandbox import RESERVED_ENV_PREFIXES as AGENT_PREFIXES
+    from portal.jobs.spec import RESERVED_ENV_NAMES, RESERVED_ENV_PREFIXES
+
+    assert set(RESERVED_ENV_PREFIXES) == set(AGENT_PREFIXES)
+    assert RESERVED_ENV_NAMES == set(RENDEZVOUS_KEYS)
+
+
+@pytest.mark.parametrize("value", ["a\nB=1", "a\r\nb", "a\x00b", "\n"])
+def test_env_values_are_single_lines(alice, value):
+    r = submit(alice, spec(env={"OK": "fine", "EVIL": value}))
+    assert r.status_code == 400, r.content
+    fields = r.json()["error"]["fields"]
+    assert list(fields) == ["env.EVIL"] and "A value may not hold NUL or line breaks." in fields["env.EVIL"]
+    assert Job.objects.count() == 0
+    assert submit(alice, spec(env={"TABS": "a\tb", "RANK": "0"})).status_code == 201
+
+
+@pytest.mark.parametrize("name", ["train\u202egpj.sh", "a\u200bb", "bell\x07", "line\nbreak", "bom\ufeff"])
+def test_names_refuse_control_and_format_characters(demo, api, alice, name):
+    """Right-to-left overrides and zero-width characters made names lie."""
+    r = submit(alice, spec(name=name))
+    assert r.status_code == 400 and "name" in r.json()["error"]["fields"], r.content
+    r = alice.post("/api/v1/job-templates/", data={"project": "vision", "name": name, "spec": {}}, format="json")
+    assert r.status_code == 400 and "name" in r.json()["error"]["fields"], r.content
+    r = alice.patch("/api/v1/projects/vision/", data={"name": name}, format="json")
+    assert r.status_code == 400 and "name" in r.json()["error"]["fields"], r.content
+    r = api("admin").post("/api/v1/projects/", data={"organization": "acme", "slug": "p2", "name": name},
+                          format="json")
+    assert r.status_code == 400 and "name" in r.json()["error"]["fields"], r.content
+    r = api("admin").post("/api/v1/organizations/", data={"slug": "o2", "name": name}, format="json")
+    assert r.status_code == 400 and "name" in r.json()["error"]["fields"], r.content
+    r = alice.post("/api/v1/tokens/", data={"name": name, "scopes": ["read"]}, format="json")
+    assert r.status_code == 400 and "name" in r.json()["error"]["fields"], r.content
+    assert Job.objects.count() == 0 and not JobTemplate.objects.exists()
+    # Letters of any script, and emoji, stay welcome.
+    assert submit(alice, spec(name="entraînement-训练-🚀")).status_code == 201
+
+
+@pytest.fixture
+def two_nodes(demo):
+    from portal.core.context import Actor
+    from portal.nodes.services import node_add
+
+    for name in ("gpu-01", "gpu-02"):
+        node_add(actor=Actor(user=demo.users["admin"]), name=name, gpus="4xH100-80GB")
+
+
+def test_a_multi_node_job_stores_its_nodes_and_shows_gpus_per_node(alice, two_nodes):
+    r = submit(alice, spec(resources={"nodes": 2, "gpus_per_node": 4}))
+    assert r.status_code == 201, r.content
+    res = r.json()["resources"]
+    assert (res["gpus"], res["nodes"], res["gpus_per_node"]) == (8, 2, 4)
+    assert Job.objects.get(pk=r.json()["id"]).nodes == 2
+    r = submit(alice, spec(resources={"gpus": 8, "nodes": 2}))  # gpus_per_node follows from gpus
+    assert r.status_code == 201 and r.json()["resources"]["gpus_per_node"] == 4
+    r = submit(alice, spec(resources={"gpus": 2}))  # no nodes: one node, all its GPUs there
+    assert r.json()["resources"]["nodes"] == 1 and r.json()["resources"]["gpus_per_node"] == 2
+
+
+@pytest.mark.parametrize("resources,field,message", [
+    ({"gpus": 8}, "resources.gpus", "8 GPUs on one node, but the largest node has 4 GPUs; to span nodes ask for "
+                                    "nodes and gpus_per_node (e.g. nodes 2)."),
+    ({"nodes": 3, "gpus_per_node": 1}, "resources.nodes", "3 exceeds the 2 node(s) with GPUs in the cluster."),
+    ({"nodes": 2, "gpus_per_node": 6}, "resources.gpus_per_node", "6 exceeds the largest node's 4 GPUs."),
+    ({"nodes": 2, "gpus_per_node": 2, "gpu_type": "H100-80GB"}, None, None),
+])
+def test_a_job_no_set_of_nodes_could_hold_is_refused_naming_the_field(alice, two_nodes, resources, field, message):
+    r = submit(alice, spec(resources=resources))
+    if field is None:
+        assert r.status_code == 201, r.content
+        return
+    assert r.status_code == 400 and r.json()["error"]["fields"][field] == [message]
+    assert not Job.objects.exists()
