@@ -65,8 +65,11 @@ def earliest_start(state: ClusterState, job: Job, classes: list[ClassKey], mode:
     wanted = set(classes)
     hyp: dict[str, int] = {}
     if job.gpus >= 1:
-        g = int(job.gpus)
-        count = {c: state.total_free.get(c, 0) for c in classes}
+        g, per, nodes = int(job.gpus), job.gpus_per_node, job.nodes
+        # Per class: free GPUs per node by then, and how many nodes have `per` of them;
+        # a placement is tried only once enough nodes do (a single-node job never splits).
+        on_node = {c: {n: len(ids) for n, ids in state.free[c].items()} for c in classes}
+        ready = {c: sum(1 for k in on_node[c].values() if k >= per) for c in classes}
         freed: dict[ClassKey, list[str]] = {c: [] for c in classes}
         for end, items in timeline:
             for gid, u in items:
@@ -77,13 +80,15 @@ def earliest_start(state: ClusterState, job: Job, classes: list[ClassKey], mode:
                 after = min(UNITS, before + u)
                 hyp[gid] = after
                 if after == UNITS and before < UNITS:
-                    count[cls] += 1
                     freed[cls].append(gid)
+                    node = state.gpu[gid].node
+                    k = on_node[cls][node] = on_node[cls].get(node, 0) + 1
+                    ready[cls] += k == per
             for cls in classes:
-                if count[cls] >= g:
+                if ready[cls] >= nodes:
                     ids = [i for node_ids in state.free[cls].values() for i in node_ids] + freed[cls]
                     temp = ClusterState(Topology((state.gpu[i], cls[0]) for i in ids), {})
-                    chosen = temp.place_whole(g, [cls], mode)
+                    chosen = temp.place_whole(g, [cls], mode, nodes)
                     if chosen:
                         return end, chosen
         return None

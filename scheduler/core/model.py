@@ -24,6 +24,9 @@ REASON_PRIORITY = "priority"  # higher-priority jobs go first (backfill off, or 
 REASON_PREEMPTING = "preempting"  # running work is being preempted to make room
 REASON_UNPLACEABLE = "unplaceable"  # larger than every matching GPU in the cluster together
 REASON_SANDBOX = "sandbox"  # no schedulable node offers the sandbox the job asks for
+# Enough matching GPUs are free, but not on one node (or not on `nodes` nodes with gpus_per_node each):
+# it would start only if split, which a job is never unless it asks for several nodes.
+REASON_FRAGMENTED = "fragmented"
 
 # Which node sandboxes (what its agent runs; "" before the agent first registers) run a job's
 # sandbox. A VM is never swapped for a container: a job that asked for kvm isolation gets it.
@@ -63,7 +66,9 @@ class Job:
     """A queued (or, inside an Allocation, running) job.
 
     `gpus` is a whole number (0 = CPU-only) or a fraction 0 < g < 1 that must go
-    on a shared GPU.
+    on a shared GPU. A job's GPUs are on one node unless it asks for `nodes` > 1;
+    then it gets exactly `gpus / nodes` GPUs on each of `nodes` distinct nodes
+    (one gang; the caller guarantees the division is exact).
     """
 
     id: str
@@ -82,6 +87,11 @@ class Job:
     deps_satisfied: bool = True
     pool: str | None = None
     sandbox: str = "docker"
+    nodes: int = 1
+
+    @property
+    def gpus_per_node(self) -> int:
+        return int(self.gpus) // max(self.nodes, 1)
 
 
 @dataclass
@@ -202,3 +212,6 @@ class Plan:
     preemptions: list[Preemption] = field(default_factory=list)
     reservations: list[Reservation] = field(default_factory=list)
     waiting: dict[str, Reason] = field(default_factory=dict)
+    # Jobs that failed to place although enough matching GPUs were free (spread over too many
+    # nodes): job id -> the free GPUs of its best class. Filled with explain off too (the simulator).
+    fragmented: dict[str, int] = field(default_factory=dict)

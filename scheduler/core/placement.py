@@ -70,9 +70,20 @@ class Topology:
             self.node_size[(cls, node)] = len(glist)
             self.capacity[cls] = self.capacity.get(cls, 0) + len(glist)
             self.max_node[cls] = max(self.max_node.get(cls, 0), len(glist))
+        # Node sizes per class, largest first: can a job of N nodes x G GPUs ever fit?
+        self.sizes: dict[ClassKey, list[int]] = {}
+        for (cls, _node), k in self.node_size.items():
+            self.sizes.setdefault(cls, []).append(k)
+        for lst in self.sizes.values():
+            lst.sort(reverse=True)
         # Non-shared classes first so whole-GPU jobs leave shared GPUs to fractions.
         self.classes: list[ClassKey] = sorted(self.capacity, key=lambda c: (c[3], str(c[0]), c[1], c[2], c[4]))
         self.models: set[str] = {c[1] for c in self.classes}
+
+    def fits(self, cls: ClassKey, per: int, nodes: int = 1) -> bool:
+        """Could `nodes` nodes of this class hold `per` GPUs each, were they all free?"""
+        sizes = self.sizes.get(cls, ())
+        return len(sizes) >= nodes and sizes[nodes - 1] >= per
 
     @classmethod
     def from_nodes(cls, nodes: list[Node]) -> Topology:
@@ -220,10 +231,13 @@ class ClusterState:
             self._set_used(gid, old, old - units)
 
     # -- placement --------------------------------------------------------
-    def place_whole(self, g: int, classes: list[ClassKey], mode: str) -> list[str] | None:
-        """All-or-nothing placement of `g` whole GPUs: one node if any fits
-        (best fit = least left over, spread = least used then lowest load),
-        else the fewest nodes of one class. Takes the GPUs and returns them."""
+    def place_whole(self, g: int, classes: list[ClassKey], mode: str, nodes: int = 1) -> list[str] | None:
+        """All-or-nothing placement of `g` whole GPUs on exactly `nodes` nodes of one
+        class, `g // nodes` on each; a single-node job is never split. Best fit takes
+        the nodes left with the least over, spread the least used then the coolest.
+        Takes the GPUs and returns them, the first node's first (the gang's master)."""
+        if nodes > 1:
+            return self._place_gang(g // nodes, nodes, classes, mode)
         best = None  # (score, cls, node)
         for cls in classes:
             if self.total_free[cls] < g:
@@ -241,47 +255,54 @@ class ClusterState:
                         if best is None or k - g < best[0]:
                             best = (k - g, cls, next(iter(b[k])))
                         break
-        if best is not None:
-            _, cls, node = best
-            return self._take_on_node(cls, node, g, mode)
-        plans = []
-        for cls in classes:
-            if self.total_free[cls] >= g:
-                plan = self._fewest_nodes(cls, g)
-                if plan:
-                    plans.append((len(plan), cls, plan))
-        if not plans:
+        if best is None:
             return None
-        _, cls, plan = min(plans, key=lambda p: p[0])
+        _, cls, node = best
+        return self._take_on_node(cls, node, g, mode)
+
+    def _place_gang(self, per: int, nodes: int, classes: list[ClassKey], mode: str) -> list[str] | None:
+        best = None  # (score, cls, [node, ...])
+        for cls in classes:
+            if self.total_free[cls] < per * nodes:
+                continue
+            b = self.buckets[cls]
+            if mode == "spread":
+                cands = sorted((self.node_load(cls, n), n) for k in range(per, len(b)) for n in b[k])
+                if len(cands) < nodes:
+                    continue
+                chosen = cands[:nodes]
+                score = (sum(c[0][0] for c in chosen), sum(c[0][1] for c in chosen))
+                picked = [n for _, n in chosen]
+            else:
+                picked, score = [], 0
+                for k in range(per, len(b)):
+                    for n in b[k]:
+                        picked.append(n)
+                        score += k - per
+                        if len(picked) == nodes:
+                            break
+                    if len(picked) == nodes:
+                        break
+                if len(picked) < nodes:
+                    continue
+            if best is None or score < best[0]:
+                best = (score, cls, picked)
+        if best is None:
+            return None
+        _, cls, picked = best
         out: list[str] = []
-        for node, k in plan:
-            out += self._take_on_node(cls, node, k, mode)
+        for node in picked:
+            out += self._take_on_node(cls, node, per, mode)
         return out
 
-    def _fewest_nodes(self, cls: ClassKey, g: int) -> list[tuple[str, int]]:
-        b = self.buckets[cls]
-        used_nodes: set[str] = set()
-        plan: list[tuple[str, int]] = []
-        rem = g
-        while rem > 0:
-            last = None
-            for k in range(rem, len(b)):
-                last = next((n for n in b[k] if n not in used_nodes), None)
-                if last is not None:
-                    break
-            if last is not None:
-                plan.append((last, rem))
-                break
-            for k in range(min(rem, len(b) - 1), 0, -1):
-                node = next((n for n in b[k] if n not in used_nodes), None)
-                if node is not None:
-                    plan.append((node, k))
-                    used_nodes.add(node)
-                    rem -= k
-                    break
-            else:
-                return []  # cannot happen while total_free >= g; never loop forever
-        return plan
+    def fragmented_free(self, job: Job, classes: list[ClassKey]) -> int:
+        """After `job` failed to place: the free GPUs of its best class when they would be
+        enough if it were split differently (0 when simply too few are free)."""
+        if job.gpus < 1:
+            return 0
+        g = int(job.gpus)
+        free = max((self.total_free.get(c, 0) for c in classes), default=0)
+        return free if free >= g else 0
 
     def _take_on_node(self, cls: ClassKey, node: str, k: int, mode: str) -> list[str]:
         ids = self.free[cls][node]

@@ -5,8 +5,8 @@ started above its project's guarantee, the project is *still* above it, and it
 is another project) or marked preemptible with a lower QoS than the job. The
 "still above" test stops ping-pong: once a project is back within its
 guarantee its remaining jobs are its own, whatever they started as. Among the victims that make the job fit we pick
-the fewest, then the cheapest (GPU-seconds of work lost), on one node when the
-job fits on one node.
+the fewest, then the cheapest (GPU-seconds of work lost), all on one node for a
+single-node job, on exactly as many nodes as a multi-node job asks for.
 """
 from __future__ import annotations
 
@@ -97,27 +97,33 @@ class VictimPool:
         return (len(victims), sum(self.cost(a) for a in victims))
 
     def _find_whole(self, job: Job, classes: list[ClassKey]):
-        st, g, wanted = self.state, int(job.gpus), set(classes)
-        best = None
+        """Victims on one node for a single-node job; for a gang of `nodes` nodes, the
+        `nodes` nodes (free ones cost nothing) whose victims together are fewest and cheapest."""
+        st, per, nodes, wanted = self.state, job.gpus_per_node, job.nodes, set(classes)
+        per_node: dict[ClassKey, list] = {}  # cls -> [(score, node, victims)]
         for (cls, node), allocs in self.on_node.items():
-            if cls not in wanted or st.node_size[(cls, node)] < g:
+            if cls not in wanted or st.node_size[(cls, node)] < per:
                 continue
             opts = [(a, self._gpus_in(a, cls, node)) for a in allocs if self._ok(a, job)]
-            victims = self._cover(len(st.free[cls][node]), g, [o for o in opts if o[1] > 0])
-            if victims and (best is None or self._score(victims) < self._score(best)):
-                best = victims
-        if best:
-            return best
-        for cls in classes:  # fewest nodes is then up to placement in the next pass
-            seen: dict[str, Allocation] = {}
-            for (c, _node), allocs in self.on_node.items():
-                if c == cls:
-                    for a in allocs:
-                        if self._ok(a, job):
-                            seen[a.job.id] = a
-            opts = [(a, self._gpus_in(a, cls, None)) for a in seen.values()]
-            victims = self._cover(st.total_free.get(cls, 0), g, [o for o in opts if o[1] > 0])
-            if victims and (best is None or self._score(victims) < self._score(best)):
+            have = len(st.free[cls][node])
+            victims = self._cover(have, per, [o for o in opts if o[1] > 0]) if have < per else None
+            if victims:
+                per_node.setdefault(cls, []).append((self._score(victims), node, victims))
+        best = None
+        for cls, found in per_node.items():
+            if nodes == 1:
+                pick = [min(found, key=lambda f: f[:2])[2]]
+            else:
+                # Nodes that already have room join the gang at no cost.
+                free = [n for k in range(per, len(st.buckets[cls])) for n in st.buckets[cls][k]]
+                if len(free) >= nodes:
+                    continue  # not for want of victims; placement failed for another reason
+                found.sort(key=lambda f: f[:2])
+                pick = [f[2] for f in found[:nodes - len(free)]]
+                if len(pick) < nodes - len(free):
+                    continue
+            victims = list({a.job.id: a for vs in pick for a in vs}.values())
+            if best is None or self._score(victims) < self._score(best):
                 best = victims
         return best
 

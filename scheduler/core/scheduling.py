@@ -4,7 +4,7 @@ from __future__ import annotations
 from .admission import EPS, Tally, admit, fmt_duration, fmt_gpus
 from .backfill import Held, could_use, earliest_start, release_timeline, reserve, with_released
 from .model import (
-    REASON_PREEMPTING, REASON_PRIORITY, REASON_RESERVATION, REASON_RESOURCES, REASON_SANDBOX, REASON_UNPLACEABLE,
+    REASON_FRAGMENTED, REASON_PREEMPTING, REASON_PRIORITY, REASON_RESERVATION, REASON_RESOURCES, REASON_SANDBOX, REASON_UNPLACEABLE,
     Allocation, Job, Plan, Preemption, ProjectQuota, Reason, Snapshot, Start, sandbox_hosts,
 )
 from .ordering import order_queue
@@ -59,7 +59,7 @@ class _Pass:
     def place(self, job: Job, classes: list[ClassKey], mode: str):
         """(gpu_ids, fractions) taken from the free index, or None."""
         if job.gpus >= 1:
-            ids = self.state.place_whole(int(job.gpus), classes, mode)
+            ids = self.state.place_whole(int(job.gpus), classes, mode, job.nodes)
             return (ids, {}) if ids else None
         got = self.state.place_fraction(job, classes, mode)
         return ([got[0]], {got[0]: job.gpus}) if got else None
@@ -103,7 +103,7 @@ class _Pass:
             return False
         # Victims only get fewer within a pass: if a job of this project found
         # none, a larger job with no higher QoS finds none either.
-        key = (job.project, id(classes))
+        key = (job.project, id(classes), job.nodes)
         prev = self.preempt_failed.get(key)
         if prev is not None and job.gpus >= prev[0] and job.qos <= prev[1]:
             return False
@@ -120,9 +120,11 @@ class _Pass:
             self.plan.preemptions.append(Preemption(a.job.id, reason, job.id))
             self.preempted.add(a.job.id)
         self.tally.proj_claimed[job.project] = self.tally.proj_claimed.get(job.project, 0.0) + job.gpus
+        defrag = (f" on {self.where(job)} (enough GPUs are free, but spread over other nodes)"
+                  if job.id in self.plan.fragmented else "")
         self.codes[job.id] = (REASON_PREEMPTING,
                               f"Preempting {len(victims)} job(s) on borrowed or preemptible GPUs to "
-                              f"make room within project {job.project}'s guarantee; starts in the next pass")
+                              f"make room{defrag} within project {job.project}'s guarantee; starts in the next pass")
         return True
 
     def try_reserve(self, job: Job, classes: list[ClassKey], mode: str) -> bool:
@@ -143,11 +145,30 @@ class _Pass:
         self.plan.reservations.append(h.res)
         when = (f"in {fmt_duration(t - self.now)} at the latest" if t > self.now
                 else "as soon as jobs past their time limit end")
+        if job.id in self.plan.fragmented:
+            # Backfill defragments for it: later jobs may not take the reserved node's GPUs.
+            nodes = ", ".join(dict.fromkeys(self.state.gpu[i].node for i in ids))
+            self.codes[job.id] = (REASON_FRAGMENTED, self.fragmented_message(job) +
+                                  f"; next to start, GPUs on {nodes} reserved for it {when}")
+            return True
         self.codes[job.id] = (REASON_RESOURCES,
                               f"Waiting for {fmt_gpus(job.gpus)}: next to start, GPUs reserved for it {when}")
         return True
 
+    @staticmethod
+    def where(job: Job) -> str:
+        return "one node" if job.nodes <= 1 else f"{job.nodes} nodes"
+
+    def fragmented_message(self, job: Job) -> str:
+        free = self.plan.fragmented[job.id]
+        if job.nodes <= 1:
+            return f"fragmented: {free} GPUs free but no node has {int(job.gpus)}"
+        return (f"fragmented: {free} GPUs free but fewer than {job.nodes} nodes have "
+                f"{job.gpus_per_node} each")
+
     def blocked_reason(self, job: Job, classes: list[ClassKey]) -> tuple[str, str]:
+        if job.id in self.plan.fragmented:
+            return REASON_FRAGMENTED, self.fragmented_message(job)
         for h in self.helds:
             if could_use(h, self.state, job, classes):
                 room = h.res.start_time - self.now
@@ -174,15 +195,23 @@ class _Pass:
             return
         classes = self.classes_for(job)
         need = int(gpus) if gpus >= 1 else 1
+        per, nodes = (job.gpus_per_node, job.nodes) if gpus >= 1 else (1, 1)
         if not classes and self.state.classes and not any(c[4] in sandbox_hosts(job.sandbox)
                                                           for c in self.state.classes):
             self.codes[job.id] = (REASON_SANDBOX, f"Asks for the {job.sandbox} sandbox, which no schedulable node "
                                                   f"with GPUs offers now")
             return
-        if not classes or max(self.capacity[c] for c in classes) < need:
-            self.codes[job.id] = (REASON_UNPLACEABLE,
-                                  f"Asks for {fmt_gpus(gpus)} but no schedulable group of matching GPUs "
-                                  f"is that large; resubmit with fewer GPUs or another type/pool")
+        topo = self.state.topo
+        if not classes or not any(topo.fits(c, per, nodes) for c in classes):
+            if classes and nodes == 1 and max(self.capacity[c] for c in classes) >= need:
+                biggest = max(topo.sizes[c][0] for c in classes)
+                self.codes[job.id] = (REASON_UNPLACEABLE,
+                                      f"Asks for {fmt_gpus(gpus)} on one node but the largest matching node has "
+                                      f"{biggest}; resubmit with nodes and gpus_per_node to span nodes")
+            else:
+                self.codes[job.id] = (REASON_UNPLACEABLE,
+                                      f"Asks for {fmt_gpus(gpus)} on {self.where(job)} but no schedulable group of "
+                                      f"matching GPUs is that large; resubmit with fewer GPUs or another type/pool")
             return
         if self.blocked_head is not None:
             self.codes[job.id] = (REASON_PRIORITY,
@@ -202,6 +231,9 @@ class _Pass:
                 self.start(job, *got)
                 return
             self.failed += 1
+            free = state.fragmented_free(job, classes)
+            if free:
+                self.plan.fragmented[job.id] = free
         if not borrowing and self.try_preempt(job, classes):
             return
         if not placing or not self.try_reserve(job, classes, mode):

@@ -42,6 +42,9 @@ def print_table(out: dict, file=sys.stdout) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)), file=file)
     print(f"{out['gpus']:.0f} GPUs, policy {out['policy']}{' + backfill' if out['backfill'] else ''}, "
           f"{out['passes']} passes ({out['passes_skipped']} skipped: nothing could change), {out['dropped']} jobs dropped (larger than the cluster), "
+          f"{out['multi_node']} replayed on several nodes, {out['unsplittable']} skipped (GPUs not divisible "
+          f"over nodes), {out['fragmented_jobs']} waited fragmented (mean {out['fragmented_wait_mean'] / 3600:.2f} h, "
+          f"frag_% while one did {out['fragmentation_split'] * 100:.1f}), "
           f"wall {out['wall_s']:.1f} s (shared replay {out['wall_s_shared']:.1f} s). "
           f"Tenant utilization is over its guarantee; fairness = mean JCT shared / isolated.", file=file)
 

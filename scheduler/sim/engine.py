@@ -6,6 +6,12 @@ killed at their walltime if longer. A preempted job goes back to the queue and
 restarts from zero (no checkpoint is assumed), keeping its submit time, so its
 lost work shows in its JCT. Preemption takes effect at once (grace period 0)
 and another pass follows straight away so the preemptor starts.
+
+A trace gives only a job's GPU count. A job never spans nodes unless it asks
+(`Job.nodes`), so one larger than the biggest node of the cluster is replayed as
+a multi-node job: nodes = ceil(gpus / biggest node), gpus_per_node = gpus / nodes
+when that divides; when it does not, the job is skipped and counted
+(`unsplittable`), since no user could have asked for it with equal GPUs per node.
 """
 from __future__ import annotations
 
@@ -39,15 +45,33 @@ class SimResult:
     passes: int = 0
     skipped: int = 0  # passes skipped because they could not change anything
     dropped: list[str] = field(default_factory=list)  # never fit this cluster
+    unsplittable: list[str] = field(default_factory=list)  # above a node, GPUs not divisible by its node count
+    multi_node: int = 0  # jobs replayed on several nodes
+    frag_jobs: set[str] = field(default_factory=set)  # jobs that ever waited fragmented
+    frag_wait_s: float = 0.0  # job-seconds spent waiting fragmented (all of the replay)
+    frag_idle_gpu_s: float = 0.0  # idle GPU-seconds inside the window while a fragmented job waited
     guarantees: dict[str, float] = field(default_factory=dict)
 
 
-def to_core_job(t: TraceJob, qos_map: dict[str, int] | None) -> Job:
+def to_core_job(t: TraceJob, qos_map: dict[str, int] | None, nodes: int = 1) -> Job:
     qos = qos_map.get(t.tenant, 0) if qos_map else 0
     preemptible = bool(qos_map) and qos == 0
     return Job(t.id, t.tenant, t.tenant, t.tenant, t.gpus, t.submit,
                t.walltime if math.isfinite(t.walltime) else 90 * 86400.0,
-               gpu_type=t.gpu_type, qos=qos, preemptible=preemptible)
+               gpu_type=t.gpu_type, qos=qos, preemptible=preemptible, nodes=nodes)
+
+
+def nodes_for(gpus: float, node_sizes: list[int]) -> int | None:
+    """How many nodes a trace job spans on a cluster with these node sizes (largest
+    first): 1 when it fits on a node; else ceil(gpus / largest), if the GPUs divide
+    evenly and enough nodes are that large; None when it cannot be asked for."""
+    biggest = node_sizes[0] if node_sizes else 0
+    if gpus <= biggest:
+        return 1
+    nodes = math.ceil(gpus / biggest) if biggest else 0
+    if not nodes or gpus % nodes:
+        return None
+    return nodes
 
 
 class Simulator:
@@ -58,19 +82,30 @@ class Simulator:
         self.config = config
         self.qos_map = ALIBABA_QOS if alibaba_qos else None
         self.capacity = float(sum(len(n.gpus) for n in nodes))
-        biggest = max((len(n.gpus) for n in nodes), default=0)
+        sizes = sorted((len(n.gpus) for n in nodes), reverse=True)
+        biggest = sizes[0] if sizes else 0
         models = {g.model for n in nodes for g in n.gpus}
-        fits, dropped = [], []
+        fits, dropped, unsplittable = [], [], []
+        self.span: dict[str, int] = {}  # job id -> nodes, for multi-node jobs
         for t in jobs:
             too_big = t.gpus > self.capacity or (0 < t.gpus < 1 and biggest == 0)
             if too_big or (t.gpu_type and t.gpu_type not in models):
                 dropped.append(t.id)
+                continue
+            k = nodes_for(t.gpus, sizes)
+            if k is None:
+                unsplittable.append(t.id)
+            elif k > 1 and (len(sizes) < k or sizes[k - 1] < t.gpus // k):
+                dropped.append(t.id)
             else:
                 fits.append(t)
+                if k > 1:
+                    self.span[t.id] = k
         self.jobs = sorted(fits, key=lambda t: (t.submit, t.id))
         window = (self.jobs[0].submit, self.jobs[-1].submit) if self.jobs else (0.0, 0.0)
         self.res = SimResult({t.id: JobRecord(t) for t in self.jobs}, self.capacity, window,
-                             dropped=dropped, guarantees={p: q.guaranteed_gpus for p, q in projects.items()})
+                             dropped=dropped, guarantees={p: q.guaranteed_gpus for p, q in projects.items()},
+                             unsplittable=unsplittable, multi_node=len(self.span))
 
     def run(self) -> SimResult:
         res, cfg = self.res, self.config
@@ -84,6 +119,7 @@ class Simulator:
         run_gpus: dict[str, float] = {}  # per tenant, for usage and utilization
         wait_count: dict[str, int] = {}  # per tenant, queued jobs asking for GPUs
         allocated = 0.0
+        fragmented: set[str] = set()  # queued jobs the last pass found fragmented
         victimable = 0  # running jobs that are borrowed or preemptible
         hl = cfg.fairshare_half_life_s
         w0, w1 = res.window
@@ -104,9 +140,12 @@ class Simulator:
                     if any(wait_count.values()):
                         idle = (self.capacity - allocated) * span
                         res.frag_gpu_s += idle
+                        if fragmented:
+                            res.frag_idle_gpu_s += idle
                         for p, c in wait_count.items():
                             if c:
                                 res.tenant_frag_gpu_s[p] = res.tenant_frag_gpu_s.get(p, 0.0) + idle
+                res.frag_wait_s += len(fragmented) * dt
                 # Decayed usage: exact integral of g * 2^(-(t_next - s)/hl) ds.
                 keep = math.pow(0.5, dt / hl)
                 gain = hl / math.log(2) * (1.0 - keep)
@@ -126,7 +165,7 @@ class Simulator:
                 changed = True
             while i < n and self.jobs[i].submit <= now:
                 t = self.jobs[i]
-                queue[t.id] = to_core_job(t, self.qos_map)
+                queue[t.id] = to_core_job(t, self.qos_map, self.span.get(t.id, 1))
                 if t.gpus > 0:
                     wait_count[t.tenant] = wait_count.get(t.tenant, 0) + 1
                 i += 1
@@ -143,6 +182,8 @@ class Simulator:
                                 self.projects, {}, usage, cfg)
                 plan = schedule(snap, topo)
                 res.passes += 1
+                fragmented = set(plan.fragmented)
+                res.frag_jobs |= fragmented
                 for s in plan.starts:
                     job = queue.pop(s.job_id)
                     rec = res.records[job.id]

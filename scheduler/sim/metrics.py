@@ -41,12 +41,18 @@ def summarize(res: SimResult, isolated_jct: dict[str, float] | None = None) -> d
     above 1 means it borrowed); fragmentation is idle GPU-seconds while some
     job (per tenant: one of its jobs) waited, over capacity in the window.
     Fairness is the tenant's mean JCT here over its mean JCT alone on a cluster
-    the size of its guarantee (None where it has no guarantee or no isolated run)."""
+    the size of its guarantee (None where it has no guarantee or no isolated run).
+    Fragmented waits (enough GPUs free, but not on one node or not on the nodes a
+    multi-node job asked for): how many jobs waited so, their mean time waiting so,
+    and the part of `fragmentation` that passed while one did."""
     span = max(res.window[1] - res.window[0], 1e-9)
     out = _job_metrics(list(res.records.values()))
     out["preemptions"] = res.preemptions
     out["utilization"] = res.alloc_gpu_s / (res.capacity * span)
     out["fragmentation"] = res.frag_gpu_s / (res.capacity * span)
+    out["fragmented_jobs"] = len(res.frag_jobs)
+    out["fragmented_wait_mean"] = res.frag_wait_s / len(res.frag_jobs) if res.frag_jobs else 0.0
+    out["fragmentation_split"] = res.frag_idle_gpu_s / (res.capacity * span)
     by_tenant: dict[str, list] = {}
     for r in res.records.values():
         by_tenant.setdefault(r.trace.tenant, []).append(r)
@@ -66,4 +72,6 @@ def summarize(res: SimResult, isolated_jct: dict[str, float] | None = None) -> d
     out["passes"] = res.passes
     out["passes_skipped"] = res.skipped
     out["dropped"] = len(res.dropped)
+    out["unsplittable"] = len(res.unsplittable)
+    out["multi_node"] = res.multi_node
     return out

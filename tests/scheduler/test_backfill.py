@@ -48,3 +48,20 @@ def test_without_backfill_the_head_blocks_everyone():
     plan = schedule(snapshot(cluster, q, busy, policy="fifo", backfill=False))
     assert plan.starts == [] and plan.reservations == []
     assert plan.waiting["short"].code == "priority"
+
+
+def test_a_fragmented_head_job_gets_a_node_reserved_and_says_so():
+    """Three GPUs free on three nodes, none with two: the 2-GPU head job waits fragmented with
+    a reservation on the node that frees first, and a long job may not take that node's GPU."""
+    cluster = nodes(3, per=2)
+    busy = [running(job("r0", 1, time_limit=3 * H), ["n0-0"], start=NOW - H),
+            running(job("r1", 1, time_limit=2 * H), ["n1-0"], start=NOW - H),
+            running(job("r2", 1, time_limit=4 * H), ["n2-0"], start=NOW - H)]
+    q = [job("head", 2, submit=NOW - 500), job("long", 1, submit=NOW - 300, time_limit=10 * H)]
+    plan = schedule(snapshot(cluster, q, busy, policy="fifo"))
+    (res,) = plan.reservations
+    assert res.job_id == "head" and res.start_time == NOW + H and sorted(res.gpu_ids) == ["n1-0", "n1-1"]
+    assert plan.waiting["head"].code == "fragmented"
+    assert plan.waiting["head"].message == ("fragmented: 3 GPUs free but no node has 2; next to start, "
+                                            "GPUs on n1 reserved for it in 1 h at the latest")
+    assert started(plan)["long"][0] in {"n0-1", "n2-1"}

@@ -39,11 +39,58 @@ def test_a_gang_goes_on_one_node_when_one_has_room():
     assert {g.split("-")[0] for g in started(plan)["a"]} == {"n1"}
 
 
-def test_a_gang_larger_than_a_node_uses_the_fewest_nodes():
+def test_a_job_that_fits_only_if_split_waits_fragmented_and_is_never_split():
+    cluster = nodes(3, per=2)
+    busy = [running(job(f"r{i}", 1), [f"n{i}-0"]) for i in range(3)]  # one GPU free on each node
+    plan = schedule(snapshot(cluster, [job("a", 2)], busy))
+    assert plan.starts == [] and plan.fragmented == {"a": 3}
+    assert plan.waiting["a"].code == "fragmented"
+    assert plan.waiting["a"].message.startswith("fragmented: 3 GPUs free but no node has 2")
+    # Not fragmented when too few GPUs are free at all: that is plain resources.
+    busier = busy + [running(job("r9", 1), ["n1-1"]), running(job("r8", 1), ["n2-1"])]  # one GPU free
+    plan = schedule(snapshot(cluster, [job("b", 2)], busier))
+    assert plan.fragmented == {} and plan.waiting["b"].code == "resources"
+
+
+def test_a_single_node_job_larger_than_every_node_is_unplaceable_and_says_how_to_span():
+    plan = schedule(snapshot(nodes(4), [job("a", 16)]))
+    assert plan.starts == [] and plan.waiting["a"].code == "unplaceable"
+    assert "largest matching node has 8" in plan.waiting["a"].message
+    assert "nodes and gpus_per_node" in plan.waiting["a"].message
+
+
+def test_a_multi_node_job_gets_equal_gpus_on_exactly_its_nodes():
     cluster = nodes(4)
     busy = [running(job("r0", 2), ["n0-0", "n0-1"]), running(job("r1", 7), [f"n1-{i}" for i in range(7)])]
-    plan = schedule(snapshot(cluster, [job("a", 16)], busy))
-    assert {g.split("-")[0] for g in started(plan)["a"]} == {"n2", "n3"}
+    plan = schedule(snapshot(cluster, [job("a", 16, nodes=2)], busy))
+    assert sorted(started(plan)["a"]) == sorted([f"n2-{i}" for i in range(8)] + [f"n3-{i}" for i in range(8)])
+    # Best fit: the nodes left with the least over (n0 has 6 free, then an empty node), 4 on each;
+    # the first node's GPUs come first (it is the gang's master).
+    plan = schedule(snapshot(cluster, [job("b", 8, nodes=2)], busy))
+    ids = started(plan)["b"]
+    assert ids[:4] == ["n0-2", "n0-3", "n0-4", "n0-5"] and len({g.split("-")[0] for g in ids[4:]}) == 1
+    # Even a gang that would fit on one node spans exactly the nodes it asked for.
+    plan = schedule(snapshot(cluster, [job("c", 2, nodes=2)], busy))
+    assert len({g.split("-")[0] for g in started(plan)["c"]}) == 2
+
+
+def test_a_multi_node_job_waits_fragmented_when_too_few_nodes_have_room():
+    cluster = nodes(3, per=4)
+    busy = [running(job("r0", 3), ["n0-0", "n0-1", "n0-2"]), running(job("r1", 1), ["n1-0"])]
+    plan = schedule(snapshot(cluster, [job("a", 6, nodes=2)], busy))  # 3 free on n1, 4 on n2, 1 on n0
+    assert started(plan)["a"][:3] == ["n1-1", "n1-2", "n1-3"]
+    plan = schedule(snapshot(cluster, [job("b", 8, nodes=2)], busy))  # 8 free, but only n2 has 4
+    assert plan.starts == [] and plan.waiting["b"].code == "fragmented"
+    assert plan.waiting["b"].message.startswith("fragmented: 8 GPUs free but fewer than 2 nodes have 4 each")
+    plan = schedule(snapshot(cluster, [job("c", 12, nodes=4)], busy))  # only 3 nodes in the cluster
+    assert plan.waiting["c"].code == "unplaceable"
+
+
+def test_spread_places_a_gang_on_the_least_used_nodes():
+    cluster = nodes(3)
+    busy = [running(job("r0", 1), ["n0-0"])]
+    plan = schedule(snapshot(cluster, [job("a", 4, nodes=2)], busy, placement="spread"))
+    assert {g.split("-")[0] for g in started(plan)["a"]} == {"n1", "n2"}
 
 
 def test_a_gang_that_does_not_fit_starts_nowhere():

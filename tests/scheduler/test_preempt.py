@@ -66,3 +66,25 @@ def test_the_fewest_and_cheapest_victims_are_chosen():
 def test_preemption_off():
     plan = schedule(snapshot(nodes(2), [job("a", 8)], full_of_bob(), projects=PROJECTS, preemption=False))
     assert plan.preemptions == []
+
+
+def test_preemption_gathers_a_fragmented_jobs_gpus_on_one_node_and_says_so():
+    """Two free GPUs, one per node: alice's 2-GPU job preempts one borrowed job so that both of
+    its GPUs are on one node, never taking the free GPU of the other node."""
+    cluster = nodes(2, per=2)
+    busy = [running(job("b0", 1, project="bob"), ["n0-0"], borrowed=True, start=NOW - 5000),
+            running(job("b1", 1, project="bob"), ["n1-0"], borrowed=True, start=NOW - 1000)]
+    projects = {"alice": quota("alice", 2, 4), "bob": quota("bob", 0, 4)}
+    plan = schedule(snapshot(cluster, [job("a", 2)], busy, projects=projects))
+    assert [p.job_id for p in plan.preemptions] == ["b1"]  # the cheaper one: less work lost
+    assert plan.fragmented == {"a": 2} and plan.waiting["a"].code == "preempting"
+    assert "on one node (enough GPUs are free, but spread over other nodes)" in plan.waiting["a"].message
+
+
+def test_a_multi_node_job_preempts_on_exactly_the_nodes_it_lacks():
+    cluster = nodes(3, per=2)
+    busy = [running(job("b0", 2, project="bob"), ["n0-0", "n0-1"], borrowed=True, start=NOW - 5000),
+            running(job("b1", 2, project="bob"), ["n1-0", "n1-1"], borrowed=True, start=NOW - 1000)]
+    projects = {"alice": quota("alice", 4, 6), "bob": quota("bob", 0, 6)}
+    plan = schedule(snapshot(cluster, [job("a", 4, nodes=2)], busy, projects=projects))
+    assert [p.job_id for p in plan.preemptions] == ["b1"]  # n2 is free; one more node is enough

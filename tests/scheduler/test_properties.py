@@ -11,7 +11,7 @@ from scheduler.core import GPU, Allocation, Config, Job, Node, OrgQuota, Project
 NOW = 1_000_000.0
 PROJECTS = ("alice", "bob", "charlie")
 CODES = {"quota_project", "quota_org", "max_running", "time_limit", "budget", "gpu_type", "dependency",
-         "array_throttle", "resources", "reservation", "priority", "preempting", "unplaceable", "sandbox"}
+         "array_throttle", "resources", "reservation", "priority", "preempting", "unplaceable", "sandbox", "fragmented"}
 # SCHED_PROPERTY_EXAMPLES=2000 for a longer hunt; 120 keeps the suite fast.
 SETTINGS = settings(max_examples=int(os.environ.get("SCHED_PROPERTY_EXAMPLES", "120")), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
@@ -47,14 +47,18 @@ def snapshots(draw, contended: bool = False) -> Snapshot:
     queued = []
     for i in range(draw(st.integers(0, 14))):
         p = draw(st.sampled_from(PROJECTS))
+        gpus = draw(st.sampled_from([0.0, 0.3, 0.5, 0.75, 1.0, 1.0, 2.0, 3.0, 4.0, 8.0, 12.0]))
+        # Some whole-GPU jobs ask for several nodes (the spec allows only an even split).
+        spans = [1, 1, 1] + [k for k in (2, 3, 4) if gpus >= k and gpus % k == 0]
         queued.append(Job(
-            f"q{i}", p, f"org-{p}", p, draw(st.sampled_from([0.0, 0.3, 0.5, 0.75, 1.0, 1.0, 2.0, 3.0, 4.0, 8.0, 12.0])),
+            f"q{i}", p, f"org-{p}", p, gpus,
             NOW - draw(st.integers(0, 50_000)), draw(st.sampled_from([60.0, 1800.0, 3600.0, 36_000.0])),
             gpu_type=None if contended else draw(st.sampled_from([None, None, None, None, "A", "B", "C"])), gpu_memory_mb=draw(st.sampled_from([0, 0, 6000])),
             qos=draw(st.integers(0, 2)), preemptible=draw(st.booleans()),
             array_parent=draw(st.sampled_from([None, None, None, "arr"])), array_limit=2,
             deps_satisfied=contended or draw(st.integers(0, 12)) > 0, pool=draw(st.sampled_from([None, None, "p1"])),
-            sandbox="docker" if contended else draw(st.sampled_from(["docker", "docker", "kvm"]))))
+            sandbox="docker" if contended else draw(st.sampled_from(["docker", "docker", "kvm"])),
+            nodes=draw(st.sampled_from(spans))))
     projects = {}
     for p in PROJECTS:
         g = 16.0 if contended and p == "alice" else draw(st.sampled_from([0.0, 2.0, 8.0, 16.0]))
@@ -227,3 +231,45 @@ def test_every_waiting_job_has_a_reason_and_a_position(snap):
     assert sorted(r.position for r in plan.waiting.values()) == list(range(1, len(waiting) + 1))
     for r in plan.waiting.values():
         assert r.code in CODES and r.message
+
+
+@SETTINGS
+@given(st.one_of(snapshots(), snapshots(contended=True)))
+def test_a_job_without_nodes_above_one_is_always_placed_on_one_node(snap):
+    plan = schedule(snap)
+    jobs = {j.id: j for j in snap.queued}
+    gpus = gpus_by_id(snap)
+    for s in plan.starts:
+        if jobs[s.job_id].nodes == 1:
+            assert len({gpus[gid][1].name for gid in s.gpu_ids}) <= 1, s
+    for r in plan.reservations:
+        if jobs[r.job_id].nodes == 1:
+            assert len({gpus[gid][1].name for gid in r.gpu_ids}) == 1, r
+
+
+@SETTINGS
+@given(st.one_of(snapshots(), snapshots(contended=True)))
+def test_a_multi_node_job_gets_equal_gpus_on_exactly_its_nodes(snap):
+    plan = schedule(snap)
+    jobs = {j.id: j for j in snap.queued}
+    gpus = gpus_by_id(snap)
+    for s in list(plan.starts) + list(plan.reservations):
+        j = jobs[s.job_id]
+        if j.nodes > 1:
+            per_node: dict[str, int] = {}
+            for gid in s.gpu_ids:
+                per_node[gpus[gid][1].name] = per_node.get(gpus[gid][1].name, 0) + 1
+            assert len(per_node) == j.nodes and set(per_node.values()) == {int(j.gpus) // j.nodes}, s
+
+
+@SETTINGS
+@given(st.one_of(snapshots(), snapshots(contended=True)))
+def test_fragmented_jobs_wait_although_enough_matching_gpus_are_free(snap):
+    plan = schedule(snap)
+    started = {s.job_id for s in plan.starts}
+    jobs = {j.id: j for j in snap.queued}
+    for job_id, free in plan.fragmented.items():
+        assert job_id not in started and free >= jobs[job_id].gpus >= 1
+        assert plan.waiting[job_id].code in {"fragmented", "preempting"}
+    for job_id, r in plan.waiting.items():
+        assert (r.code == "fragmented") <= (job_id in plan.fragmented)

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from scheduler.sim.__main__ import main
 from scheduler.sim.engine import Simulator, make_projects
+from scheduler.sim.metrics import summarize
 from scheduler.sim.runner import ReplaySpec, replay
 from scheduler.sim.trace import TraceJob, uniform_nodes
 from scheduler.core import Config
@@ -57,3 +58,24 @@ def test_alibaba_fractions_pack_on_shared_gpus():
     out = replay(ReplaySpec(trace=str(TRACES / "alibaba_shared_gpu.csv"), nodes=str(TRACES / "alibaba_nodes.csv"),
                             start_day=115, days=2, fairness=False))
     assert out["jobs"] > 100 and 0 < out["utilization"] <= 1.0 + 1e-9
+
+
+def test_jobs_larger_than_a_node_replay_on_several_nodes_and_fragmented_waits_are_counted():
+    """On 8-GPU nodes a 16-GPU trace job runs as 2 x 8 and a 12-GPU one as 2 x 6; 9 GPUs cannot be
+    split evenly over 2 nodes and are skipped, counted. With spread placement the two 1-GPU jobs
+    land on different nodes, so the 8-GPU job waits fragmented until the first ends."""
+    jobs = [TraceJob("big", 0, 50, 16, "t1", 3600), TraceJob("odd", 0, 50, 12, "t1", 3600),
+            TraceJob("nine", 0, 50, 9, "t1", 3600)]
+    sim = Simulator(jobs, uniform_nodes(16, 8), make_projects(["t1"], 16, None), Config(policy="fifo"))
+    res = sim.run()
+    assert res.unsplittable == ["nine"] and res.multi_node == 2
+    assert {k: r.end for k, r in res.records.items()} == {"big": 50, "odd": 100}
+    jobs = [TraceJob("a", 0, 100, 1, "t1", 3600), TraceJob("b", 0, 300, 1, "t1", 3600),
+            TraceJob("c", 1, 50, 8, "t1", 3600), TraceJob("d", 200, 10, 1, "t1", 3600)]  # d: window 0-200 s
+    sim = Simulator(jobs, uniform_nodes(16, 8), make_projects(["t1"], 16, None),
+                    Config(policy="fifo", placement="spread", explain=False))
+    res = sim.run()
+    assert res.records["c"].first_start == 100 and res.frag_jobs == {"c"} and res.frag_wait_s == 99
+    out = summarize(res)
+    assert out["fragmented_jobs"] == 1 and out["fragmented_wait_mean"] == 99
+    assert math.isclose(out["fragmentation_split"], 14 * 99 / (16 * 200))  # 14 GPUs idle while c waited
