@@ -49,6 +49,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gpu-scrub", choices=["on", "off"], default=env("GPUPORTAL_GPU_SCRUB") or "on",
                     help="zero a GPU's memory after each job and before one starts on a GPU not known clean "
                          "(off only where one tenant owns the node)")
+    ap.add_argument("--egress-allow", default=env("GPUPORTAL_EGRESS_ALLOW") or "",
+                    help="jobs with network: destinations they may reach beyond the public internet (CIDRs or "
+                         "host names, comma-separated); the node itself and private ranges are blocked otherwise")
+    ap.add_argument("--state-dir", default=env("GPUPORTAL_AGENT_STATE_DIR") or "/var/lib/gpuportal-agent",
+                    help="the agent's own folder (kvm: per-launch initrd, kernel and console)")
     ap.add_argument("--stop-grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     ap.add_argument("--concurrency", type=int, default=4, help="Celery worker threads")
     ap.add_argument("--log-level", default="INFO")
@@ -87,7 +92,8 @@ def main(argv=None) -> int:
         # A VM gets its GPUs by PCI address, which only the probe knows.
         extra = {}
         if args.sandbox == "kvm":
-            extra = {"pci_bus_ids": {g.index: g.pci_bus_id for g in probe.inventory()}}
+            extra = {"pci_bus_ids": {g.index: g.pci_bus_id for g in probe.inventory()},
+                     "egress_allow": args.egress_allow, "state_dir": args.state_dir}
         elif args.sandbox == "docker":
             extra = {"gang_network_driver": args.gang_network_driver,
                      "gang_network_internal": args.gang_network_internal,

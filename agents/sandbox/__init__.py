@@ -137,7 +137,9 @@ class Driver(Protocol):
 
     def poll(self, handle: SandboxHandle) -> tuple[str, int | None]: ...
 
-    def read_logs(self, handle: SandboxHandle, offset: int) -> bytes: ...
+    def read_logs(self, handle: SandboxHandle, offset: int) -> bytes:
+        """Raw output from byte ``offset`` on; possibly only its first part (a driver may bound one
+        read), and b"" when there is nothing more for now."""
 
     def stop(self, handle: SandboxHandle, grace_s: float) -> None: ...
 
@@ -175,13 +177,16 @@ def job_env(spec: LaunchSpec, *, visible_devices: list[str]) -> dict[str, str]:
     return env
 
 
-def sandbox_name(job_id: str, attempt: int, rank: int | None = None) -> str:
+def sandbox_name(job_id: str, attempt: int, rank: int | None = None, *, scope: str | None = None) -> str:
     """A name the engine keeps unique, so one attempt can never run twice.
 
-    A multi-node gang's parts add their rank: two nodes may share one engine.
+    ``scope`` (the node, and the installation when several share a host)
+    keeps agents that share one engine or libvirtd apart. A multi-node gang's
+    parts add their rank: two nodes may share one engine.
     """
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", job_id)[:100]
-    return f"gpuportal-{safe}-{attempt}" + (f"-rank{rank}" if rank is not None else "")
+    prefix = "gpuportal-" + (re.sub(r"[^A-Za-z0-9_.-]", "_", scope)[:60] + "-" if scope else "")
+    return f"{prefix}{safe}-{attempt}" + (f"-rank{rank}" if rank is not None else "")
 
 
 def node_rank(spec: LaunchSpec) -> int | None:

@@ -13,7 +13,7 @@ concatenates the initramfs, that cpio and the job's command and environment
 guest's init prints ``GPUPORTAL-JOB-START``, runs the command chrooted into the
 image as uid/gid 65534 with its output on the serial console, prints
 ``GPUPORTAL-JOB-EXIT rc=N`` and powers off, which ends the domain. libvirt
-writes the serial console to ``<log_dir>/<name>.log``; ``read_logs`` returns
+writes the serial console to ``<state_dir>/<name>.log``; ``read_logs`` returns
 only what lies between the two markers (no kernel noise) and ``poll`` reads the
 exit code once the domain is gone.
 
@@ -45,8 +45,10 @@ import math
 import os
 import re
 import shutil
+import stat
 import tarfile
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -60,6 +62,7 @@ from agents.sandbox import (
     EXITED, RUNNING, LaunchSpec, SandboxError, SandboxHandle, job_env, sandbox_name,
 )
 from agents.sandbox import kvm_image
+from agents.sandbox.egress import EgressError, Firewall, parse_allow
 from agents.sandbox.kvm_image import EXIT_MARKER, START_MARKER
 
 log = logging.getLogger(__name__)
@@ -80,6 +83,12 @@ MAX_IMAGE_MB = 2048
 IMAGE_CACHE_MB = 20480
 # Docker's PATH for an image that sets none.
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Where the agent keeps its state (each driver a folder of its own in it), unless --state-dir says.
+DEFAULT_STATE_DIR = "/var/lib/gpuportal-agent"
+# Each VM's QEMU runs under a uid of its own from this range (never libvirt's shared qemu user): one QEMU
+# cannot touch another's memory or files, and the egress policy matches a VM's traffic by its uid. Two
+# agents on one host need disjoint ranges.
+VM_UIDS = "3900000-3999999"
 
 
 def pci_address(bus_id: str) -> dict[str, str]:
@@ -94,8 +103,12 @@ def pci_address(bus_id: str) -> dict[str, str]:
 
 def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: str, initrd: str,
                console_log: str, domain_type: str = "kvm", started_at: float | None = None,
-               job_network: str | None = None, extra_memory_mb: int = 0) -> str:
+               job_network: str | None = None, extra_memory_mb: int = 0, name: str | None = None,
+               qemu_user: tuple[int, int] | None = None) -> str:
     """The libvirt domain for one job attempt.
+
+    ``qemu_user`` (uid, gid): QEMU runs as this user instead of libvirt's
+    shared one (libvirt hands it the kernel, initrd and its own files).
 
     ``extra_memory_mb`` goes on top of the job's memory: the guest holds its
     image (unpacked) and, while booting, the initrd in RAM.
@@ -106,11 +119,13 @@ def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: s
     when GPUs are passed through, because VFIO DMA needs pinned guest memory.
     """
     d = ET.Element("domain", type=domain_type)
-    ET.SubElement(d, "name").text = sandbox_name(spec.job_id, spec.attempt)
+    ET.SubElement(d, "name").text = name or sandbox_name(spec.job_id, spec.attempt)
     md = ET.SubElement(ET.SubElement(d, "metadata"), f"{{{METADATA_NS}}}job", {
         "job": spec.job_id, "attempt": str(spec.attempt), "node": node,
         "time_limit_s": str(spec.time_limit_s), "gpus": ",".join(map(str, spec.gpu_indexes)),
         "started_at": f"{time.time() if started_at is None else started_at:.3f}"})
+    if qemu_user:
+        md.set("qemu_uid", str(qemu_user[0]))
     # For reconcile and people reading `virsh dumpxml`; the guest gets its command from the initrd.
     md.text = json.dumps({"command": spec.command, "image": spec.image})
     ET.SubElement(d, "memory", unit="MiB").text = str(max(MIN_MEMORY_MB, spec.memory_mb) + extra_memory_mb)
@@ -151,6 +166,9 @@ def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: s
         ET.SubElement(hd, "rom", bar="off")
     ET.SubElement(dev, "controller", type="usb", model="none")
     ET.SubElement(dev, "memballoon", model="none")
+    if qemu_user:
+        sec = ET.SubElement(d, "seclabel", type="static", model="dac", relabel="yes")
+        ET.SubElement(sec, "label").text = f"+{qemu_user[0]}:+{qemu_user[1]}"
     return ET.tostring(d, encoding="unicode")
 
 
@@ -187,9 +205,10 @@ class KvmDriver:
 
     def __init__(self, *, node: str, uri: str = "qemu:///system", domain_type: str = "auto",
                  kernel: str | None = None, initrd: str | None = None, image_dir: str | None = None,
-                 log_dir: str | None = None, pci_bus_ids: dict[int, str] | None = None,
+                 state_dir: str | None = None, pci_bus_ids: dict[int, str] | None = None,
                  job_network: str | None = "user", docker_client=None, max_image_mb: int | None = None,
-                 image_cache_mb: int | None = None):
+                 image_cache_mb: int | None = None, vm_uids: str | None = None,
+                 egress_allow: str | list[str] | None = None):
         try:
             import libvirt
         except ImportError as exc:
@@ -218,17 +237,38 @@ class KvmDriver:
         self.image_cache_mb = image_cache_mb or _env_mb("GPUPORTAL_KVM_IMAGE_CACHE_MB", IMAGE_CACHE_MB)
         self._docker = docker_client
         self.job_network = job_network
-        self.log_dir = Path(log_dir or Path(tempfile.gettempdir()) / f"gpuportal-kvm-{node}")
-        # QEMU runs as its own user (libvirt-qemu): libvirt hands it the per-job initrd and the console
-        # file by ownership, but every directory above them must let it through.
-        if not self.log_dir.is_dir():
-            self.log_dir.mkdir(parents=True)
-            self.log_dir.chmod(0o711)
-        blocked = [str(p) for p in [self.log_dir.resolve(), *self.log_dir.resolve().parents]
-                   if not p.stat().st_mode & 0o001]
+        # Per-launch files (the initrd with the job's environment, the kernel, the console) live in a folder
+        # of this node's under the agent's state dir, never in a shared predictable path.
+        agent_dir = state_dir or os.environ.get("GPUPORTAL_AGENT_STATE_DIR") or DEFAULT_STATE_DIR
+        self.state_dir = private_dir(Path(agent_dir) / f"kvm-{re.sub(r'[^A-Za-z0-9_.-]', '_', node)}")
+        self.log_dir = self.state_dir  # the consoles are there too
+        # QEMU runs under a uid of its own: libvirt hands it the per-job kernel and initrd by ownership,
+        # but every folder above them must let it through (the driver's own is 0711, never listable).
+        blocked = [str(p) for p in [self.state_dir, *self.state_dir.parents] if not p.stat().st_mode & 0o001]
         if blocked and not uri.startswith("test:"):
-            log.warning("kvm sandbox: %s is not searchable by other users: QEMU (if it does not run as root) "
-                        "cannot open the VM's initrd and console under %s", blocked[0], self.log_dir)
+            log.warning("kvm sandbox: %s is not searchable by other users: QEMU (it runs as a uid of its own) "
+                        "cannot open the VM's kernel and initrd under %s", blocked[0], self.state_dir)
+        self.vm_uids = _uid_range(vm_uids or os.environ.get("GPUPORTAL_KVM_VM_UIDS") or VM_UIDS)
+        self._uid_lock = threading.Lock()
+        self._uids_starting: set[int] = set()
+        # The group that lets QEMU into libvirt's per-domain folders (libvirt's own qemu group).
+        try:
+            self.vm_gid = os.stat("/var/lib/libvirt/qemu").st_gid
+        except OSError:
+            self.vm_gid = 0
+        # Jobs with network: QEMU's user-mode network turns the guest's connections into the node's own
+        # sockets (10.0.2.2 is the node's 127.0.0.1), so the egress policy must hold before any such job.
+        try:
+            allow = parse_allow(egress_allow if egress_allow is not None
+                                else os.environ.get("GPUPORTAL_EGRESS_ALLOW", ""))
+        except EgressError as exc:
+            raise SandboxError(str(exc)) from None
+        lo, hi = self.vm_uids
+        self.firewall = Firewall(chain=f"GPUPORTAL-KVM-{lo}", allow=allow,
+                                 hooks=[("OUTPUT", ["-m", "owner", "--uid-owner", f"{lo}-{hi}"])])
+        self._egress_problem: str | None = None
+        if job_network == "user" and not uri.startswith("test:"):
+            self._egress_problem = self._install_egress()
         # GPU index -> PCI bus id, from the probe's inventory (set by the caller).
         self.pci_bus_ids = dict(pci_bus_ids or {})
         try:
@@ -258,34 +298,81 @@ class KvmDriver:
             buses = [self.pci_bus_ids[i] for i in spec.gpu_indexes]
         except KeyError as exc:
             raise SandboxError(f"no PCI address known for GPU {exc.args[0]}") from None
-        name = sandbox_name(spec.job_id, spec.attempt)
+        name = self.vm_name(spec)
         if self._dom(name) is not None:
             raise SandboxError(f"VM {name} already exists")
-        console = self.log_dir / f"{name}.log"
-        initrd, extra_mb = self._job_initrd(spec, name)
-        started = time.time()
+        if spec.network and self.job_network == "user" and not self.conn.getURI().startswith("test:"):
+            self._check_egress()
+        console = self.state_dir / f"{name}.log"
+        uid = self._claim_uid()
         try:
-            console.unlink()  # a stale console from an earlier VM of this name must not be read as this one's
-        except FileNotFoundError:
-            pass
-        try:
-            self._create(spec, name, buses, initrd, console, started, extra_mb)
+            kernel, initrd, extra_mb = self._job_files(spec, name)
+            started = time.time()
+            _unlink(console)  # a stale console from an earlier VM of this name must not be read as this one's
+            try:
+                self._create(spec, name, buses, kernel, initrd, console, started, extra_mb, uid)
+            finally:
+                # QEMU has read them into guest memory by now (or the start failed): they are litter.
+                for f in (kernel, initrd):
+                    if f not in (self.kernel, self.initrd):
+                        _unlink(f)
         finally:
-            if initrd != self.initrd:
-                # QEMU has read it into guest memory by now (or the start failed): it is litter.
-                _unlink(initrd)
+            with self._uid_lock:  # the live domain's metadata holds it from now on
+                self._uids_starting.discard(uid)
         log.info("job %s attempt %s: VM %s started (domain type %s)", spec.job_id, spec.attempt, name,
                  self.domain_type)
         return SandboxHandle(driver=self.name, ref=name, job_id=spec.job_id, attempt=spec.attempt,
                              started_at=started, time_limit_s=spec.time_limit_s,
                              gpu_indexes=list(spec.gpu_indexes))
 
-    def _create(self, spec, name, buses, initrd, console, started, extra_mb):
+    def vm_name(self, spec: LaunchSpec) -> str:
+        """The domain's name: unique per node and job attempt, so agents sharing one libvirtd never collide."""
+        return sandbox_name(spec.job_id, spec.attempt, scope=self.node)
+
+    def _check_egress(self) -> None:
+        """Refuse a job with network unless the egress policy is in force (it may have been flushed)."""
+        if self._egress_problem is None and not self.firewall.installed():
+            log.warning("kvm sandbox: the egress policy %s was removed from the node's firewall; "
+                        "installing it again", self.firewall.chain)
+            self._egress_problem = self._install_egress()
+        if self._egress_problem:
+            raise SandboxError(f"jobs with network cannot run on node {self.node}: its egress policy "
+                               f"cannot be enforced ({self._egress_problem})")
+
+    def _install_egress(self) -> str | None:
+        try:
+            self.firewall.install()
+            return None
+        except EgressError as exc:
+            log.error("kvm sandbox: egress policy not installed, jobs with network are refused: %s", exc)
+            return str(exc)
+
+    def _claim_uid(self) -> int | None:
+        """A uid of the range that no live VM of ours and no other launch uses now."""
+        if self.domain_type == "test":
+            return None
+        lo, hi = self.vm_uids
+        with self._uid_lock:
+            used = set(self._uids_starting)
+            for dom in self.conn.listAllDomains():
+                try:
+                    md = ET.fromstring(dom.metadata(self._libvirt.VIR_DOMAIN_METADATA_ELEMENT, METADATA_NS))
+                    used.add(int(md.get("qemu_uid")))
+                except (self._libvirt.libvirtError, ET.ParseError, TypeError, ValueError):
+                    continue
+            uid = next((u for u in range(lo, hi + 1) if u not in used), None)
+            if uid is None:
+                raise SandboxError(f"node {self.node} runs {hi - lo + 1} VMs, every uid of its range {lo}-{hi}")
+            self._uids_starting.add(uid)
+            return uid
+
+    def _create(self, spec, name, buses, kernel, initrd, console, started, extra_mb, uid):
         libvirt = self._libvirt
         while True:
-            xml = domain_xml(spec, node=self.node, pci_bus_ids=buses, kernel=self.kernel, initrd=initrd,
+            xml = domain_xml(spec, node=self.node, pci_bus_ids=buses, kernel=kernel, initrd=initrd,
                              console_log=str(console), domain_type=self.domain_type, started_at=started,
-                             job_network=self.job_network, extra_memory_mb=extra_mb)
+                             job_network=self.job_network, extra_memory_mb=extra_mb, name=name,
+                             qemu_user=None if uid is None else (uid, self.vm_gid))
             try:
                 self.conn.createXML(xml, 0)
                 return
@@ -300,11 +387,15 @@ class KvmDriver:
                     raise SandboxError(f"VM {name} already exists") from None
                 raise SandboxError(f"could not start the VM: {msg}") from None
 
-    def _job_initrd(self, spec: LaunchSpec, name: str) -> tuple[str, int]:
-        """The initramfs, the job's image and its command and environment in one file, and the MiB the guest
-        needs for them on top of the job's memory."""
+    def _job_files(self, spec: LaunchSpec, name: str) -> tuple[str, str, int]:
+        """This launch's own kernel and initrd (the initramfs, the job's image and its command and
+        environment in one file), and the MiB the guest needs for them on top of the job's memory.
+
+        The kernel is a copy too: libvirt gives each file to the VM's QEMU uid while it starts, and refuses
+        to give one file to two uids at once.
+        """
         if self.domain_type == "test":
-            return self.initrd, 0  # libvirt's test driver boots nothing
+            return self.kernel, self.initrd, 0  # libvirt's test driver boots nothing
         missing = [p for p in (self.kernel, self.initrd) if not Path(p).is_file()]
         if self._stale or missing:
             raise SandboxError(f"{self._stale or f'the VM image file {missing[0]} is missing'}; build it with "
@@ -315,11 +406,13 @@ class KvmDriver:
         job = job_env(spec, visible_devices=[str(i) for i in range(len(spec.gpu_uuids))])
         job.setdefault("HOME", "/work")
         env.update(job)
-        path = self.log_dir / f"{name}.initrd"
-        # 0600: it holds the job's environment; libvirt gives it to QEMU's user for the start.
+        path, kernel = self.state_dir / f"{name}.initrd", self.state_dir / f"{name}.kernel"
+        # 0600, created anew (never through a link): it holds the job's environment; libvirt gives it to the
+        # VM's QEMU uid for the start.
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
+            with _create_private(kernel) as f, open(self.kernel, "rb") as src:
+                shutil.copyfileobj(src, f, 1 << 20)
+            with _create_private(path) as f:
                 # The kernel unpacks the archives in this order, a later entry replacing an earlier one: the
                 # image (all under /image) cannot touch /init, and job.sh comes last. All gzip: an uncompressed
                 # cpio after a compressed one would have to start 4-byte aligned.
@@ -330,8 +423,9 @@ class KvmDriver:
                 size = f.tell()
         except OSError as exc:  # a full disk, or the cached image pruned under us
             _unlink(path)  # a partial file still holds the job's environment
+            _unlink(kernel)
             raise SandboxError(f"could not prepare the VM's initrd on node {self.node}: {exc}") from None
-        return str(path), math.ceil((image.size + size) / MiB)
+        return str(kernel), str(path), math.ceil((image.size + size) / MiB)
 
     def _image(self, ref: str) -> JobImage:
         """``ref`` from the node's Docker engine, its root filesystem as a cpio (built on first use)."""
@@ -466,7 +560,7 @@ class KvmDriver:
 
     def _console(self, handle: SandboxHandle) -> bytes:
         try:
-            return (self.log_dir / f"{handle.ref}.log").read_bytes()
+            return (self.state_dir / f"{handle.ref}.log").read_bytes()
         except FileNotFoundError:
             return b""
 
@@ -543,8 +637,8 @@ class KvmDriver:
                     dom.undefine()
             except self._libvirt.libvirtError as exc:
                 log.warning("could not remove VM %s: %s", handle.ref, exc)
-        for suffix in (".log", ".initrd"):
-            _unlink(self.log_dir / f"{handle.ref}{suffix}")
+        for suffix in (".log", ".initrd", ".kernel"):
+            _unlink(self.state_dir / f"{handle.ref}{suffix}")
 
 
 def _job_output(raw: bytes, final: bool) -> bytes:
@@ -576,6 +670,66 @@ def _env_mb(name: str, default: int) -> int:
     if not raw.isdigit() or int(raw) < 1:
         raise SandboxError(f"{name}: expected a positive number of MiB, got {raw!r}")
     return int(raw)
+
+
+def _uid_range(raw: str) -> tuple[int, int]:
+    m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", raw)
+    if not m or not 1000 <= int(m.group(1)) <= int(m.group(2)) < 2**32 - 1:
+        raise SandboxError(f"GPUPORTAL_KVM_VM_UIDS: expected FIRST-LAST (uids of 1000 and up), got {raw!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def private_dir(path: Path) -> Path:
+    """``path`` as a folder only this agent controls, made if missing; SandboxError if it cannot be.
+
+    Like OpenSSH's StrictModes: every folder on the way is root's or ours and
+    writable by nobody else (or sticky, as /tmp), a symlink on the way is
+    root's or ours, and ``path`` itself is a real folder (never followed)
+    of ours with mode 0700 or 0711: nobody else can list it, put a file or a
+    link in it, or swap it. 0711, not 0700: QEMU, under a uid of its own,
+    opens the files libvirt gives it there.
+    """
+    path = Path(os.path.abspath(path))
+    me = os.geteuid()
+    cur = Path("/")
+    for part in path.parts[1:-1]:
+        cur = cur / part
+        try:
+            os.mkdir(cur, 0o755)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise SandboxError(f"cannot make the agent's state folder {cur}: {exc}") from None
+        st = os.lstat(cur)
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid not in (0, me):
+                raise SandboxError(f"refusing state folder {path}: {cur} is a symlink of uid {st.st_uid}")
+            cur = Path(os.path.realpath(cur))
+            st = os.lstat(cur)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid not in (0, me) or (
+                st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+            raise SandboxError(f"refusing state folder {path}: {cur} is not a folder that only root or this "
+                               f"agent can change (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
+    target = cur / path.name
+    try:
+        os.mkdir(target, 0o711)
+        os.chmod(target, 0o711)  # whatever the umask
+    except FileExistsError:
+        pass
+    st = os.lstat(target)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != me or stat.S_IMODE(st.st_mode) not in (0o700, 0o711):
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a folder" if not stat.S_ISDIR(st.st_mode) \
+            else f"uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}"
+        raise SandboxError(f"refusing state folder {target}: it is {kind}; it must be a folder of uid {me} "
+                           f"with mode 0700 or 0711 (remove it, the agent makes it)")
+    return target
+
+
+def _create_private(path: Path):
+    """A new file of ours, mode 0600: whatever lay at ``path`` goes first, and a link is never followed."""
+    _unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    return os.fdopen(fd, "wb")
 
 
 def _unlink(path) -> None:

@@ -12,7 +12,9 @@ import io
 import os
 import re
 import shutil
+import socket
 import tarfile
+import threading
 import tempfile
 import time
 import uuid
@@ -39,8 +41,9 @@ def kvm_image():
         pytest.fail(f"cannot build the KVM guest image ({exc}); {SETUP}", pytrace=False)
 
 
-@pytest.fixture(scope="module")
-def vm_driver(kvm_image, docker_client):  # the job images come from the engine
+def make_vm_driver(kvm_image, **kw):
+    """A driver on qemu:///system with a node name, state folder and VM uid range of its own (its egress
+    chain is named after the range); ``close_vm_driver`` undoes all of it."""
     try:
         import libvirt
     except ImportError:
@@ -52,19 +55,33 @@ def vm_driver(kvm_image, docker_client):  # the job images come from the engine
         libvirt.open(URI).close()
     except libvirt.libvirtError as exc:
         pytest.fail(f"libvirtd is not answering on {URI} ({exc}); {SETUP}", pytrace=False)
-    node = f"kvmtest-{int(time.time() * 1000) % 10**8}"
+    node = f"kvmtest-{uuid.uuid4().hex[:8]}"
     # Not pytest's tmp_path: its 0700 parents keep QEMU's user out (the driver warns about that).
-    log_dir = tempfile.mkdtemp(prefix=f"gpuportal-{node}-")
-    os.chmod(log_dir, 0o711)
+    state_dir = tempfile.mkdtemp(prefix=f"gpuportal-{node}-")
+    os.chmod(state_dir, 0o711)
+    first = 3_000_000 + int(uuid.uuid4().int % 800) * 1000
+    kw.setdefault("vm_uids", f"{first}-{first + 999}")
     try:
-        d = KvmDriver(node=node, uri=URI, kernel=kvm_image.kernel, initrd=kvm_image.initrd, log_dir=log_dir)
+        return KvmDriver(node=node, uri=URI, kernel=kvm_image.kernel, initrd=kvm_image.initrd,
+                         state_dir=state_dir, **kw)
     except SandboxError as exc:
+        shutil.rmtree(state_dir, ignore_errors=True)
         pytest.fail(f"{exc}; {SETUP}", pytrace=False)
-    yield d
+
+
+def close_vm_driver(d):
     for _, _, h in d.list_own():  # nothing of ours may outlive the tests
         d.remove(h)
+    d.firewall.remove()
     d.conn.close()
-    shutil.rmtree(log_dir, ignore_errors=True)
+    shutil.rmtree(d.state_dir.parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def vm_driver(kvm_image, docker_client):  # the job images come from the engine
+    d = make_vm_driver(kvm_image)
+    yield d
+    close_vm_driver(d)
 
 
 def wait_exit(d, h, timeout=90):
@@ -168,6 +185,91 @@ def test_network_gives_a_nic_with_an_address_and_no_network_only_loopback(vm_dri
     assert out.split()[0] == "lo" and "eth0" not in out and "inet 127.0.0.1/8" in out, out
     d.remove(online)
     d.remove(offline)
+
+
+@pytest.fixture
+def node_services():
+    """Two TCP servers standing for the node's own services: one on loopback (as PostgreSQL and Redis
+    listen) and one on the node's own address. Each answers "secret-<port>" to whoever connects."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    probe.connect(("203.0.113.1", 9))  # UDP connect sends nothing: it only picks the node's source address
+    node_ip = probe.getsockname()[0]
+    probe.close()
+    servers, stop = [], threading.Event()
+    for addr in ("127.0.0.1", node_ip):
+        srv = socket.create_server((addr, 0))
+        srv.settimeout(0.2)
+        servers.append(srv)
+
+    def serve(srv):
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.sendall(f"secret-{srv.getsockname()[1]}\n".encode())
+
+    threads = [threading.Thread(target=serve, args=(s,), daemon=True) for s in servers]
+    for t in threads:
+        t.start()
+    try:
+        yield node_ip, [s.getsockname()[1] for s in servers]
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=5)
+        for s in servers:
+            s.close()
+
+
+def probe_command(targets):
+    """The job: try each host:port from inside the guest and print what answered (or nothing). A refused
+    connection hangs in QEMU's user-mode network (it sends the guest no reset): 5 s each."""
+    return ["sh", "-c", "; ".join(f'echo "{h}:{p}=$( (timeout 5 nc {h} {p} </dev/null) 2>/dev/null)"'
+                                  for h, p in targets)]
+
+
+def probe_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if "=" in line]  # the shell adds "Terminated" for a timeout
+
+
+def test_a_job_with_network_cannot_reach_the_nodes_own_services(vm_driver, node_services):
+    """QEMU's user-mode network makes the guest's 10.0.2.2 the node's 127.0.0.1: without the egress
+    policy the job reads from the node's loopback services and its own address (issue: a job logged
+    into the node's PostgreSQL). Nothing here leaves the node: every target is one of its addresses."""
+    d, (node_ip, (lo_port, ip_port)) = vm_driver, node_services
+    h = d.launch(make_spec(network=True, command=probe_command([("10.0.2.2", lo_port), (node_ip, ip_port)])))
+    assert wait_exit(d, h) == (EXITED, 0)
+    out = d.read_logs(h, 0).decode()
+    assert probe_lines(out) == [f"10.0.2.2:{lo_port}=", f"{node_ip}:{ip_port}="], out
+    d.remove(h)
+
+
+def test_an_operator_can_allow_a_destination(kvm_image, docker_client, node_services):
+    """--egress-allow opens one destination: the node's address answers, its loopback still does not."""
+    node_ip, (lo_port, ip_port) = node_services
+    d = make_vm_driver(kvm_image, egress_allow=f"{node_ip}/32")
+    try:
+        h = d.launch(make_spec(network=True, command=probe_command([("10.0.2.2", lo_port), (node_ip, ip_port)])))
+        assert wait_exit(d, h) == (EXITED, 0)
+        out = d.read_logs(h, 0).decode()
+        assert probe_lines(out) == [f"10.0.2.2:{lo_port}=", f"{node_ip}:{ip_port}=secret-{ip_port}"], out
+    finally:
+        close_vm_driver(d)
+
+
+def test_a_job_with_network_is_refused_where_the_policy_cannot_be_enforced(kvm_image, docker_client,
+                                                                          monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")  # no iptables
+    d = make_vm_driver(kvm_image)
+    try:
+        with pytest.raises(SandboxError, match=f"jobs with network cannot run on node {d.node}: its egress "
+                                               "policy cannot be enforced"):
+            d.launch(make_spec(network=True))
+        assert d.list_own() == []
+    finally:
+        close_vm_driver(d)
 
 
 def test_a_missing_image_fails_with_a_message_for_its_owner(vm_driver):

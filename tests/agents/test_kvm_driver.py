@@ -47,7 +47,7 @@ def kvm(tmp_path):
         pytest.fail("libvirt-python is not installed; .ci/kvm.sh installs it (libvirt-dev + pip)", pytrace=False)
     from agents.sandbox.kvm_driver import KvmDriver
 
-    d = KvmDriver(node="n1", uri="test:///default", domain_type="test", log_dir=str(tmp_path),
+    d = KvmDriver(node="n1", uri="test:///default", domain_type="test", state_dir=str(tmp_path),
                   pci_bus_ids={0: "00000000:18:00.0", 1: "00000000:28:00.0"})
     yield d
     d.conn.close()
@@ -65,7 +65,7 @@ def test_lifecycle_on_the_libvirt_test_driver(kvm, tmp_path):
     with pytest.raises(SandboxError, match="already exists"):
         kvm.launch(spec)
     # The console as the guest writes it: kernel noise around the job's output, between the markers.
-    console = tmp_path / f"{h.ref}.log"
+    console = kvm.state_dir / f"{h.ref}.log"
     console.write_bytes(b"[ 0.1] booting\nGPUPORTAL-JOB-START\nout\nparti")
     assert kvm.read_logs(h, 0) == b"out\n"  # running: only complete lines
     console.write_bytes(b"[ 0.1] booting\nGPUPORTAL-JOB-START\nout\npartial\nGPUPORTAL-JOB-EXIT rc=3\n"
@@ -196,7 +196,7 @@ def qemu_driver(tmp_path):
 
     def make(**kw):
         return KvmDriver(node="n1", uri="test:///default", domain_type="qemu", image_dir=str(tmp_path),
-                         log_dir=str(tmp_path), **kw)
+                         state_dir=str(tmp_path), **kw)
     return make
 
 
@@ -230,9 +230,9 @@ def test_a_bad_image_size_limit_is_named(tmp_path, monkeypatch, raw):
 
     monkeypatch.setenv("GPUPORTAL_KVM_MAX_IMAGE_MB", raw)
     with pytest.raises(SandboxError, match="GPUPORTAL_KVM_MAX_IMAGE_MB: expected a positive number"):
-        KvmDriver(node="n1", uri="test:///default", domain_type="test", log_dir=str(tmp_path))
+        KvmDriver(node="n1", uri="test:///default", domain_type="test", state_dir=str(tmp_path))
     monkeypatch.setenv("GPUPORTAL_KVM_MAX_IMAGE_MB", "64")
-    assert KvmDriver(node="n1", uri="test:///default", domain_type="test", log_dir=str(tmp_path)).max_image_mb == 64
+    assert KvmDriver(node="n1", uri="test:///default", domain_type="test", state_dir=str(tmp_path)).max_image_mb == 64
 
 
 def test_the_image_cache_drops_gone_images_stale_leftovers_and_the_least_recently_used(
@@ -276,3 +276,32 @@ def test_the_image_cache_drops_gone_images_stale_leftovers_and_the_least_recentl
         assert d.prune_image_cache(keep=kept) == [other.name]  # just built: stays though newer
     finally:
         docker_client.images.remove(second.id, force=True)
+
+
+# -- egress policy ----------------------------------------------------------------
+
+def test_the_egress_chain_blocks_the_node_and_private_ranges_and_opens_what_the_operator_allows():
+    import ipaddress
+
+    from agents.sandbox.egress import Firewall, parse_allow
+
+    fw = Firewall(chain="GPUPORTAL-KVM-1", hooks=[], allow=parse_allow("10.1.2.0/24, 2001:db8:1::5"),
+                  resolvers=[ipaddress.ip_address("10.255.255.53")])
+    v4 = [" ".join(r) for r in fw.rules(4)]
+    # First what is allowed, then the node's own addresses, then the ranges; the rest (public) passes.
+    assert v4[:4] == ["-d 10.1.2.0/24 -j RETURN", "-p udp -d 10.255.255.53 --dport 53 -j RETURN",
+                      "-p tcp -d 10.255.255.53 --dport 53 -j RETURN", "-m addrtype --dst-type LOCAL -j REJECT"]
+    for cidr in ("127.0.0.0/8", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.0.0/16",
+                 "100.64.0.0/10"):
+        assert f"-d {cidr} -j REJECT" in v4
+    v6 = [" ".join(r) for r in fw.rules(6)]
+    assert v6[0] == "-d 2001:db8:1::5/128 -j RETURN"
+    assert {"-d ::1/128 -j REJECT", "-d fc00::/7 -j REJECT", "-d fe80::/10 -j REJECT"} <= set(v6)
+
+
+def test_a_bad_egress_allow_entry_is_named(tmp_path):
+    from agents.sandbox.kvm_driver import KvmDriver
+
+    with pytest.raises(SandboxError, match=r"--egress-allow: 'no such host\.invalid' is neither a CIDR nor"):
+        KvmDriver(node="n1", uri="test:///default", domain_type="test", state_dir=str(tmp_path),
+                  egress_allow="10.0.0.0/8,no such host.invalid")
