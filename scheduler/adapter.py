@@ -172,7 +172,18 @@ def _cpu_node(context, sandbox: str) -> str | None:
     return name
 
 
-def _apply_start(start: core.Start, context, now) -> tuple[list[str], int] | None:
+def _start_times(starts, now) -> dict[str, object]:
+    """When each start's allocations begin: the apply time, or the previous holder's release if
+    that is later (a release committed after this pass began, or stamped by a web process whose
+    clock runs ahead). A whole GPU's allocations then never overlap, and billed GPU time equals
+    allocated time. Only releases after `now` matter, a handful found through their index."""
+    late: dict[str, object] = {}
+    for gpu_id, released in Allocation.objects.filter(released_at__gt=now).values_list("gpu_id", "released_at"):
+        late[str(gpu_id)] = max(released, late.get(str(gpu_id), released))
+    return {s.job_id: max([now, *(late[g] for g in s.gpu_ids if g in late)]) for s in starts}
+
+
+def _apply_start(start: core.Start, context, start_time) -> tuple[list[str], int] | None:
     """Assign one job; returns (its node names, attempt), or None when the database refused it."""
     job_id = int(start.job_id)
     gpu_ids = [int(g) for g in start.gpu_ids]
@@ -207,7 +218,7 @@ def _apply_start(start: core.Start, context, now) -> tuple[list[str], int] | Non
             Allocation.objects.bulk_create([
                 Allocation(job_id=job_id, attempt=attempt, gpu_id=g, shared=g in shared,
                            fraction=Decimal(str(start.fractions.get(str(g), 1))) if g in shared else Decimal(1),
-                           borrowed=start.borrowed, started_at=now)
+                           borrowed=start.borrowed, started_at=start_time)
                 for g in gpu_ids
             ])
     except IntegrityError as exc:
@@ -216,7 +227,7 @@ def _apply_start(start: core.Start, context, now) -> tuple[list[str], int] | Non
     return node_names, attempt
 
 
-def _apply_whole_starts(starts, context, now):
+def _apply_whole_starts(starts, context, start_times):
     """Apply the starts that need no row lock (whole GPUs) in bulk; return (launches, the rest).
 
     Shared-GPU and CPU-only starts go through _apply_start one by one. If the database
@@ -241,7 +252,7 @@ def _apply_whole_starts(starts, context, now):
                                     dict.fromkeys(context["gpu_node"][g] for g in by_job[j].gpu_ids)))
             Allocation.objects.bulk_create([
                 Allocation(job_id=job_id, attempt=attempt, gpu_id=int(g), fraction=Decimal(1),
-                           borrowed=by_job[job_id].borrowed, started_at=now)
+                           borrowed=by_job[job_id].borrowed, started_at=start_times[str(job_id)])
                 for job_id, attempt in moved.items() for g in by_job[job_id].gpu_ids], batch_size=2000)
     except IntegrityError as exc:
         log.warning("bulk start refused by the database (%s); retrying one by one", exc)
@@ -341,12 +352,13 @@ def run_pass() -> dict:
                 stops += [(n, int(pre.job_id), attempt, "preempted") for n in nodes]
         started = 0
         rest = plan.starts
+        start_times = _start_times(plan.starts, timezone.now()) if plan.starts else {}
         if connection.vendor == "postgresql":
-            done, rest = _apply_whole_starts(plan.starts, context, now)
+            done, rest = _apply_whole_starts(plan.starts, context, start_times)
             started += len({job_id for _, job_id, _ in done})  # a gang has one launch per node
             launches += done
         for start in rest:
-            done = _apply_start(start, context, now)
+            done = _apply_start(start, context, start_times[start.job_id])
             if done is not None:
                 started += 1
                 nodes, attempt = done
