@@ -11,9 +11,10 @@ invoices, leases, idle detection, retention): such a test passes whatever the da
   (`test_x[month-start]`), with `clock` pinned there. Without the marker `clock` pins the
   ordinary instant. The clock is pinned before the test's other fixtures run.
 
-`--clock-instants`: `all` (every named instant below, what the project's pytest.ini asks for),
-a comma-separated list of names or ISO 8601 instants (`month-end,2027-03-31T23:59:30Z`), or `now`
-(pinned where the real clock is when the test starts).
+`--clock-instants` (default: the `clock_instants` line of pytest.ini, `all`): `all` (every named
+instant below), a comma-separated list of names or ISO 8601 instants
+(`month-end,2027-03-31T23:59:30Z`), or `now` (pinned where the real clock is when the test starts).
+`--clock-instants=ordinary` runs each marked test once.
 
 Processes started by a test (agents, Celery workers, live servers) keep the real clock: tests
 that start them do not use this fixture.
@@ -66,7 +67,8 @@ class Clock:
 
 def _instants(config) -> list[tuple[str, datetime | None]]:
     out = []
-    for word in filter(None, (w.strip() for w in config.getoption("clock_instants").split(","))):
+    words = config.getoption("clock_instants") or config.getini("clock_instants") or "ordinary"
+    for word in filter(None, (w.strip() for w in words.split(","))):
         if word == "all":
             out += [(name, instant) for name, instant in INSTANTS.items()]
         elif word == "now":
@@ -84,9 +86,10 @@ def _instants(config) -> list[tuple[str, datetime | None]]:
 
 
 def pytest_addoption(parser):
-    parser.addoption("--clock-instants", default="ordinary", metavar="LIST",
-                     help="instants at which tests marked `clock` run: all, now, or a comma-separated "
-                          f"list of {', '.join(INSTANTS)} and ISO 8601 instants (default: ordinary)")
+    help = ("instants at which tests marked `clock` run: all, now, or a comma-separated list of "
+            f"{', '.join(INSTANTS)} and ISO 8601 instants")
+    parser.addoption("--clock-instants", metavar="LIST", help=help + " (default: the clock_instants ini line)")
+    parser.addini("clock_instants", help + " (default: ordinary)", default="ordinary")
 
 
 def pytest_configure(config):
