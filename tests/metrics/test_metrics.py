@@ -101,9 +101,10 @@ def test_heartbeat_samples_are_buffered_into_batches(node, settings):
     assert samples_flush() == 1 and GpuSample.objects.count() == 7
 
 
-def test_rollups_and_pruning(node, settings):
+@pytest.mark.clock
+def test_rollups_and_pruning(node, settings, clock):
     gpu = node.gpus[0]
-    base = datetime(2026, 11, 3, 10, 0, tzinfo=dt_timezone.utc)
+    base = clock().replace(minute=0, second=0, microsecond=0)  # this hour: the last of a month or year too
     rows = [(gpu.pk, base + timedelta(seconds=10 * i), float(i % 2) * 100, 100, 200, 50.0 + i, 100.0, 0, [])
             for i in range(12)]  # two minutes: utilization alternates 0/100
     samples_write(rows)
