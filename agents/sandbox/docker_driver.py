@@ -21,7 +21,9 @@ empty ones left by a crash are pruned when the next gang makes its network.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
+import os
 import re
 import shutil
 import time
@@ -35,10 +37,16 @@ from agents.sandbox import (
     EXITED, LABEL_ATTEMPT, LABEL_GPUS, LABEL_JOB, LABEL_NODE, LABEL_TIME_LIMIT, OOM, RUNNING,
     LaunchSpec, SandboxError, SandboxHandle, job_env, node_rank, sandbox_name,
 )
+from agents.sandbox.egress import EgressError, Firewall, parse_allow
 
 log = logging.getLogger(__name__)
 
 LABEL_NETWORK = "gpuportal.network"  # on the job networks this driver makes
+# The network of jobs with network (a gang spread over nodes gets its own). Its bridge, and a gang's, are
+# named gpj<hash>: the egress policy matches traffic coming in from them by that prefix.
+JOB_NETWORK = "gpuportal-jobs"
+BRIDGE_PREFIX = "gpj"
+EGRESS_CHAIN = "GPUPORTAL-DOCKER"
 LABEL_SIMULATED = "gpuportal.simulated_gpus"  # "1" on a GPU job run on simulated GPUs
 
 # nobody:nogroup; exists in every image we build and owns nothing on the host.
@@ -61,14 +69,26 @@ class SandboxExists(SandboxError):
 class DockerDriver:
     name = "docker"
 
-    def __init__(self, *, node: str, client=None, job_network: str = "bridge",
+    def __init__(self, *, node: str, client=None, job_network: str = JOB_NETWORK,
                  nofile: int | None = 4096, gang_network_driver: str = "auto",
-                 gang_network_internal: bool = False, simulated_gpus: bool = False):
+                 gang_network_internal: bool = False, simulated_gpus: bool = False,
+                 egress_allow: str | list[str] | None = None):
         self.node = node
         # Simulated GPUs (a laptop, CI, the demo): a GPU job runs without the NVIDIA runtime, with the
         # same environment, limits and isolation as on real GPUs, and its log says so first.
         self.simulated_gpus = simulated_gpus
-        self.job_network = job_network  # used only for jobs with network allowed
+        if job_network in ("bridge", "host", "none"):  # docker's own: no policy of ours would hold there
+            raise SandboxError(f"job network {job_network!r}: name a network for the agent to make")
+        self.job_network = job_network  # used only for jobs with network allowed; made on first use
+        # Egress of jobs with network (agents/sandbox/egress.py): public internet only, unless allowed.
+        try:
+            allow = parse_allow(egress_allow if egress_allow is not None
+                                else os.environ.get("GPUPORTAL_EGRESS_ALLOW", ""))
+        except EgressError as exc:
+            raise SandboxError(str(exc)) from None
+        self.firewall = Firewall(chain=EGRESS_CHAIN, allow=allow, hooks=[
+            ("INPUT", ["-i", BRIDGE_PREFIX + "+"]), ("DOCKER-USER|FORWARD", ["-i", BRIDGE_PREFIX + "+"])])
+        self._egress_installed = False
         # A multi-node gang's private network: "bridge" (one engine) or "overlay"
         # (a swarm); internal means the ranks reach each other and nothing else.
         self.gang_network_driver = gang_network_driver
@@ -120,6 +140,8 @@ class DockerDriver:
     def launch(self, spec: LaunchSpec) -> SandboxHandle:
         if spec.gpu_uuids and not self.simulated_gpus and not self.gpu_support():
             raise SandboxError(NO_GPU_MESSAGE)
+        if spec.network:
+            self._prepare_egress(gang=gang_rank(spec) is not None)
         kwargs = self._create_kwargs(spec)
         try:
             if gang_rank(spec) is not None:
@@ -236,7 +258,9 @@ class DockerDriver:
                 self.client.networks.create(
                     name, driver=self.gang_network_driver, internal=self.gang_network_internal,
                     attachable=self.gang_network_driver == "overlay", check_duplicate=True,
-                    labels={LABEL_JOB: spec.job_id, LABEL_ATTEMPT: str(spec.attempt), LABEL_NETWORK: "gang"})
+                    labels={LABEL_JOB: spec.job_id, LABEL_ATTEMPT: str(spec.attempt), LABEL_NETWORK: "gang"},
+                    options={"com.docker.network.bridge.name": bridge_name(name)}
+                    if self.gang_network_driver == "bridge" else None)
             except docker.errors.APIError as exc:
                 if exc.status_code != 409:  # 409: another rank made it first
                     raise SandboxError(f"could not create the job network {name}: "
@@ -250,6 +274,33 @@ class DockerDriver:
         for spare in found[1:]:
             self._remove_network(spare)
         return found[0]
+
+    def _prepare_egress(self, *, gang: bool) -> None:
+        """The job network exists (unless a gang makes its own) and the egress policy is in force, or
+        SandboxError: a job with network never starts unfiltered."""
+        if not gang and not self._networks_named(self.job_network):
+            try:
+                # No traffic between jobs on it (icc off, enforced by the engine where it runs iptables).
+                self.client.networks.create(
+                    self.job_network, driver="bridge", check_duplicate=True, labels={LABEL_NETWORK: "jobs"},
+                    options={"com.docker.network.bridge.name": bridge_name(self.job_network),
+                             "com.docker.network.bridge.enable_icc": "false"})
+            except docker.errors.APIError as exc:
+                if exc.status_code != 409:  # 409: another launch made it first
+                    raise SandboxError(f"could not create the job network {self.job_network}: "
+                                       f"{exc.explanation or exc}") from None
+        try:
+            # Checked at every such launch: an operator's firewall reload may have flushed it.
+            if not self.firewall.installed():
+                if self._egress_installed:
+                    log.warning("docker sandbox: the egress policy %s was removed from the node's firewall; "
+                                "installing it again", EGRESS_CHAIN)
+                self.firewall.install()
+                self._egress_installed = True
+        except EgressError as exc:
+            log.error("docker sandbox: egress policy not installed, jobs with network are refused: %s", exc)
+            raise SandboxError(f"jobs with network cannot run on node {self.node}: its egress policy cannot "
+                               f"be enforced ({exc})") from None
 
     def _networks_named(self, name: str) -> list:
         # The engine's name filter matches substrings; keep exact names only.
@@ -384,6 +435,11 @@ class DockerDriver:
 def gang_rank(spec: LaunchSpec) -> int | None:
     """This part's rank when it belongs on a job-private network, else None."""
     return node_rank(spec) if spec.network else None
+
+
+def bridge_name(network: str) -> str:
+    """The host-side bridge of one of our networks: at most 15 characters, as Linux interface names."""
+    return BRIDGE_PREFIX + hashlib.sha256(network.encode()).hexdigest()[:11]
 
 
 def gang_network_name(job_id: str, attempt: int) -> str:

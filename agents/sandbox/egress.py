@@ -88,7 +88,8 @@ def node_resolvers(path: str = "/etc/resolv.conf") -> list[ipaddress.IPv4Address
 @dataclass
 class Firewall:
     """One chain (``chain``) of the policy and the rules that jump to it (``hooks``: parent chain and
-    match arguments). ``install`` is idempotent and replaces what an earlier run left."""
+    match arguments; ``"A|B"`` is A where that chain exists, else B). ``install`` is idempotent and
+    replaces what an earlier run left."""
 
     chain: str
     hooks: list[tuple[str, list[str]]]
@@ -112,7 +113,7 @@ class Firewall:
             _run(tool, "-F", self.chain)
             for rule in self.rules(family):
                 _run(tool, "-A", self.chain, *rule)
-            for parent, match in self.hooks:
+            for parent, match in self._hooks(tool):
                 if _run(tool, "-C", parent, *match, "-j", self.chain, check=False).returncode != 0:
                     _run(tool, "-I", parent, "1", *match, "-j", self.chain)
         log.info("egress policy %s installed: %s blocked, allowed: %s", self.chain,
@@ -123,7 +124,7 @@ class Firewall:
         """Undo ``install`` as far as it went (nothing to undo without iptables)."""
         for tool in TOOLS.values():
             try:
-                for parent, match in self.hooks:
+                for parent, match in self._hooks(tool):
                     while _run(tool, "-D", parent, *match, "-j", self.chain, check=False).returncode == 0:
                         pass
                 _run(tool, "-F", self.chain, check=False)
@@ -134,10 +135,17 @@ class Firewall:
     def installed(self) -> bool:
         """Whether both families still hold the chain and every hook (an operator's flush removes them)."""
         for tool in TOOLS.values():
-            for parent, match in self.hooks:
+            for parent, match in self._hooks(tool):
                 if _run(tool, "-C", parent, *match, "-j", self.chain, check=False).returncode != 0:
                     return False
         return True
+
+    def _hooks(self, tool: str) -> list[tuple[str, list[str]]]:
+        out = []
+        for parent, match in self.hooks:
+            *preferred, last = parent.split("|")
+            out.append((next((p for p in preferred if chain_exists(tool, p)), last), match))
+        return out
 
 
 def chain_exists(tool: str, chain: str) -> bool:

@@ -8,6 +8,7 @@ import pytest
 from agents.sandbox import EXITED, OOM, RUNNING, SandboxError
 from agents.sandbox.docker_driver import SandboxExists
 from tests.agents.conftest import make_spec
+from tests.agents.node_services import node_services, probe_command, probe_lines  # noqa: F401
 
 
 def wait_done(driver, handle, timeout=30):
@@ -310,3 +311,61 @@ def test_gang_network_options_come_from_flags_or_environment(monkeypatch):
     monkeypatch.setenv("GPUPORTAL_GPU_SCRUB", "maybe")
     with pytest.raises(SystemExit):
         parse_args(base)
+
+
+# -- egress of jobs with network ----------------------------------------------------
+
+@pytest.fixture
+def egress_driver(docker_client, node_name):
+    """Drivers whose jobs with network join a job network of their own (bridge gpj<hash> on the node).
+    The egress chain is the node's, shared by its drivers: removed at the end."""
+    from agents.sandbox.docker_driver import DockerDriver
+
+    made = []
+
+    def make(**kw):
+        d = DockerDriver(node=node_name, client=docker_client, job_network=f"gpuportal-jobs-{node_name}", **kw)
+        made.append(d)
+        return d
+    yield make
+    for c in docker_client.containers.list(all=True, filters={"label": [f"gpuportal.node={node_name}"]}):
+        c.remove(force=True)
+    for d in made:
+        for net in docker_client.networks.list(names=[d.job_network]):
+            net.remove()
+    if made:
+        made[0].firewall.remove()
+
+
+def test_a_job_with_network_cannot_reach_the_nodes_own_services(egress_driver, docker_client, node_services):
+    """The bridge's gateway is the node: without the policy a job reaches whatever listens on any of the
+    node's addresses (a database on 0.0.0.0). Its own 127.0.0.1 is the container's, not the node's."""
+    from agents.sandbox.docker_driver import bridge_name
+
+    d, (node_ip, (lo_port, ip_port)) = egress_driver(), node_services
+    h = d.launch(make_spec(network=True, command=probe_command([("127.0.0.1", lo_port), (node_ip, ip_port)])))
+    assert wait_done(d, h, timeout=60) == (EXITED, 0)
+    out = d.read_logs(h, 0).decode()
+    assert probe_lines(out) == [f"127.0.0.1:{lo_port}=", f"{node_ip}:{ip_port}="], out
+    (net,) = docker_client.networks.list(names=[d.job_network])
+    assert net.attrs["Options"]["com.docker.network.bridge.name"] == bridge_name(d.job_network)
+    assert net.attrs["Options"]["com.docker.network.bridge.enable_icc"] == "false"
+    assert docker_client.containers.get(h.ref).attrs["HostConfig"]["NetworkMode"] == d.job_network
+
+
+def test_an_operator_can_allow_a_destination_to_docker_jobs(egress_driver, node_services):
+    node_ip, (lo_port, ip_port) = node_services
+    d = egress_driver(egress_allow=node_ip)
+    h = d.launch(make_spec(network=True, command=probe_command([("127.0.0.1", lo_port), (node_ip, ip_port)])))
+    assert wait_done(d, h, timeout=60) == (EXITED, 0)
+    out = d.read_logs(h, 0).decode()
+    assert probe_lines(out) == [f"127.0.0.1:{lo_port}=", f"{node_ip}:{ip_port}=secret-{ip_port}"], out
+
+
+def test_a_docker_job_with_network_is_refused_where_the_policy_cannot_be_enforced(egress_driver, monkeypatch):
+    d = egress_driver()
+    monkeypatch.setenv("PATH", "/nonexistent")  # no iptables
+    with pytest.raises(SandboxError, match=f"jobs with network cannot run on node {d.node}: its egress policy "
+                                           "cannot be enforced"):
+        d.launch(make_spec(network=True))
+    assert d.list_own() == []

@@ -12,9 +12,7 @@ import io
 import os
 import re
 import shutil
-import socket
 import tarfile
-import threading
 import tempfile
 import time
 import uuid
@@ -23,6 +21,7 @@ import pytest
 
 from agents.sandbox import EXITED, RUNNING, SandboxError
 from tests.agents.conftest import make_spec
+from tests.agents.node_services import node_services, probe_command, probe_lines  # noqa: F401
 
 URI = "qemu:///system"
 SETUP = "run .ci/kvm.sh (installs QEMU, libvirtd and busybox-static, starts libvirtd, builds var/kvm)"
@@ -185,53 +184,6 @@ def test_network_gives_a_nic_with_an_address_and_no_network_only_loopback(vm_dri
     assert out.split()[0] == "lo" and "eth0" not in out and "inet 127.0.0.1/8" in out, out
     d.remove(online)
     d.remove(offline)
-
-
-@pytest.fixture
-def node_services():
-    """Two TCP servers standing for the node's own services: one on loopback (as PostgreSQL and Redis
-    listen) and one on the node's own address. Each answers "secret-<port>" to whoever connects."""
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    probe.connect(("203.0.113.1", 9))  # UDP connect sends nothing: it only picks the node's source address
-    node_ip = probe.getsockname()[0]
-    probe.close()
-    servers, stop = [], threading.Event()
-    for addr in ("127.0.0.1", node_ip):
-        srv = socket.create_server((addr, 0))
-        srv.settimeout(0.2)
-        servers.append(srv)
-
-    def serve(srv):
-        while not stop.is_set():
-            try:
-                conn, _ = srv.accept()
-            except OSError:
-                continue
-            with conn:
-                conn.sendall(f"secret-{srv.getsockname()[1]}\n".encode())
-
-    threads = [threading.Thread(target=serve, args=(s,), daemon=True) for s in servers]
-    for t in threads:
-        t.start()
-    try:
-        yield node_ip, [s.getsockname()[1] for s in servers]
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=5)
-        for s in servers:
-            s.close()
-
-
-def probe_command(targets):
-    """The job: try each host:port from inside the guest and print what answered (or nothing). A refused
-    connection hangs in QEMU's user-mode network (it sends the guest no reset): 5 s each."""
-    return ["sh", "-c", "; ".join(f'echo "{h}:{p}=$( (timeout 5 nc {h} {p} </dev/null) 2>/dev/null)"'
-                                  for h, p in targets)]
-
-
-def probe_lines(out: str) -> list[str]:
-    return [line for line in out.splitlines() if "=" in line]  # the shell adds "Terminated" for a timeout
 
 
 def test_a_job_with_network_cannot_reach_the_nodes_own_services(vm_driver, node_services):
