@@ -136,6 +136,7 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django_htmx.middleware.HtmxMiddleware",  # request.htmx: pages answer htmx polls with fragments
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "portal.core.csp.ContentSecurityPolicyMiddleware",  # CONTENT_SECURITY_POLICY below
     # A database outage answers 503 + Retry-After, not 500 (portal/core/middleware.py).
     "portal.core.middleware.DatabaseOutageMiddleware",
     # Last, as django-axes asks: it turns a lockout into a response.
@@ -247,6 +248,18 @@ if env_bool("USE_X_FORWARDED_PROTO", False):
 SESSION_COOKIE_HTTPONLY = True
 SESSION_COOKIE_AGE = env_int("SESSION_COOKIE_AGE", 12 * 3600, minimum=60)
 X_FRAME_OPTIONS = "DENY"
+# Sent on every response. Scripts come only from our static files (templates hold no inline
+# script or on* handler); style attributes stay allowed for the server-computed bar widths.
+CONTENT_SECURITY_POLICY = {
+    "default-src": ["'self'"],
+    "script-src": ["'self'"],
+    "style-src": ["'self'", "'unsafe-inline'"],
+    "img-src": ["'self'", "data:"],
+    "object-src": ["'none'"],
+    "base-uri": ["'self'"],
+    "form-action": ["'self'"],
+    "frame-ancestors": ["'none'"],
+}
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [

@@ -1,6 +1,6 @@
 from django.contrib import admin
 from django.urls import include, path
-from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
 api_v1 = [
     path("", include("portal.accounts.urls_api")),
@@ -15,7 +15,8 @@ urlpatterns = [
     path("api/v1/", include((api_v1, "api"))),
     path("api/agent/v1/", include("portal.nodes.urls_agent")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
-    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    # The split view serves Swagger UI's start-up script as a file: no inline script (CSP).
+    path("api/docs/", SpectacularSwaggerSplitView.as_view(url_name="schema"), name="api-docs"),
     path("", include("portal.accounts.urls")),
     path("", include("portal.tenancy.urls")),
     path("jobs/", include("portal.jobs.urls")),

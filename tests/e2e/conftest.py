@@ -72,13 +72,17 @@ def chromium(demo, e2e_settings, monkeypatch):
 @pytest.fixture
 def login(chromium, live_server, request):
     """login("alice") -> a Page logged in through the real form. On failure, every page is saved to
-    test-artifacts/<test>-<n>.png and the path printed."""
+    test-artifacts/<test>-<n>.png and the path printed. Any Content-Security-Policy violation
+    Chromium reports on any page fails the test: the policy must never break a page."""
     contexts = []
+    csp_violations = []
 
     def make(username, javascript=True):
         context = chromium.new_context(viewport={"width": 1280, "height": 900}, base_url=live_server.url,
                                        java_script_enabled=javascript)
         context.set_default_timeout(15_000)
+        context.on("console", lambda msg: csp_violations.append(msg.text)
+                   if "Content Security Policy" in msg.text else None)
         contexts.append(context)
         page = context.new_page()
         page.goto("/login/")
@@ -102,6 +106,7 @@ def login(chromium, live_server, request):
                     print(f"\nno screenshot ({exc})")
     for context in contexts:
         context.close()
+    assert not csp_violations, f"Content-Security-Policy violations: {csp_violations}"
 
 
 def shot(page, name: str) -> Path:
