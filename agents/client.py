@@ -22,6 +22,7 @@ it: that is the silence the lease is for.
 
 from __future__ import annotations
 
+import base64
 import logging
 import time
 import urllib.parse
@@ -33,6 +34,7 @@ from agents import __version__
 log = logging.getLogger(__name__)
 
 API_PREFIX = "/api/agent/v1"
+EVENT_MESSAGE_MAX, NODE_PROBLEM_MAX = 2000, 500  # the agent API's limits on a job event's texts
 JOB_EVENT_STATES = ("starting", "running", "succeeded", "failed", "timeout", "oom", "cancelled")
 
 
@@ -149,17 +151,20 @@ class PortalClient:
         ``node_problem`` (a sandbox that could not be killed) drains the node."""
         if state not in JOB_EVENT_STATES:
             raise ValueError(f"unknown job event state {state!r}")
-        body = {"attempt": attempt, "state": state, "exit_code": exit_code, "message": message}
+        # Within the portal's field limits: a report refused for its length would leave the job running there.
+        body = {"attempt": attempt, "state": state, "exit_code": exit_code, "message": message[:EVENT_MESSAGE_MAX]}
         if scrub_failures:
             body["scrub_failures"] = scrub_failures
         if node_problem:
-            body["node_problem"] = node_problem
+            body["node_problem"] = node_problem[:NODE_PROBLEM_MAX]
         return self._post(f"/jobs/{_q(job_id)}/events", body)
 
     def logs(self, job_id: str, attempt: int, offset: int, data: bytes) -> dict:
-        """Ship one chunk. ``offset`` counts raw bytes; the text carries U+FFFD for bad bytes."""
+        """Ship one chunk of raw output at ``offset`` (raw bytes), base64-encoded: a job may print
+        anything, NUL and invalid UTF-8 included. -> {stored, size, full}; ``full`` means the
+        portal keeps no more of this attempt's log."""
         return self._post(f"/jobs/{_q(job_id)}/logs", {"attempt": attempt, "offset": offset,
-                                                      "data": data.decode("utf-8", errors="replace")})
+                                                      "data_base64": base64.b64encode(data).decode("ascii")})
 
 
 def _q(job_id: str) -> str:

@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 Key = tuple[str, int]
 STOPPED = "stopped"  # _gpus_ready: a stop arrived while the launch waited
+# Log chunks refused (or log reads failed) in a row before the agent gives that part of the log up.
+LOG_REFUSALS = 3
 # Which of our drivers may run a job asking for a sandbox (as scheduler.core.SANDBOX_HOSTS says).
 SANDBOX_HOSTS = {"docker": ("docker", "process"), "kvm": ("kvm",)}
 
@@ -58,6 +60,9 @@ class Tracked:
     attempt: int
     handle: SandboxHandle
     log_offset: int = 0  # raw bytes of the sandbox's log the portal has taken
+    log_full: bool = False  # the portal holds as much of this attempt's log as it keeps: ship no more
+    log_failures: int = 0  # log chunks refused (or unreadable) in a row; past a few, the chunk is given up
+    report_refusals: int = 0  # terminal reports the portal refused (HTTP 4xx other than 409)
     # Set when *we* end the job (stop, time limit, lease): the state to report.
     stop_state: str | None = None
     stop_reason: str = ""
@@ -84,6 +89,8 @@ class Agent:
         self.probe = probe
         self.stop_grace_s = stop_grace_s
         self.log_chunk_bytes = log_chunk_bytes
+        # A running job's log ships at most this much a pass, so one chatty job cannot hold up the others.
+        self.log_pass_bytes = 4 * log_chunk_bytes
         self.scrub_gpus = scrub_gpus
         # GPUs a job may have written since their last scrub; at start we cannot know.
         self._dirty: set[int] = {g.index for g in probe.inventory()}
@@ -389,16 +396,36 @@ class Agent:
                 return True
             state, code, message = t.terminal
             try:
-                self._ship_logs(t, final=True)
+                if not self._ship_logs(t, final=True):
+                    return False  # a chunk was refused: try again next pass (a few times, then it is skipped)
             except StaleAttempt:
                 pass  # the portal will not take more of this attempt; still report below
+            except PortalUnreachable:
+                # The tail first, but not at any price: a portal that takes reports and not logs
+                # would otherwise keep the job running there for good.
+                t.log_failures += 1
+                if t.log_failures < LOG_REFUSALS:
+                    return False
+                log.error("job %s attempt %s: the log tail could not be shipped %d times; reporting the end "
+                          "without it", t.job_id, t.attempt, t.log_failures)
             self._set_busy(t.handle.gpu_indexes, False)
             failures = self._scrub(t)
+            if t.report_refusals:
+                # The portal refused the full report; a report it can take beats none: the job
+                # would stay running there, holding its GPUs and quota.
+                code, message = None, f"(report shortened: the portal refused it {t.report_refusals} time(s))"
             try:
                 self.client.event(t.job_id, t.attempt, state, exit_code=code, message=message,
                                   scrub_failures=failures, node_problem=t.node_problem)
             except StaleAttempt:
                 log.info("job %s attempt %s: portal says stale; dropping the %s report", t.job_id, t.attempt, state)
+            except PortalUnreachable:
+                raise
+            except PortalError as exc:
+                t.report_refusals += 1
+                log.error("job %s attempt %s: the portal refused the %s report (%s); sending it shorter next pass",
+                          t.job_id, t.attempt, state, exc)
+                return False
             log.info("job %s attempt %s: %s (exit %s) %s", t.job_id, t.attempt, state, code, message)
             self.driver.remove(t.handle)
             with self._lock:
@@ -447,49 +474,96 @@ class Agent:
     # -- supervisor -----------------------------------------------------------------
 
     def supervise_once(self) -> None:
-        """One pass over every sandbox: ship logs, enforce time limits, notice exits."""
+        """One pass over every sandbox: enforce time limits, notice exits, ship logs, report ends;
+        then the lease. Each step is guarded on its own, so nothing that goes wrong in one (a report
+        the portal refuses, a driver error) skips another step, another job, or the lease check."""
         with self._lock:
             jobs = list(self._jobs.values())
         for t in jobs:
-            try:
-                self._supervise(t)
-            except Exception:
-                log.exception("job %s attempt %s: supervisor error", t.job_id, t.attempt)
-        self.check_lease()
+            self._supervise(t)
+        self._guarded(None, "lease check", self.check_lease)
 
     def _supervise(self, t: Tracked) -> None:
+        # 1. Enforcement first, from the handle and the clock alone: no report can get in its way.
+        self._guarded(t, "time limit", self._enforce_time_limit, t)
+        # 2. Notice an exit; ship the log of a running job.
         if t.terminal is None and t.stop_state is None:
-            state, code = self.driver.poll(t.handle)
-            if state == RUNNING:
-                try:
-                    self._ship_logs(t, final=False)
-                except StaleAttempt:
-                    self._begin_stop(t, "cancelled", "stale attempt", self.stop_grace_s)
-                    return
-                except PortalUnreachable:
-                    pass  # the offset stays; next pass resends from there
-                limit = t.handle.time_limit_s
-                if limit and self._wall() >= t.handle.started_at + limit:
-                    self._begin_stop(t, "timeout", f"time limit of {limit:g}s reached", self.stop_grace_s)
-                return
-            with self._lock:
-                t.terminal = self._terminal_for(t, state, code)
+            polled = self._guarded(t, "poll", self.driver.poll, t.handle)
+            if polled is not None and polled[0] != RUNNING:
+                with self._lock:
+                    t.terminal = self._terminal_for(t, *polled)
+            elif polled is not None:
+                self._guarded(t, "log shipping", self._ship_running_logs, t)
+        # 3. Report an end (after the log tail).
         if t.terminal is not None:
-            self._finish(t)
+            self._guarded(t, "terminal report", self._finish, t)
 
-    def _ship_logs(self, t: Tracked, *, final: bool) -> None:
-        data = self.driver.read_logs(t.handle, t.log_offset)
-        while data:
-            chunk = data[: self.log_chunk_bytes]
-            if not (final and len(chunk) == len(data)):
-                # Never split a UTF-8 character across chunks: each chunk is decoded
-                # on its own, and half a character would become U+FFFD for good.
-                chunk = chunk[: _utf8_complete_len(chunk)]
-                if not chunk:
-                    return
-            self.client.logs(t.job_id, t.attempt, t.log_offset, chunk)
-            t.log_offset += len(chunk)
-            data = data[len(chunk):]
+    def _guarded(self, t: Tracked | None, what: str, fn, *args):
+        """``fn(*args)``, or None after logging whatever it raised."""
+        try:
+            return fn(*args)
+        except Exception:
+            log.exception("%s: %s failed; the rest of the pass goes on",
+                          f"job {t.job_id} attempt {t.attempt}" if t else "supervisor", what)
+            return None
+
+    def _enforce_time_limit(self, t: Tracked) -> None:
+        limit = t.handle.time_limit_s
+        if t.terminal is None and t.stop_state is None and limit and self._wall() >= t.handle.started_at + limit:
+            self._begin_stop(t, "timeout", f"time limit of {limit:g}s reached", self.stop_grace_s)
+
+    def _ship_running_logs(self, t: Tracked) -> None:
+        try:
+            self._ship_logs(t, final=False)
+        except StaleAttempt:
+            self._begin_stop(t, "cancelled", "stale attempt", self.stop_grace_s)
+        except PortalUnreachable:
+            pass  # the offset stays; next pass resends from there
+
+    def _ship_logs(self, t: Tracked, *, final: bool) -> bool:
+        """Send the sandbox's output from ``t.log_offset`` on, in chunks of raw bytes. A running job
+        ships at most ``log_pass_bytes`` a pass (the rest next pass); at the end, everything.
+        Returns False when the portal refused a chunk (kept for the next pass; after
+        ``LOG_REFUSALS`` refusals in a row it is skipped, so one bad chunk cannot stall the log).
+        Raises StaleAttempt and PortalUnreachable."""
+        budget = None if final else self.log_pass_bytes
+        while not t.log_full and (budget is None or budget > 0):
+            try:
+                data = self.driver.read_logs(t.handle, t.log_offset)
+            except Exception:
+                t.log_failures += 1
+                if final and t.log_failures >= LOG_REFUSALS:
+                    log.exception("job %s attempt %s: cannot read the log tail; reporting the end without it",
+                                  t.job_id, t.attempt)
+                    return True
+                raise
+            if not data:
+                return True
+            for i in range(0, len(data), self.log_chunk_bytes):
+                chunk = data[i:i + self.log_chunk_bytes]
+                try:
+                    resp = self.client.logs(t.job_id, t.attempt, t.log_offset, chunk) or {}
+                except (StaleAttempt, PortalUnreachable):
+                    raise
+                except PortalError as exc:
+                    t.log_failures += 1
+                    if t.log_failures < LOG_REFUSALS:
+                        log.warning("job %s attempt %s: the portal refused %d log bytes at offset %d (%s); "
+                                    "retrying next pass", t.job_id, t.attempt, len(chunk), t.log_offset, exc)
+                        return False
+                    log.error("job %s attempt %s: the portal refused %d log bytes at offset %d %d times (%s); "
+                              "skipping them", t.job_id, t.attempt, len(chunk), t.log_offset, t.log_failures, exc)
+                    resp = {}
+                t.log_failures = 0
+                t.log_offset += len(chunk)
+                if resp.get("full"):
+                    log.info("job %s attempt %s: the portal's log limit is reached; shipping no more of it",
+                             t.job_id, t.attempt)
+                    t.log_full = True
+                    return True
+            if budget is not None:
+                budget -= len(data)
+        return True
 
     # -- heartbeat and lease -------------------------------------------------------
 
@@ -582,17 +656,6 @@ class Agent:
 def _failure_list(failed: dict[int, str]) -> list[dict]:
     """Scrub failures as the agent API takes them."""
     return [{"gpu_index": i, "message": why[:500]} for i, why in sorted(failed.items())]
-
-
-def _utf8_complete_len(b: bytes) -> int:
-    """Length of the longest prefix of ``b`` that does not end inside a UTF-8 character."""
-    for back in range(1, min(4, len(b)) + 1):
-        c = b[-back]
-        if c & 0xC0 == 0x80:  # continuation byte: look further back for the lead
-            continue
-        need = 1 if c < 0x80 else 2 if c >= 0xC0 and c < 0xE0 else 3 if c < 0xF0 else 4
-        return len(b) - back if need > back else len(b)
-    return len(b)  # not UTF-8 at all: send as is, it becomes U+FFFD either way
 
 
 def capabilities(probe) -> dict:

@@ -305,3 +305,56 @@ def test_a_bad_egress_allow_entry_is_named(tmp_path):
     with pytest.raises(SandboxError, match=r"--egress-allow: 'no such host\.invalid' is neither a CIDR nor"):
         KvmDriver(node="n1", uri="test:///default", domain_type="test", state_dir=str(tmp_path),
                   egress_allow="10.0.0.0/8,no such host.invalid")
+
+
+# -- the driver's state folder ------------------------------------------------------
+
+def test_the_state_folder_is_made_private(tmp_path):
+    import os
+
+    from agents.sandbox.kvm_driver import private_dir
+
+    d = private_dir(tmp_path / "agent" / "kvm-n1")
+    st = os.lstat(d)
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (os.geteuid(), 0o711)
+    assert private_dir(d) == d  # found again as it was left
+
+
+@pytest.mark.parametrize("plant", ["symlink", "world-readable", "foreign", "open-parent"])
+def test_a_state_folder_someone_else_could_touch_is_refused(tmp_path, plant):
+    """A local user who makes the folder first (or a link to somewhere else) must not get the jobs'
+    initrds, with their secret environment, nor make root write through a link."""
+    import os
+
+    from agents.sandbox.kvm_driver import private_dir
+
+    agent = tmp_path / "agent"
+    agent.mkdir()
+    target = agent / "kvm-n1"
+    if plant == "symlink":
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        target.symlink_to(tmp_path / "elsewhere")
+    elif plant == "world-readable":
+        target.mkdir()
+        target.chmod(0o755)
+    elif plant == "foreign":
+        target.mkdir(mode=0o711)
+        os.chown(target, 12345, 12345)
+    else:
+        agent.chmod(0o777)  # anyone could rename ours away and put theirs in its place
+    with pytest.raises(SandboxError, match="refusing state folder"):
+        private_dir(target)
+
+
+def test_a_link_planted_at_a_launch_file_is_replaced_not_followed(qemu_driver, docker_client, tmp_path):
+    victim = tmp_path / "root-only"
+    victim.write_bytes(b"precious")
+    victim.chmod(0o600)
+    d = qemu_driver()
+    spec = make_spec()
+    for suffix in (".initrd", ".kernel"):
+        (d.state_dir / f"{d.vm_name(spec)}{suffix}").symlink_to(victim)
+    h = d.launch(spec)  # libvirt's test driver "runs" it: the kernel and initrd were written and used
+    d.remove(h)
+    assert victim.read_bytes() == b"precious"
+    assert sorted(p.name for p in d.state_dir.iterdir()) == []  # the launch's files are gone again
