@@ -11,7 +11,7 @@ from portal.core.context import actor_from_request
 from portal.tenancy.models import Project
 
 from .models import TERMINAL, Job, JobEvent, JobTemplate
-from .selectors import LOG_PAGE_MAX_BYTES, log_read
+from .selectors import LOG_PAGE_MAX_BYTES, env_reader_project_ids, env_visible, log_read
 from .services import job_cancel, job_resubmit, job_submit, template_delete, template_save
 from .spec import JobSpecSerializer
 
@@ -27,6 +27,9 @@ class JobSerializer(serializers.ModelSerializer):
     user = serializers.SlugRelatedField(slug_field="username", read_only=True)
     node = serializers.SlugRelatedField(slug_field="name", read_only=True)
     template = serializers.SlugRelatedField(slug_field="name", read_only=True)
+    env = serializers.SerializerMethodField(help_text="The job's environment, shown to its owner and the project's "
+                                                      "owners and admins only (it often holds secrets); null for "
+                                                      "everyone else.")
     resources = serializers.SerializerMethodField()
     reason = serializers.SerializerMethodField()
     depends_on = serializers.PrimaryKeyRelatedField(many=True, read_only=True)
@@ -49,6 +52,12 @@ class JobSerializer(serializers.ModelSerializer):
     def get_resources(self, job) -> dict:
         return {"gpus": float(job.gpus), "gpu_type": job.gpu_type, "gpu_memory_mb": job.gpu_memory_mb,
                 "cpus": float(job.cpus), "memory_mb": job.memory_mb}
+
+    def get_env(self, job) -> dict[str, str] | None:
+        request = self.context.get("request")
+        if request is None or "env_readers" not in self.context:
+            return None  # no caller to decide for: show nothing
+        return job.env if env_visible(job, request.user, self.context["env_readers"]) else None
 
     def get_reason(self, job) -> dict | None:
         if not job.reason_code:
@@ -126,7 +135,10 @@ class JobViewSet(mixins.ListModelMixin, TenantViewSet):
         return qs
 
     def get_serializer_context(self):
-        return {**super().get_serializer_context(), **getattr(self, "_extra_context", {})}
+        context = {**super().get_serializer_context(), **getattr(self, "_extra_context", {})}
+        if not getattr(self, "swagger_fake_view", False):
+            context["env_readers"] = env_reader_project_ids(self.request.user)
+        return context
 
     def list(self, request, *args, **kwargs):
         page = self.paginate_queryset(self.filter_queryset(self.get_queryset()))

@@ -6,6 +6,8 @@ from decimal import Decimal
 from django.db.models import Count, Max, Q, Sum
 from django.utils import timezone
 
+from portal.core.querysets import allowed_project_ids, staff_bypass
+
 from .models import Allocation
 
 
@@ -208,3 +210,21 @@ def idle_job_ids(*, now: datetime | None = None) -> set[int]:
         peak=Max("util_max"), n=Count("id")).values_list("gpu_id", "peak", "n").order_by()
         if peak < settings.GPU_IDLE_UTIL_PCT and n >= need}
     return {job_id for job_id, gpus in candidates.items() if gpus <= idle_gpus}
+
+
+def env_reader_project_ids(user) -> set[int] | None:
+    """Projects in which `user` may read the environment of everyone's jobs: where they are an
+    owner or admin (None: every project, for staff). Anyone reads their own jobs' environment.
+    An environment often holds secrets, so a viewer or another member does not see it."""
+    if user is None or not user.is_authenticated:
+        return set()
+    if staff_bypass(user, "manage"):
+        return None
+    return set(allowed_project_ids(user, "manage").values_list("pk", flat=True))
+
+
+def env_visible(job, user, reader_project_ids: set[int] | None) -> bool:
+    """Whether `user` may see `job.env` (reader_project_ids from env_reader_project_ids)."""
+    if user is not None and job.user_id == user.pk:
+        return True
+    return reader_project_ids is None or job.project_id in reader_project_ids

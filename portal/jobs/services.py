@@ -172,10 +172,18 @@ def job_resubmit(*, actor: Actor, job: Job) -> Job:
     }
     if job.array_parent_id:
         raise InvalidInput("Resubmit the array job, not one of its tasks.", code="array_task")
+    if not env_kept_on_resubmit(actor, job):
+        data["env"] = {}
     new, _ = job_submit(actor=actor, data=data)
     Job.objects.filter(pk=new.pk).update(resubmit_of=job)
     new.resubmit_of = job
     return new
+
+
+def env_kept_on_resubmit(actor: Actor, job: Job) -> bool:
+    """A job's environment often holds its owner's secrets: a resubmit by anyone else (a project
+    admin included) runs without it rather than with someone else's credentials."""
+    return actor.user is not None and actor.user.pk == job.user_id
 
 
 def template_save(*, actor: Actor, project: Project, name: str, spec: dict, locked: list[str],

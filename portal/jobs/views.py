@@ -251,7 +251,8 @@ class JobResubmitView(PageMixin, View):
             return redirect("jobs:detail", pk=job.pk)
         except ServiceError as exc:
             return refused(request, exc, back=reverse("jobs:detail", args=[job.pk]))
-        messages.success(request, f"Job {job.pk} resubmitted as job {new.pk}.")
+        dropped = " without its environment (only its owner's resubmits keep it)" if job.env and not new.env else ""
+        messages.success(request, f"Job {job.pk} resubmitted as job {new.pk}{dropped}.")
         return redirect("jobs:detail", pk=new.pk)
 
 
