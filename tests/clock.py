@@ -86,10 +86,10 @@ def _instants(config) -> list[tuple[str, datetime | None]]:
 
 
 def pytest_addoption(parser):
-    help = ("instants at which tests marked `clock` run: all, now, or a comma-separated list of "
+    text = ("instants at which tests marked `clock` run: all, now, or a comma-separated list of "
             f"{', '.join(INSTANTS)} and ISO 8601 instants")
-    parser.addoption("--clock-instants", metavar="LIST", help=help + " (default: the clock_instants ini line)")
-    parser.addini("clock_instants", help + " (default: ordinary)", default="ordinary")
+    parser.addoption("--clock-instants", metavar="LIST", help=text + " (default: the clock_instants ini line)")
+    parser.addini("clock_instants", text + " (default: ordinary)", default="ordinary")
 
 
 def pytest_configure(config):
