@@ -93,7 +93,7 @@ def build_snapshot(now=None):
 
     fields = ("id", "project__slug", "project__organization__slug", "user__username", "gpus", "submitted_at",
               "time_limit_s", "gpu_type", "gpu_memory_mb", "priority", "preemptible", "array_parent_id",
-              "array_limit", "started_at", "state_changed_at", "sandbox")
+              "array_limit", "started_at", "state_changed_at", "sandbox", "nodes")
 
     def to_core(row, deps_ok=True) -> core.Job:
         return core.Job(
@@ -102,7 +102,7 @@ def build_snapshot(now=None):
             time_limit=float(row["time_limit_s"]), gpu_type=row["gpu_type"] or None,
             gpu_memory_mb=row["gpu_memory_mb"], qos=QOS_VALUE[row["priority"]], preemptible=row["preemptible"],
             array_parent=str(row["array_parent_id"]) if row["array_parent_id"] else None,
-            array_limit=row["array_limit"], deps_satisfied=deps_ok, sandbox=row["sandbox"],
+            array_limit=row["array_limit"], deps_satisfied=deps_ok, sandbox=row["sandbox"], nodes=row["nodes"],
         )
 
     holding = {row["id"]: row for row in Job.objects.filter(state__in=HOLDING, is_array_parent=False).values(*fields)}
@@ -369,8 +369,13 @@ def run_pass() -> dict:
         t_applied = time.perf_counter()
         transaction.on_commit(lambda: _publish(launches, stops))
     t_published = time.perf_counter()
+    # A pass that changed something is news; the idle ones (every few seconds) are not.
+    log.log(logging.INFO if started or plan.preemptions or cancelled else logging.DEBUG,
+            "scheduling pass: %d started, %d preempted, %d waiting, %d cancelled (dependency failed)",
+            started, len(plan.preemptions), len(plan.waiting), cancelled)
     return {
         "started": started, "preempted": len(plan.preemptions), "waiting": len(plan.waiting),
+        "fragmented": len(plan.fragmented),
         "reasons_written": reasons, "dependents_cancelled": cancelled, "queued": len(snapshot.queued),
         "build_s": round(t_built - t0, 4), "core_s": round(t_planned - t_built, 4),
         "apply_s": round(t_applied - t_planned, 4), "commit_publish_s": round(t_published - t_applied, 4),

@@ -333,6 +333,9 @@ def submit(
     name: Annotated[str | None, typer.Option(help="Job name (default: the command's program).")] = None,
     image: Annotated[str | None, typer.Option(help="Container image, e.g. gpuportal/python:3.11.")] = None,
     gpus: Annotated[float | None, typer.Option(help="GPUs: 1, 2, ... or a shared 0.125/0.25/0.5.")] = None,
+    nodes: Annotated[int | None, typer.Option(help="Nodes to span (default 1: all GPUs on one node); above 1 "
+                                                   "the job runs as one gang.")] = None,
+    gpus_per_node: Annotated[int | None, typer.Option(help="GPUs on each node of a multi-node job.")] = None,
     gpu_type: Annotated[str | None, typer.Option(help="GPU model, e.g. H100-80GB.")] = None,
     cpus: Annotated[float | None, typer.Option(help="CPU cores.")] = None,
     memory_mb: Annotated[int | None, typer.Option(help="Memory in MB.")] = None,
@@ -359,7 +362,8 @@ def submit(
     """Submit a job: gpuctl submit -p vision --image IMG --gpus 2 -- python train.py"""
     flags = {"project": project, "name": name, "image": image, "time_limit": time_limit, "priority": priority,
              "preemptible": preemptible, "network": network, "array": array, "template": template}
-    spec = build_spec(file, flags, {"gpus": _num(gpus), "gpu_type": gpu_type, "cpus": _num(cpus),
+    spec = build_spec(file, flags, {"gpus": _num(gpus), "nodes": nodes, "gpus_per_node": gpus_per_node,
+                                    "gpu_type": gpu_type, "cpus": _num(cpus),
                                     "memory_mb": memory_mb}, env or [], depends_on or [], command or [])
     client = _client()
     job, created = client.submit(spec, idempotency_key=idempotency_key)

@@ -82,6 +82,8 @@ def resources(res: dict) -> str:
     gpu = f"{gpus} GPU" + (f" {res['gpu_type']}" if res.get("gpu_type") else "")
     if res.get("gpu_memory_mb"):
         gpu += f" ({res['gpu_memory_mb']} MB)"
+    if (res.get("nodes") or 1) > 1:
+        gpu += f" on {res['nodes']} nodes ({number(res.get('gpus_per_node'))} each)"
     return f"{gpu}, {number(res.get('cpus'))} CPU, {res.get('memory_mb')} MB"
 
 

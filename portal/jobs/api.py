@@ -50,7 +50,8 @@ class JobSerializer(serializers.ModelSerializer):
                                                     "the idle threshold (GPU_IDLE_UTIL_PCT, GPU_IDLE_MINUTES)."}}
 
     def get_resources(self, job) -> dict:
-        return {"gpus": float(job.gpus), "gpu_type": job.gpu_type, "gpu_memory_mb": job.gpu_memory_mb,
+        return {"gpus": float(job.gpus), "nodes": job.nodes, "gpus_per_node": float(job.gpus_per_node),
+                "gpu_type": job.gpu_type, "gpu_memory_mb": job.gpu_memory_mb,
                 "cpus": float(job.cpus), "memory_mb": job.memory_mb}
 
     def get_env(self, job) -> dict[str, str] | None:

@@ -5,12 +5,10 @@ import shlex
 
 from django import forms
 
-from portal.core.numbers import parse_int
-
 from .models import JobState, Priority
 
 # The API's field names for the form's resource inputs.
-RESOURCE_FIELDS = ("gpus", "gpu_type", "gpu_memory_mb", "cpus", "memory_mb")
+RESOURCE_FIELDS = ("gpus", "nodes", "gpus_per_node", "gpu_type", "gpu_memory_mb", "cpus", "memory_mb")
 # Spec fields a template may lock -> the inputs that show them.
 INPUTS_FOR_SPEC_FIELD = {"resources": RESOURCE_FIELDS}
 
@@ -31,6 +29,10 @@ class JobSubmitForm(forms.Form):
                           help_text="One NAME=value per line. CUDA_*, NVIDIA_* and LD_* are set by the portal.")
     gpus = forms.CharField(required=False, label="GPUs", widget=_number(placeholder="0"),
                            help_text="0, a whole number, or 0.125, 0.25 or 0.5 of a shared GPU.")
+    nodes = forms.CharField(required=False, label="Nodes", widget=_number(placeholder="1", step="1", min="1"),
+                            help_text="All GPUs on one node unless more: then one gang, equal GPUs on each node.")
+    gpus_per_node = forms.CharField(required=False, label="GPUs per node", widget=_number(step="1", min="1"),
+                                    help_text="With several nodes; GPUs is then nodes × this.")
     gpu_type = forms.CharField(required=False, max_length=64, label="GPU type",
                                help_text="e.g. H100-80GB; empty for any.")
     gpu_memory_mb = forms.CharField(required=False, label="GPU memory (MB)", widget=_number(),
@@ -98,9 +100,9 @@ class JobSubmitForm(forms.Form):
     def clean_depends_on(self):
         ids = []
         for part in self.cleaned_data["depends_on"].replace(",", " ").split():
-            if parse_int(part) is None:
+            if not part.isdigit():
                 raise forms.ValidationError(f"{part!r} is not a job id.")
-            ids.append(parse_int(part))
+            ids.append(int(part))
         return ids
 
     def spec(self) -> dict:

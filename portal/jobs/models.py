@@ -59,6 +59,9 @@ class Job(models.Model):
     command = models.JSONField(default=list)
     env = models.JSONField(default=dict, blank=True)
     gpus = models.DecimalField(max_digits=6, decimal_places=3, default=0)
+    # All of a job's GPUs are on one node unless it asks for more: then `gpus / nodes` on each
+    # of exactly `nodes` nodes, started as one gang with the rendezvous variables set.
+    nodes = models.PositiveSmallIntegerField(default=1)
     gpu_type = models.CharField(max_length=64, blank=True)
     gpu_memory_mb = models.PositiveIntegerField(default=0)
     cpus = models.DecimalField(max_digits=6, decimal_places=2, default=1)
@@ -106,6 +109,10 @@ class Job(models.Model):
 
     def __str__(self) -> str:
         return f"job {self.pk} {self.name}"
+
+    @property
+    def gpus_per_node(self):
+        return self.gpus / self.nodes if self.nodes > 1 else self.gpus
 
     @property
     def slurm_code(self) -> str:

@@ -10,7 +10,6 @@ import logging
 from django.db import IntegrityError, transaction
 
 from portal.core.errors import Conflict
-from portal.core.numbers import parse_int, parse_ints
 
 from .models import HOLDING, TERMINAL, Allocation, Job, JobLogChunk, JobState
 
@@ -27,8 +26,7 @@ def job_nodes(job: Job) -> set[str]:
 
 
 def _load(job_id, attempt: int, node) -> Job:
-    pk = parse_int(job_id)
-    job = Job.objects.select_related("node").filter(pk=pk).first() if pk is not None else None
+    job = Job.objects.select_related("node").filter(pk=job_id).first() if str(job_id).isdigit() else None
     if job is None:
         raise Conflict(f"No job {job_id}: stop it.", code="stale")
     if job.attempt != attempt:
@@ -150,7 +148,7 @@ def stale_reports(*, node, reported: list[dict]) -> list[dict]:
             if r.get("state") not in AGENT_TERMINAL]
     if not keys:
         return []  # an idle node's heartbeat: no query at all
-    ids = parse_ints([j for j, _ in keys], limit=len(keys))
+    ids = [int(j) for j, _ in keys if j.isdigit()]
     current = {str(pk): (state, attempt) for pk, state, attempt in
                Job.objects.filter(pk__in=ids).values_list("pk", "state", "attempt")}
     placed = {str(j) for j in Allocation.objects.filter(job_id__in=ids, released_at__isnull=True,

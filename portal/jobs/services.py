@@ -78,9 +78,10 @@ def job_submit(*, actor: Actor, data: dict, idempotency_key: str = "") -> tuple[
             deps = _dependencies(project, v["depends_on"])
             common = dict(
                 project=project, user=actor.user, name=v["name"], image=v["image"], command=v["command"],
-                env=v["env"], gpus=res["gpus"], gpu_type=res["gpu_type"], gpu_memory_mb=res["gpu_memory_mb"],
-                cpus=res["cpus"], memory_mb=res["memory_mb"], time_limit_s=v["time_limit"], priority=v["priority"],
-                preemptible=v["preemptible"], sandbox=v["sandbox"], network=v["network"], template=template,
+                env=v["env"], gpus=res["gpus"], nodes=res["nodes"], gpu_type=res["gpu_type"],
+                gpu_memory_mb=res["gpu_memory_mb"], cpus=res["cpus"], memory_mb=res["memory_mb"],
+                time_limit_s=v["time_limit"], priority=v["priority"], preemptible=v["preemptible"],
+                sandbox=v["sandbox"], network=v["network"], template=template,
             )
             # An array parent is never scheduled itself: its tasks carry the reasons.
             job = Job.objects.create(**common, array=v["array"], is_array_parent=bool(v["array"]),
@@ -165,8 +166,8 @@ def job_resubmit(*, actor: Actor, job: Job) -> Job:
     """A new job with the original's spec, linked to it (the original is left as it ended)."""
     data = {
         "project": job.project.slug, "name": job.name, "image": job.image, "command": job.command, "env": job.env,
-        "resources": {"gpus": str(job.gpus), "gpu_type": job.gpu_type, "gpu_memory_mb": job.gpu_memory_mb,
-                      "cpus": str(job.cpus), "memory_mb": job.memory_mb},
+        "resources": {"gpus": str(job.gpus), "nodes": job.nodes, "gpu_type": job.gpu_type,
+                      "gpu_memory_mb": job.gpu_memory_mb, "cpus": str(job.cpus), "memory_mb": job.memory_mb},
         "time_limit": job.time_limit_s, "priority": job.priority, "preemptible": job.preemptible,
         "sandbox": job.sandbox, "network": job.network, "array": job.array,
     }

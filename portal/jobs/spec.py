@@ -15,6 +15,8 @@ from portal.core.text import plain_name
 
 from .models import Priority
 
+# A gang this wide is a typo, not a job.
+MAX_NODES = 256
 # Fractions a shared GPU is cut into; anything else would fragment it.
 SHARED_GPU_FRACTIONS = (Decimal("0.125"), Decimal("0.25"), Decimal("0.5"))
 # Env names a job may not set, in any letter case: the agent drops these prefixes whatever their
@@ -91,7 +93,14 @@ class DurationField(serializers.Field):
 
 
 class ResourcesSerializer(StrictSerializer):
-    gpus = serializers.DecimalField(max_digits=6, decimal_places=3, min_value=Decimal(0), default=Decimal(0))
+    # gpus defaults to nodes x gpus_per_node, else 0 (a CPU-only job); see validate().
+    gpus = serializers.DecimalField(max_digits=6, decimal_places=3, min_value=Decimal(0), required=False,
+                                    help_text="All GPUs of the job (default: nodes x gpus_per_node, else 0).")
+    nodes = serializers.IntegerField(min_value=1, max_value=MAX_NODES, default=1,
+                                     help_text="Nodes the job spans (Slurm's --nodes); above 1 it runs as one "
+                                               "gang with gpus_per_node GPUs on each node.")
+    gpus_per_node = serializers.IntegerField(min_value=1, max_value=1024, required=False,
+                                             help_text="GPUs on each node (Slurm's --gpus-per-node).")
     gpu_type = serializers.CharField(max_length=64, required=False, allow_blank=True, default="")
     gpu_memory_mb = serializers.IntegerField(min_value=0, max_value=10_000_000, default=0)
     cpus = serializers.DecimalField(max_digits=6, decimal_places=2, min_value=Decimal("0.1"),
@@ -107,11 +116,57 @@ class ResourcesSerializer(StrictSerializer):
         return value
 
     def validate(self, data):
+        nodes, per = data["nodes"], data.pop("gpus_per_node", None)
+        if "gpus" not in data:
+            data["gpus"] = Decimal(per * nodes) if per is not None else Decimal(0)
+        elif per is not None and data["gpus"] != per * nodes:
+            raise serializers.ValidationError({"gpus": [
+                f"{data['gpus'].normalize()} is not nodes x gpus_per_node = {nodes} x {per}; give one of them "
+                f"or make them agree."]})
+        if nodes > 1:
+            # A gang is whole GPUs split evenly: a shared fraction or a CPU-only job runs on one node.
+            if data["gpus"] < 1:
+                raise serializers.ValidationError({"nodes": [
+                    "A job on several nodes needs whole GPUs on each; fractional and CPU-only jobs use one node."]})
+            if data["gpus"] % nodes:
+                raise serializers.ValidationError({"gpus": [
+                    f"{data['gpus'].normalize()} GPUs do not split evenly over {nodes} nodes; ask for "
+                    f"gpus_per_node instead."]})
         if data["gpus"] == 0 and data["gpu_type"]:
             raise serializers.ValidationError({"gpu_type": ["A GPU type needs gpus of at least a fraction."]})
         if data["gpu_memory_mb"] and not 0 < data["gpus"] < 1:
             raise serializers.ValidationError({"gpu_memory_mb": ["gpu_memory_mb applies to fractional GPUs only."]})
         return data
+
+
+def _cluster_fit(res: dict) -> dict[str, list[str]]:
+    """Field errors when no node set of the cluster could ever hold the job: more nodes than
+    there are, or more GPUs per node than the largest has (of the asked type). A cluster with no
+    such node yet refuses nothing: its jobs wait until nodes register."""
+    from django.db.models import Count
+
+    from portal.nodes.models import GPU
+
+    gpus = GPU.objects.all()
+    if res["gpu_type"]:
+        gpus = gpus.filter(model=res["gpu_type"])
+    sizes = sorted(gpus.values("node_id").annotate(n=Count("id")).values_list("n", flat=True).order_by(),
+                   reverse=True)
+    if not sizes:
+        return {}  # no node yet, or none of this type (the scheduler then says gpu_type)
+    nodes, per = res["nodes"], int(res["gpus"]) // res["nodes"]
+    kind = f"{res['gpu_type']} " if res["gpu_type"] else ""
+    if nodes > len(sizes):
+        return {"resources.nodes": [f"{nodes} exceeds the {len(sizes)} node(s) with {kind}GPUs in the cluster."]}
+    if per > sizes[0]:
+        if nodes == 1:
+            return {"resources.gpus": [
+                f"{per} GPUs on one node, but the largest node has {sizes[0]} {kind}GPUs; to span nodes ask for "
+                f"nodes and gpus_per_node (e.g. nodes {-(-per // sizes[0])})."]}
+        return {"resources.gpus_per_node": [f"{per} exceeds the largest node's {sizes[0]} {kind}GPUs."]}
+    if sizes[nodes - 1] < per:
+        return {"resources.nodes": [f"Only {sum(1 for k in sizes if k >= per)} node(s) have {per} {kind}GPUs."]}
+    return {}
 
 
 class JobSpecSerializer(StrictSerializer):
@@ -178,6 +233,8 @@ class JobSpecSerializer(StrictSerializer):
         if res["gpu_type"] and quota.allowed_gpu_types and res["gpu_type"] not in quota.allowed_gpu_types:
             errors["resources.gpu_type"] = [f"{res['gpu_type']} is not allowed here; allowed: "
                                             f"{', '.join(quota.allowed_gpu_types)}."]
+        if res["gpus"] >= 1 and not errors:
+            errors.update(_cluster_fit(res))
         limit = data.get("time_limit") or min(settings.JOB_DEFAULT_TIME_LIMIT_S, quota.max_time_limit_s)
         if limit > quota.max_time_limit_s:
             errors["time_limit"] = [f"{limit} s exceeds the project maximum of {quota.max_time_limit_s} s."]

@@ -6,7 +6,9 @@ import sys
 from pathlib import Path
 
 from portal.jobs.models import Job, JobState
+from portal.core.context import Actor
 from portal.jobs.states import transition
+from portal.nodes.services import node_add
 from scheduler.adapter import run_pass
 
 from .conftest import IMAGE, polled_again, submit, wait_for
@@ -120,3 +122,19 @@ def test_watch_as_a_subprocess_exits_1_when_the_job_fails(portal, drive, tmp_pat
     final = json.loads(proc.stdout)  # progress went to stderr: stdout is one document
     assert final["state"] == "failed" and final["exit_code"] == 3
     assert "failed" in proc.stderr and "exit code 3" in proc.stderr
+
+
+def test_nodes_and_gpus_per_node_make_a_multi_node_job(portal, gpuctl):
+    node_add(actor=Actor(user=portal.users["admin"]), name="gpu-02", gpus="8xH100-80GB")
+    result = gpuctl("submit", "-p", "vision", "--image", IMAGE, "--nodes", "2", "--gpus-per-node", "4",
+                    "--", "torchrun", "train.py")
+    assert result.exit_code == 0, result.stderr
+    job = Job.objects.get()
+    assert (job.nodes, job.gpus) == (2, 8)
+    shown = gpuctl("show", job.pk)
+    assert "8 GPU on 2 nodes (4 each)" in shown.stdout
+    # More nodes than the cluster has: the API's field message, nothing stored.
+    result = gpuctl("submit", "-p", "vision", "--image", IMAGE, "--nodes", "3", "--gpus-per-node", "4", "--", "true")
+    assert result.exit_code == 2
+    assert "resources.nodes: 3 exceeds the 2 node(s) with GPUs in the cluster." in result.stderr
+    assert Job.objects.count() == 1

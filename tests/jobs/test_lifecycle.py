@@ -253,7 +253,7 @@ def test_a_gang_over_two_nodes_gets_rendezvous_and_its_network(cluster, sent, dj
     (tests/agents/test_docker_driver.py) only when the project allows network."""
     node_add(actor=Actor(user=cluster.users["admin"]), name="gpu-02", gpus="8xH100-80GB")
     Quota.objects.filter(project__slug="vision").update(network_allowed=True)
-    job = submit(cluster, resources={"gpus": 16}, network=True)
+    job = submit(cluster, resources={"nodes": 2, "gpus_per_node": 8}, network=True)
     run(django_capture_on_commit_callbacks)
     launches = {node: args[2] for task, node, args in sent if task == "agent.launch"}
     assert set(launches) == {"gpu-01", "gpu-02"}
