@@ -5,6 +5,8 @@ import shlex
 
 from django import forms
 
+from portal.core.numbers import parse_int
+
 from .models import JobState, Priority
 
 # The API's field names for the form's resource inputs.
@@ -100,9 +102,9 @@ class JobSubmitForm(forms.Form):
     def clean_depends_on(self):
         ids = []
         for part in self.cleaned_data["depends_on"].replace(",", " ").split():
-            if not part.isdigit():
+            if parse_int(part) is None:
                 raise forms.ValidationError(f"{part!r} is not a job id.")
-            ids.append(int(part))
+            ids.append(parse_int(part))
         return ids
 
     def spec(self) -> dict:

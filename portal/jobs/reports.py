@@ -10,6 +10,7 @@ import logging
 from django.db import IntegrityError, transaction
 
 from portal.core.errors import Conflict
+from portal.core.numbers import parse_int, parse_ints
 
 from .models import HOLDING, TERMINAL, Allocation, Job, JobLogChunk, JobState
 
@@ -26,7 +27,8 @@ def job_nodes(job: Job) -> set[str]:
 
 
 def _load(job_id, attempt: int, node) -> Job:
-    job = Job.objects.select_related("node").filter(pk=job_id).first() if str(job_id).isdigit() else None
+    pk = parse_int(job_id)
+    job = Job.objects.select_related("node").filter(pk=pk).first() if pk is not None else None
     if job is None:
         raise Conflict(f"No job {job_id}: stop it.", code="stale")
     if job.attempt != attempt:
@@ -148,7 +150,7 @@ def stale_reports(*, node, reported: list[dict]) -> list[dict]:
             if r.get("state") not in AGENT_TERMINAL]
     if not keys:
         return []  # an idle node's heartbeat: no query at all
-    ids = [int(j) for j, _ in keys if j.isdigit()]
+    ids = parse_ints([j for j, _ in keys], limit=len(keys))
     current = {str(pk): (state, attempt) for pk, state, attempt in
                Job.objects.filter(pk__in=ids).values_list("pk", "state", "attempt")}
     placed = {str(j) for j in Allocation.objects.filter(job_id__in=ids, released_at__isnull=True,

@@ -15,6 +15,7 @@ from django.views import View
 from rest_framework import serializers
 
 from portal.core.errors import ServiceError
+from portal.core.numbers import parse_int, parse_ints
 from portal.core.pages import PageMixin, refused, scoped_or_404, validation_fields, version
 from portal.core.querysets import user_can
 from portal.tenancy.models import Project
@@ -95,9 +96,9 @@ class JobSubmitView(PageMixin, View):
         raw = request.POST.get("template") or request.GET.get("template")
         if not raw:
             return None
-        if not str(raw).isdigit():
+        if parse_int(raw) is None:
             raise Http404("No such template.")
-        return scoped_or_404(JobTemplate, request, pk=int(raw))
+        return scoped_or_404(JobTemplate, request, pk=parse_int(raw))
 
     def _render(self, request, form, status=200):
         return render(request, "jobs/submit.html", {"form": form, "template": form.template,
@@ -263,7 +264,7 @@ class JobBulkCancelView(PageMixin, View):
         back = request.POST.get("back", "")
         list_url = reverse("jobs:list")
         back = back if back.startswith(list_url + "?") or back == list_url else list_url
-        ids = [int(i) for i in request.POST.getlist("ids") if i.isdigit()][:PAGE_SIZE * 4]
+        ids = parse_ints(request.POST.getlist("ids"), limit=PAGE_SIZE * 4)
         jobs = list(Job.objects.for_user(request.user, "view").filter(pk__in=ids)
                     .select_related("project", "user").order_by("-submitted_at", "-id"))
         if not jobs:

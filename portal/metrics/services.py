@@ -10,6 +10,7 @@ from django.db.models.functions import TruncHour, TruncMinute
 from django.utils import timezone
 
 from portal.core.context import Actor
+from portal.core.numbers import parse_ints
 from portal.core.services import audit_record
 
 from .models import FleetRollup, GpuRollup, GpuSample, Resolution
@@ -45,6 +46,12 @@ def _num(value, default=0.0) -> float:
     return out if out == out and abs(out) < 1e12 else default  # NaN and absurd values: default
 
 
+def _int32(value) -> int:
+    """Within the integer columns' range: the agent API bounds each field, and this keeps one
+    row that slipped past (a direct caller) from failing a shared batch of other nodes' rows."""
+    return int(min(2**31 - 1, max(-(2**31), _num(value))))
+
+
 def _list(value) -> list:
     """A list field as an agent may send it: a list, one bare value, or nothing."""
     if value is None or value == "":
@@ -58,10 +65,10 @@ def sample_rows(gpu_ids: dict[str, int], samples: list[dict], now: datetime) -> 
         gpu_id = gpu_ids.get(str(s.get("gpu_uuid")))
         if gpu_id is None:
             continue  # a GPU not (or no longer) registered on this node
-        xids = [int(x) for x in _list(s.get("xid_errors")) if isinstance(x, int) or str(x).isdigit()][:32]
+        xids = parse_ints(_list(s.get("xid_errors")), limit=32)
         rows.append((gpu_id, _ts(s.get("ts"), now), min(100.0, max(0.0, _num(s.get("utilization")))),
-                     int(_num(s.get("memory_used_mb"))), int(_num(s.get("memory_total_mb"))),
-                     _num(s.get("temperature_c")), _num(s.get("power_w")), int(_num(s.get("ecc_errors"))), xids))
+                     _int32(s.get("memory_used_mb")), _int32(s.get("memory_total_mb")),
+                     _num(s.get("temperature_c")), _num(s.get("power_w")), _int32(s.get("ecc_errors")), xids))
     return rows
 
 
@@ -147,6 +154,20 @@ def _node_gpus(node_id: int, uuids=()) -> dict[str, tuple]:
     return gpus
 
 
+def samples_own(*, node, samples: list[dict]) -> tuple[list[dict], list[dict]]:
+    """This node's GPUs' samples, and [{position, gpu_uuid, errors}] for the others: a node token
+    reports for its own GPUs only (the others' live tiles, history and health are not its to write)."""
+    gpus = _node_gpus(node.pk, [str(s.get("gpu_uuid")) for s in samples])
+    own, refused = [], []
+    for position, s in enumerate(samples):
+        if str(s.get("gpu_uuid")) in gpus:
+            own.append(s)
+        else:
+            refused.append({"position": position, "gpu_uuid": s.get("gpu_uuid"),
+                            "errors": {"gpu_uuid": [f"GPU {s.get('gpu_uuid')} is not a GPU of node {node.name}."]}})
+    return own, refused
+
+
 def samples_ingest(*, node, samples: list[dict], now: datetime | None = None) -> dict:
     """Buffer a heartbeat's samples and apply the health rules to them (called by agent_heartbeat)."""
     now = now or timezone.now()
@@ -159,7 +180,7 @@ def samples_ingest(*, node, samples: list[dict], now: datetime | None = None) ->
 
 def health_verdict(sample: dict) -> str | None:
     """Why a sample makes its GPU unhealthy, or None when it is fine (docs/design.md section 6)."""
-    xids = [int(x) for x in _list(sample.get("xid_errors")) if str(x).lstrip("-").isdigit()]
+    xids = parse_ints(_list(sample.get("xid_errors")), limit=1024)
     xids = [x for x in xids if x not in settings.GPU_HEALTH_IGNORED_XIDS]
     if xids:
         return f"Xid error {', '.join(str(x) for x in xids[:5])} reported by the driver"

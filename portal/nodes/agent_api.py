@@ -3,13 +3,15 @@
 Only node tokens (gpn_...) authenticate here, and a node token authenticates nowhere else.
 409 means "stale": the agent must stop that attempt and start nothing for it.
 """
+import re
+
 from django.conf import settings
-from drf_spectacular.utils import extend_schema, inline_serializer
+from drf_spectacular.utils import extend_schema, extend_schema_field, inline_serializer
 from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from portal.core.api import StrictSerializer
+from portal.core.api import StrictSerializer, _flatten
 from portal.jobs.reports import job_append_log, job_confirm, job_report
 
 from .auth import IsNode, NodeTokenAuthentication
@@ -26,27 +28,59 @@ class AgentView(APIView):
         return self.request.auth
 
 
-class GpuInventorySerializer(serializers.Serializer):
-    index = serializers.IntegerField(min_value=0, max_value=255)
-    uuid = serializers.CharField(max_length=64)
+# Bounds on every number an agent reports: far above any real machine, far below what a
+# column holds, so a buggy or hostile agent gets a 400 naming the field, never a 500 (and a
+# value that would break a later batch write never gets in).
+MAX_GPUS = 256
+MAX_GPU_MEMORY_MB = 1024 * 1024  # 1 TiB per GPU
+MAX_NODE_MEMORY_MB = 64 * 1024 * 1024  # 64 TiB per node
+MAX_CPUS = 4096
+MAX_ATTEMPT = 2**31 - 1
+MAX_INT32 = 2**31 - 1
+# NVML's "GPU-<uuid>" and "MIG-..." names; "gone-" is what the portal itself writes.
+GPU_UUID = r"^(?!gone-)[A-Za-z0-9][A-Za-z0-9._:/-]{0,63}$"
+CAPABILITY = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
+
+
+class GpuInventorySerializer(StrictSerializer):
+    index = serializers.IntegerField(min_value=0, max_value=MAX_GPUS - 1)
+    uuid = serializers.RegexField(GPU_UUID, max_length=64)
     model = serializers.CharField(max_length=128)
-    memory_mb = serializers.IntegerField(min_value=0)
+    memory_mb = serializers.IntegerField(min_value=0, max_value=MAX_GPU_MEMORY_MB)
     pci_bus_id = serializers.CharField(max_length=32, required=False, allow_blank=True, default="")
 
 
 class RegisterSerializer(StrictSerializer):
     name = serializers.CharField(max_length=63)
-    cpus = serializers.IntegerField(min_value=0)
-    memory_mb = serializers.IntegerField(min_value=0)
+    cpus = serializers.IntegerField(min_value=0, max_value=MAX_CPUS)
+    memory_mb = serializers.IntegerField(min_value=0, max_value=MAX_NODE_MEMORY_MB)
     sandbox = serializers.CharField(max_length=16)
-    gpus = GpuInventorySerializer(many=True)
+    gpus = GpuInventorySerializer(many=True, max_length=MAX_GPUS)
     capabilities = serializers.DictField(child=serializers.BooleanField(), required=False, default=dict)
+    # Why the agent's sandbox cannot give its GPUs to jobs (docker without the NVIDIA runtime); "" = it can.
+    gpus_unusable = serializers.CharField(max_length=150, required=False, allow_blank=True, default="")
+
+    def validate_gpus(self, gpus):
+        # Two entries for one index or one UUID would write one GPU twice (a unique-key 500).
+        for key in ("index", "uuid"):
+            seen = set()
+            for position, gpu in enumerate(gpus):
+                if gpu[key] in seen:
+                    raise serializers.ValidationError({position: {key: [f"GPU {key} {gpu[key]} appears twice."]}})
+                seen.add(gpu[key])
+        return gpus
+
+    def validate_capabilities(self, capabilities):
+        if len(capabilities) > 64:
+            raise serializers.ValidationError("At most 64 capabilities.")
+        for key in capabilities:
+            if not re.match(CAPABILITY, key):
+                raise serializers.ValidationError(f"{key[:70]!r} is not a capability name (lowercase, at most 64).")
+        return capabilities
 
 
 class RegisterView(AgentView):
     @extend_schema(request=RegisterSerializer, responses=inline_serializer("Registered", {
-    # Why the agent's sandbox cannot give its GPUs to jobs (docker without the NVIDIA runtime); "" = it can.
-    gpus_unusable = serializers.CharField(max_length=150, required=False, allow_blank=True, default="")
         "node": serializers.CharField(), "heartbeat_interval_s": serializers.FloatField(),
         "lease_s": serializers.FloatField(), "fence_grace_s": serializers.FloatField()}))
     def post(self, request):
@@ -61,26 +95,117 @@ class RegisterView(AgentView):
 
 class JobKeySerializer(serializers.Serializer):
     job_id = serializers.CharField(max_length=32)
-    attempt = serializers.IntegerField(min_value=0)
+    attempt = serializers.IntegerField(min_value=0, max_value=MAX_ATTEMPT)
     state = serializers.CharField(max_length=16)
 
 
+class TimestampField(serializers.Field):
+    """Epoch seconds or an ISO 8601 string; the ingest puts a skewed or unreadable one at now."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, (int, float)) and not isinstance(data, bool) and 0 <= data <= 1e11:
+            return data
+        if isinstance(data, str) and len(data) <= 40:
+            return data
+        raise serializers.ValidationError("Expected epoch seconds (0 to 1e11) or an ISO 8601 string.")
+
+    def to_representation(self, value):
+        return value
+
+
+class NumberField(serializers.FloatField):
+    """A JSON number within bounds, kept as the agent sent it (42 stays 42 on the live tiles)."""
+
+    def to_internal_value(self, data):
+        if isinstance(data, bool) or not isinstance(data, (int, float)):
+            raise serializers.ValidationError("Expected a number.")
+        super().to_internal_value(data)  # the bounds
+        return data
+
+
+class XidListField(serializers.ListField):
+    """A list of Xid codes, or one bare code, or null (older agents send either)."""
+
+    def to_internal_value(self, data):
+        if data is None:
+            return []
+        return super().to_internal_value(data if isinstance(data, list) else [data])
+
+
+class ProcessSerializer(serializers.Serializer):
+    pid = serializers.IntegerField(min_value=0, max_value=MAX_INT32)
+    used_memory_mb = serializers.IntegerField(min_value=0, max_value=MAX_GPU_MEMORY_MB, required=False,
+                                              allow_null=True)
+
+
+def _optional(field_class, **bounds):
+    return field_class(required=False, allow_null=True, default=None, **bounds)
+
+
+class SampleSerializer(serializers.Serializer):
+    """One NVML reading of one GPU (agents.probe.GpuSample); a figure the GPU cannot give is null.
+    Keys this portal does not know are dropped (a newer agent may send more)."""
+
+    gpu_uuid = serializers.RegexField(GPU_UUID, max_length=64)
+    ts = _optional(TimestampField)
+    utilization = _optional(NumberField, min_value=0, max_value=100)  # percent
+    memory_used_mb = _optional(serializers.IntegerField, min_value=0, max_value=MAX_GPU_MEMORY_MB)
+    memory_total_mb = _optional(serializers.IntegerField, min_value=0, max_value=MAX_GPU_MEMORY_MB)
+    temperature_c = _optional(NumberField, min_value=-100, max_value=250)
+    power_w = _optional(NumberField, min_value=0, max_value=10_000)
+    power_limit_w = _optional(NumberField, min_value=0, max_value=10_000)
+    ecc_errors = _optional(serializers.IntegerField, min_value=0, max_value=MAX_INT32)
+    # Xid codes seen since the last sample that got through: many after a long outage.
+    xid_errors = XidListField(child=serializers.IntegerField(min_value=0, max_value=MAX_INT32), max_length=1024,
+                              required=False, allow_null=True, default=list)
+    processes = ProcessSerializer(many=True, required=False, default=list, max_length=256)
+
+
+@extend_schema_field(SampleSerializer(many=True))
+class SampleListField(serializers.ListField):
+    """Samples are checked one by one in the view: a bad one is refused alone, never the batch."""
+
+    child = serializers.DictField()
+
+
+def samples_check(samples: list[dict]) -> tuple[list[dict], list[int], list[dict]]:
+    """The samples that pass SampleSerializer with their positions in the batch, and
+    [{position, gpu_uuid, errors}] for the rest."""
+    good, positions, refused = [], [], []
+    for position, sample in enumerate(samples):
+        checked = SampleSerializer(data=sample)
+        if checked.is_valid():
+            good.append(dict(checked.validated_data))
+            positions.append(position)
+        else:
+            uuid = sample.get("gpu_uuid")
+            refused.append({"position": position, "gpu_uuid": uuid if isinstance(uuid, str) else None,
+                            "errors": _flatten(checked.errors)})
+    return good, positions, refused
+
+
 class HeartbeatSerializer(StrictSerializer):
-    samples = serializers.ListField(child=serializers.DictField(), max_length=256, default=list)
-    jobs = JobKeySerializer(many=True, default=list)
+    samples = SampleListField(max_length=256, default=list)
+    jobs = JobKeySerializer(many=True, default=list, max_length=4096)
 
 
 class HeartbeatView(AgentView):
     @extend_schema(request=HeartbeatSerializer, responses=inline_serializer("HeartbeatAnswer", {
-        "drain": serializers.BooleanField(), "stop": serializers.ListField(child=serializers.DictField())}))
+        "drain": serializers.BooleanField(), "stop": serializers.ListField(child=serializers.DictField()),
+        "refused": serializers.ListField(child=serializers.DictField(), help_text=(
+            "Samples not stored: [{position, gpu_uuid, errors}]; the rest of the batch was."))}))
     def post(self, request):
         data = HeartbeatSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        return Response(agent_heartbeat(node=self.node, **data.validated_data))
+        samples, positions, refused = samples_check(data.validated_data["samples"])
+        answer = agent_heartbeat(node=self.node, samples=samples, jobs=data.validated_data["jobs"])
+        # The service numbers its refusals within what it was given: back to the agent's batch.
+        refused += [{**r, "position": positions[r["position"]]} for r in answer.get("refused", [])]
+        return Response({**answer, "refused": sorted(refused, key=lambda r: r["position"])})
 
 
 class AttemptSerializer(StrictSerializer):
-    attempt = serializers.IntegerField(min_value=0)
+    attempt = serializers.IntegerField(min_value=0, max_value=MAX_ATTEMPT)
 
 
 class ConfirmView(AgentView):
@@ -101,9 +226,10 @@ class ScrubFailureSerializer(StrictSerializer):
 
 
 class EventSerializer(StrictSerializer):
-    attempt = serializers.IntegerField(min_value=0)
+    attempt = serializers.IntegerField(min_value=0, max_value=MAX_ATTEMPT)
     state = serializers.ChoiceField(choices=AGENT_EVENT_STATES)
-    exit_code = serializers.IntegerField(required=False, allow_null=True, default=None)
+    exit_code = serializers.IntegerField(min_value=-MAX_INT32 - 1, max_value=MAX_INT32, required=False,
+                                         allow_null=True, default=None)
     message = serializers.CharField(max_length=2000, required=False, allow_blank=True, default="")
     # GPUs the agent could not clear after this job: the portal takes them out of service.
     scrub_failures = ScrubFailureSerializer(many=True, required=False, default=list, max_length=64)

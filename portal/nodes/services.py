@@ -131,6 +131,7 @@ def agent_register(*, node: Node, name: str, cpus: int, memory_mb: int, sandbox:
         raise Forbidden(f"This token belongs to node {node.name}, not {name}.", field="name")
     with transaction.atomic():
         node = Node.objects.select_for_update().get(pk=node.pk)
+        _refuse_other_nodes_gpus(node=node, gpus=gpus)
         existing = {g.index: g for g in node.gpus.all()}
         seen = set()
         for g in gpus:
@@ -142,13 +143,14 @@ def agent_register(*, node: Node, name: str, cpus: int, memory_mb: int, sandbox:
                 gpu = existing[index]
                 changed = [k for k, v in fields.items() if getattr(gpu, k) != v]
                 if changed:
-                    # A UUID moving between nodes (re-imaged machine) frees it first.
-                    GPU.objects.filter(uuid=fields["uuid"]).exclude(pk=gpu.pk).update(uuid=f"gone-{uuid.uuid4()}")
+                    # A UUID moving between this node's indexes frees it first (its old row takes
+                    # its own new UUID further on, or is marked missing below).
+                    node.gpus.filter(uuid=fields["uuid"]).exclude(pk=gpu.pk).update(uuid=f"gone-{uuid.uuid4()}")
                     for k in changed:
                         setattr(gpu, k, fields[k])
                     gpu.save(update_fields=changed)
             else:
-                GPU.objects.filter(uuid=fields["uuid"]).update(uuid=f"gone-{uuid.uuid4()}")
+                node.gpus.filter(uuid=fields["uuid"]).update(uuid=f"gone-{uuid.uuid4()}")
                 GPU.objects.create(node=node, index=index, **fields)
         for index, gpu in existing.items():
             if index not in seen:
@@ -164,6 +166,18 @@ def agent_register(*, node: Node, name: str, cpus: int, memory_mb: int, sandbox:
     _request_pass()
     node.refresh_from_db()
     return node
+
+
+def _refuse_other_nodes_gpus(*, node: Node, gpus: list[dict]) -> None:
+    """A node token speaks for its own node only: a GPU UUID registered on another node stays
+    there (taking it would rename that node's GPU and leave it schedulable). A GPU that really
+    moved (a machine re-imaged under a new name) is released by removing the old node first."""
+    taken = set(GPU.objects.filter(uuid__in=[str(g["uuid"]) for g in gpus]).exclude(node=node)
+                .values_list("uuid", flat=True))
+    for position, g in enumerate(gpus):
+        if str(g["uuid"]) in taken:
+            raise Conflict(f"GPU {g['uuid']} is registered on another node; an operator must remove it there "
+                           "before this node can register it.", field=f"gpus.{position}.uuid", code="gpu_taken")
 
 
 def _gpus_usable_apply(*, node: Node, sandbox: str, problem: str) -> None:
@@ -200,6 +214,12 @@ def agent_heartbeat(*, node: Node, samples: list[dict], jobs: list[dict]) -> dic
     if node.state == NodeState.DOWN:
         # Back before re-registering: the reaper already failed its jobs; their reports will be stale.
         Node.objects.filter(pk=node.pk, state=NodeState.DOWN).update(state=NodeState.READY, state_reason="")
+    refused = []
+    if samples:
+        from portal.metrics.services import samples_own
+
+        # Only this node's GPUs: a node token must not write another node's live tile or health.
+        samples, refused = samples_own(node=node, samples=samples)
     if samples:
         # Live tiles read the latest sample per GPU from the cache (Redis in production).
         cache.set_many({f"gpu-sample:{s.get('gpu_uuid')}": s for s in samples if s.get("gpu_uuid")}, timeout=300)
@@ -208,7 +228,8 @@ def agent_heartbeat(*, node: Node, samples: list[dict], jobs: list[dict]) -> dic
 
         samples_ingest(node=node, samples=samples)
     return {"drain": node.state in (NodeState.DRAINING, NodeState.DRAINED), "stop": stale_reports(node=node,
-                                                                                              reported=jobs)}
+                                                                                              reported=jobs),
+            "refused": refused}
 
 
 def gpu_unhealthy_handle(*, gpu: GPU, reason: str) -> dict:

@@ -225,3 +225,89 @@ def test_audit_names_the_token(demo, api):
     assert r.status_code == 200
     event = AuditEvent.objects.filter(action="project.update").latest("id")
     assert event.token_prefix == token[:12]
+
+
+# Malformed input that used to reach the database or the interpreter's stack (a 500 with
+# nothing written): refused up front, the same way on every endpoint.
+
+JSON_ENDPOINTS = ["/api/v1/organizations/", "/api/v1/projects/", "/api/v1/jobs/", "/api/v1/tokens/",
+                  "/api/v1/job-templates/", "/api/v1/projects/vision/members/"]
+
+
+@pytest.mark.parametrize("url", JSON_ENDPOINTS)
+@pytest.mark.parametrize("depth", [40, 100_000])
+def test_deeply_nested_json_is_refused(admin, url, depth):
+    before = counts()
+    r = admin.post(url, data='{"name": ' + "[" * depth + "]" * depth + "}", content_type="application/json")
+    assert r.status_code == 400, r.content
+    assert "nested deeper than" in error(r)["message"]
+    assert counts() == before
+
+
+def test_deeply_nested_json_is_refused_on_the_agent_api(demo):
+    from rest_framework.test import APIClient
+
+    from portal.core.context import Actor
+    from portal.nodes.services import node_add
+
+    _, secret = node_add(actor=Actor(user=demo.users["admin"]), name="gpu-09", gpus="1xH100-80GB")
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    r = client.post("/api/agent/v1/heartbeat", data='{"samples": ' + "[" * 50_000 + "]" * 50_000 + "}",
+                    content_type="application/json")
+    assert r.status_code == 400 and "nested deeper than" in error(r)["message"]
+
+
+@pytest.mark.parametrize("raw", ['{"name": "\\ud800"}', '{"\\udfff": "x"}', '{"name": 1e400}'])
+def test_text_that_is_not_unicode_and_infinite_numbers_are_refused(admin, raw):
+    r = admin.patch("/api/v1/projects/vision/", data=raw, content_type="application/json")
+    assert r.status_code == 400, r.content
+    assert error(r)["message"].startswith("Malformed JSON")
+    assert Project.objects.get(slug="vision").name != "\ud800"
+
+
+@pytest.mark.parametrize("url", [
+    "/api/v1/projects/vi%00sion/", "/api/v1/organizations/ac%00me/", "/api/v1/projects/vision/members/b%00ob/",
+    "/api/v1/nodes/gpu%00/", "/api/v1/jobs/1%00/", "/nodes/a%00/drain/", "/projects/vision/members/b%00ob/role/",
+    "/api/agent/v1/jobs/1%00/confirm",
+])
+@pytest.mark.parametrize("method", ["get", "post", "patch", "delete"])
+def test_nul_in_a_url_is_404(admin, url, method):
+    before = counts()
+    r = getattr(admin, method)(url, data={}, format="json")
+    assert r.status_code == 404, (r.status_code, r.content[:300])
+    if url.startswith("/api/"):
+        assert error(r)["code"] == "not_found"
+    assert counts() == before
+
+
+@pytest.mark.parametrize("url,field", [
+    ("/api/v1/jobs/?state=%00", "state"), ("/api/v1/jobs/?project=vi%00sion", "project"),
+    ("/api/v1/nodes/?pool=%00", "pool"), ("/api/v1/usage/?project=%00", "project"),
+    ("/api/v1/jobs/?st%00ate=x", "st\\x00ate"),
+])
+def test_nul_in_a_query_is_400_naming_it(admin, url, field):
+    r = admin.get(url)
+    assert r.status_code == 400, r.content[:300]
+    assert field in error(r)["fields"]
+
+
+def test_nul_in_a_page_query_or_header_is_400(demo, api):
+    assert api("alice").get("/jobs/?state=%00").status_code == 400
+    r = api("alice").post("/api/v1/jobs/", data={}, format="json", HTTP_IDEMPOTENCY_KEY="k\x00")
+    assert r.status_code == 400 and "idempotency-key" in error(r)["fields"]
+
+
+@pytest.mark.parametrize("raw", ["²", "١", "1²", "-1", " 7", "99999999999999999999999"])
+def test_odd_digits_in_page_ids_are_refused_not_500(demo, api, raw):
+    from portal.jobs.models import Job
+
+    client = api("alice")
+    assert client.get(f"/jobs/new/?template={raw}").status_code == 404
+    before = Job.objects.filter(state="cancelled").count()
+    r = client.post("/jobs/cancel/", {"ids": [raw], "confirm": "yes"})
+    assert r.status_code == 302  # back to the list with "select at least one job"
+    assert Job.objects.filter(state="cancelled").count() == before
+    r = client.post("/jobs/new/", {"project": "vision", "name": "j", "image": "gpuportal/busybox:latest",
+                                   "command": "true", "depends_on": raw.strip()})
+    assert r.status_code in (200, 400) and (b"is not a job id" in r.content or raw == " 7")

@@ -115,7 +115,7 @@ def test_cancelled_job_is_stopped_by_heartbeat(node, placed, demo):
 def test_heartbeat_says_drain(node):
     register(node)
     Node.objects.filter(name="gpu-01").update(state="draining")
-    assert post(node, "heartbeat", {"samples": [], "jobs": []}).json() == {"drain": True, "stop": []}
+    assert post(node, "heartbeat", {"samples": [], "jobs": []}).json() == {"drain": True, "stop": [], "refused": []}
 
 
 @pytest.mark.clock
