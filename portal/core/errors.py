@@ -38,6 +38,13 @@ class NotFound(ServiceError):
     default_code = "not_found"
 
 
+class Unprocessable(ServiceError):
+    """Well-formed, but it cannot be honoured as sent (an Idempotency-Key reused with another request)."""
+
+    status = 422
+    default_code = "unprocessable"
+
+
 class Conflict(ServiceError):
     """The object's current state forbids the action (cancel a finished job, budget spent)."""
 

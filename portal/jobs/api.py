@@ -159,7 +159,10 @@ class JobViewSet(mixins.ListModelMixin, TenantViewSet):
         return Response(JobDetailSerializer(self.get_object(), context=self.get_serializer_context()).data)
 
     @extend_schema(request=JobSpecSerializer, responses={201: JobSerializer, 200: JobSerializer},
-                   parameters=[OpenApiParameter("Idempotency-Key", str, OpenApiParameter.HEADER, required=False)])
+                   parameters=[OpenApiParameter(
+                       "Idempotency-Key", str, OpenApiParameter.HEADER, required=False,
+                       description="Retry-safe submit: the same key with the same body returns the first job (200); "
+                                   "with any other body it is refused (422).")])
     def create(self, request):
         key = request.headers.get("Idempotency-Key", "")
         if len(key) > 128:

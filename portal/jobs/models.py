@@ -81,6 +81,9 @@ class Job(models.Model):
     template = models.ForeignKey("jobs.JobTemplate", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     resubmit_of = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="resubmits")
     idempotency_key = models.CharField(max_length=128, blank=True)
+    # sha256 of the canonical request the key was first used with (services._idempotency_fingerprint):
+    # a reuse with anything else is refused, not answered with this job.
+    idempotency_fingerprint = models.CharField(max_length=64, blank=True)
     # State
     state = models.CharField(max_length=10, choices=JobState.choices, default=JobState.QUEUED, db_index=True)
     attempt = models.PositiveIntegerField(default=1)

@@ -1,11 +1,13 @@
 """Writes for jobs: submit, cancel, resubmit, templates. Views, the API and the CLI call these."""
+import hashlib
+import json
 import logging
 
 from django.db import IntegrityError, transaction
 from rest_framework import serializers
 
 from portal.core.context import Actor
-from portal.core.errors import Conflict, Forbidden, InvalidInput
+from portal.core.errors import Conflict, Forbidden, InvalidInput, Unprocessable
 from portal.core.querysets import user_can
 from portal.core.services import audit_record
 from portal.core.text import check_plain_name
@@ -52,15 +54,15 @@ def merge_template(project: Project, data: dict) -> tuple[dict, JobTemplate | No
 def job_submit(*, actor: Actor, data: dict, idempotency_key: str = "") -> tuple[Job, bool]:
     """Validate a spec and store the job (or an array parent and its tasks) in one transaction.
 
-    Returns (job, created). With an idempotency key already used by this user, returns the
-    job it created and created=False, storing nothing. A refused submit stores nothing.
+    Returns (job, created). With an idempotency key this caller already used for the same
+    request, returns the job it created and created=False, storing nothing; the key used for
+    any other request is refused (422). A refused submit stores nothing.
     """
     if not isinstance(data, dict):
         raise InvalidInput("Expected a JSON object.")
-    if idempotency_key:
-        existing = Job.objects.filter(user=actor.user, idempotency_key=idempotency_key).first()
-        if existing is not None:
-            return existing, False
+    fingerprint = _idempotency_fingerprint(actor, data) if idempotency_key else ""
+    if idempotency_key and (existing := _idempotent_replay(actor, idempotency_key, fingerprint)) is not None:
+        return existing, False
     project = _submit_project(actor, data.get("project"))
     merged, template = merge_template(project, data)
     spec = JobSpecSerializer(data=merged, context={"project": project})
@@ -85,7 +87,7 @@ def job_submit(*, actor: Actor, data: dict, idempotency_key: str = "") -> tuple[
             )
             # An array parent is never scheduled itself: its tasks carry the reasons.
             job = Job.objects.create(**common, array=v["array"], is_array_parent=bool(v["array"]),
-                                     idempotency_key=idempotency_key,
+                                     idempotency_key=idempotency_key, idempotency_fingerprint=fingerprint,
                                      reason_code="" if v["array"] else "new",
                                      reason_message="" if v["array"] else "Waiting for the scheduler's next pass.")
             job.depends_on.set(deps)
@@ -103,13 +105,39 @@ def job_submit(*, actor: Actor, data: dict, idempotency_key: str = "") -> tuple[
             audit_record(actor=actor, action="job.submit", obj=job, project=project,
                          gpus=str(res["gpus"]), array=v["array"])
     except IntegrityError:
-        # The same idempotency key raced us: return the winner's job.
-        existing = Job.objects.filter(user=actor.user, idempotency_key=idempotency_key).first()
-        if idempotency_key and existing is not None:
+        # The same idempotency key raced us: return the winner's job (if it was this request).
+        if idempotency_key and (existing := _idempotent_replay(actor, idempotency_key, fingerprint)) is not None:
             return existing, False
         raise
     request_schedule_pass()
     return job, True
+
+
+def _idempotency_fingerprint(actor: Actor, data: dict) -> str:
+    """What an Idempotency-Key is bound to: the request body, serialised canonically (key order
+    and spacing do not matter), and the token's project restriction, so a key is scoped to the
+    caller (keys are per user already) and one request."""
+    canonical = json.dumps({"body": data, "restricted_project": actor.restricted_project_id}, sort_keys=True,
+                           separators=(",", ":"), ensure_ascii=False, default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _idempotent_replay(actor: Actor, key: str, fingerprint: str) -> Job | None:
+    """The job this caller's key created for this very request, None for a fresh key.
+
+    As the IETF Idempotency-Key draft and Stripe do, a key reused with another body (or from a
+    token restricted elsewhere, or for a job the caller can no longer see) is refused: answering
+    with the first job would hide that the new request was never carried out.
+    """
+    existing = Job.objects.filter(user=actor.user, idempotency_key=key).first()
+    if existing is None:
+        return None
+    visible = Job.objects.for_user(actor.user, "view", project_id=actor.restricted_project_id).filter(pk=existing.pk)
+    if existing.idempotency_fingerprint != fingerprint or not visible.exists():
+        raise Unprocessable("This Idempotency-Key was already used with a different request; send the same "
+                            "request to get its job, or use a new key.", field="Idempotency-Key",
+                            code="idempotency_key_reused")
+    return existing
 
 
 def _dependencies(project: Project, ids: list[int]) -> list[Job]:

@@ -170,10 +170,48 @@ def test_array_list_syntax(alice):
 
 def test_idempotency_key_returns_the_same_job(alice):
     first = submit(alice, spec(), HTTP_IDEMPOTENCY_KEY="k-1")
-    again = submit(alice, spec(name="different"), HTTP_IDEMPOTENCY_KEY="k-1")
+    # The same request, its keys in another order: a retry.
+    again = submit(alice, dict(reversed(list(spec().items()))), HTTP_IDEMPOTENCY_KEY="k-1")
     assert first.status_code == 201 and again.status_code == 200
     assert first.json()["id"] == again.json()["id"]
     assert Job.objects.count() == 1
+
+
+@pytest.mark.parametrize("body", [
+    spec(name="different"),  # another job
+    spec(resources={"gpus": 99}),  # an invalid one
+    spec(project="nlp"),  # another tenant's project
+], ids=["different", "invalid", "other-tenant"])
+def test_idempotency_key_reused_with_another_body_is_refused(alice, body):
+    """M4: a used key with any other body answered 200 and the first job."""
+    first = submit(alice, spec(), HTTP_IDEMPOTENCY_KEY="k-1")
+    again = submit(alice, body, HTTP_IDEMPOTENCY_KEY="k-1")
+    assert again.status_code == 422, again.content
+    error = again.json()["error"]
+    assert error["code"] == "idempotency_key_reused" and "Idempotency-Key" in error["fields"]
+    assert "id" not in again.json() and first.status_code == 201
+    assert Job.objects.count() == 1
+
+
+def test_idempotency_key_is_scoped_to_the_caller(demo, api):
+    """Per user, and per token restriction: a token restricted to another project got a 500
+    (Job.DoesNotExist) reusing a key, and must not see the first job either."""
+    from portal.tenancy.models import Organization
+    from portal.tenancy.services import membership_add, project_create
+    from portal.core.context import Actor
+    from tests.conftest import make_token
+
+    staff = Actor(user=demo.users["admin"])
+    audio = project_create(actor=staff, organization=Organization.objects.get(slug="acme"), slug="audio", name="A")
+    membership_add(actor=staff, project=audio, username="alice", role="owner")
+    first = submit(api("alice"), spec(), HTTP_IDEMPOTENCY_KEY="k-1")
+    restricted = api(token=make_token(demo.users["alice"], ["read", "submit"], project=audio))
+    for body in (spec(), spec(project="audio")):
+        again = submit(restricted, body, HTTP_IDEMPOTENCY_KEY="k-1")
+        assert again.status_code == 422, again.content
+    # Another person's key of the same name is theirs alone.
+    bobs = submit(api("bob"), spec(), HTTP_IDEMPOTENCY_KEY="k-1")
+    assert bobs.status_code == 201 and bobs.json()["id"] != first.json()["id"]
 
 
 def test_template_fills_and_locks(demo, alice):
