@@ -136,6 +136,11 @@ class PortalClient:
             body["gpus_unusable"] = gpus_unusable
         return self._post("/register", body)
 
+    def probe(self, nonce: str) -> dict:
+        """Answer the probe the portal sent on our queue: -> {result}; StaleAttempt (409) for the
+        probe of an earlier registration."""
+        return self._post("/probe", {"nonce": nonce})
+
     def heartbeat(self, *, samples: list[dict], jobs: list[dict]) -> dict:
         """-> {drain: bool, stop: [{job_id, attempt, reason}]}"""
         return self._post("/heartbeat", {"samples": samples, "jobs": jobs})

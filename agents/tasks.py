@@ -1,4 +1,4 @@
-"""The agent's Celery app and its two tasks: commands from the portal come here.
+"""The agent's Celery app and its tasks: commands from the portal come here.
 
 This is the agent's own app (the portal's lives in portal/celery.py); it
 consumes only the queue ``node.<name>`` (set in agents/__main__.py). The
@@ -6,6 +6,7 @@ portal sends by name, e.g.::
 
     app.send_task("agent.launch", args=[job_id, attempt, spec], queue=f"node.{node}")
     app.send_task("agent.stop", args=[job_id, attempt, reason, grace_s], queue=f"node.{node}")
+    app.send_task("agent.probe", args=[nonce], queue=f"node.{node}")
 
 Tasks are thin: they hand over to the process's ``Agent`` (``bind_agent``).
 """
@@ -53,6 +54,13 @@ def _the_agent():
           max_retries=8)
 def launch(job_id: str, attempt: int, spec: dict) -> str:
     return _the_agent().launch(job_id, attempt, spec)
+
+
+@app.task(name="agent.probe", autoretry_for=(PortalUnreachable,), retry_backoff=2, retry_backoff_max=30,
+          max_retries=8)
+def probe(nonce: str) -> str:
+    """Sent once at registration: answering it proves this agent receives its queue."""
+    return _the_agent().answer_probe(nonce)
 
 
 @app.task(name="agent.stop")

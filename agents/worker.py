@@ -143,6 +143,16 @@ class Agent:
                  self.heartbeat_interval_s, self.lease_s)
         return resp
 
+    def answer_probe(self, nonce: str) -> str:
+        """The portal's probe came through our queue: tell it, and the node takes jobs."""
+        try:
+            result = self.client.probe(nonce).get("result", "")
+        except StaleAttempt:
+            log.info("queue probe %s… is from an earlier registration; ignored", nonce[:8])
+            return "stale"
+        log.info("queue probe answered (%s): the portal sends this node jobs now", result)
+        return result
+
     def reconcile(self) -> list[Key]:
         """Adopt the sandboxes a previous run of this agent left (found by label).
 

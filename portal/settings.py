@@ -364,6 +364,10 @@ NODE_TIMEOUT_S = env_float("NODE_TIMEOUT_S", 20.0)
 NODE_REAP_INTERVAL_S = env_float("NODE_REAP_INTERVAL_S", 5.0)
 NODE_MASS_FAILURE_FRACTION = env_float("NODE_MASS_FAILURE_FRACTION", 0.5)
 JOB_MAX_ATTEMPTS = env_int("JOB_MAX_ATTEMPTS", 3, minimum=1)
+# Tests only (pytest.ini sets it): a node takes jobs from add_node and registration on, as if its
+# agent had answered its queue probe, so scheduling tests need no agent. The probe's own tests
+# (tests/nodes/test_node_join.py) turn it off.
+TEST_NODES_SKIP_QUEUE_PROBE = env_bool("GPUPORTAL_TEST_NODES_SKIP_QUEUE_PROBE", False)
 # The agent checks its lease every second and a SIGKILL takes a moment: the portal waits this
 # much beyond the agent's lease and fence grace before it may start the job elsewhere.
 NODE_FENCE_MARGIN_S = 2.0

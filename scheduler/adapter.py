@@ -79,13 +79,14 @@ def build_snapshot(now=None):
     nodes: dict[str, core.Node] = {}
     gpu_rows = GPU.objects.filter(node__state__in=[NodeState.READY, NodeState.DRAINING]).values_list(
         "id", "node__name", "node__pool", "node__state", "index", "model", "memory_mb", "health", "mode",
-        "node__sandbox")
+        "node__sandbox", "node__queue_verified_at")
     gpu_node: dict[str, str] = {}
-    for gid, node_name, pool, node_state, index, model, memory, health, mode, sandbox in gpu_rows:
+    for gid, node_name, pool, node_state, index, model, memory, health, mode, sandbox, verified in gpu_rows:
         node = nodes.get(node_name)
         if node is None:
+            # New jobs only where the agent has proved it receives its queue (Node.schedulable).
             node = nodes[node_name] = core.Node(name=node_name, pool=pool, gpus=[],
-                                                schedulable=node_state == NodeState.READY)
+                                                schedulable=node_state == NodeState.READY and verified is not None)
         node.gpus.append(core.GPU(id=str(gid), node=node_name, index=index, model=model, memory_mb=memory,
                                   healthy=health == GPUHealth.HEALTHY, shared=mode == GPUMode.SHARED,
                                   sandbox=sandbox))
@@ -158,7 +159,8 @@ def _cpu_node(context, sandbox: str) -> str | None:
     load = context.get("cpu_load")
     if load is None:
         # Counted once per pass; each placement below adds to it.
-        kinds = context["node_sandbox"] = dict(Node.objects.filter(state=NodeState.READY).values_list("name", "sandbox"))
+        kinds = context["node_sandbox"] = dict(Node.objects.filter(
+            state=NodeState.READY, queue_verified_at__isnull=False).values_list("name", "sandbox"))
         load = context["cpu_load"] = dict.fromkeys(kinds, 0)
         for name, count in Job.objects.filter(state__in=HOLDING, node__name__in=list(load)).values_list(
                 "node__name").annotate(n=Count("id")).order_by():

@@ -47,6 +47,12 @@ def send_stop(node_name: str, job_id: int, attempt: int, reason: str, grace_s: i
     _send("agent.stop", node_name, [str(job_id), attempt, reason, grace])
 
 
+def send_probe(node_name: str, nonce: str) -> None:
+    """`agent.probe` on the node's queue: the agent answers with the nonce through the agent API,
+    which proves it receives its queue (the node takes jobs only then)."""
+    _send("agent.probe", node_name, [nonce])
+
+
 def _send(task: str, node_name: str, args: list) -> None:
     try:
         app.send_task(task, args=args, queue=node_queue(node_name), retry=False, producer=_producer.get())

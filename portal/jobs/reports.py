@@ -8,6 +8,7 @@ are no-ops, so agents may retry freely.
 import logging
 
 from django.db import IntegrityError, transaction
+from django.db.models import F
 
 from portal.core.errors import Conflict
 from portal.core.numbers import parse_int, parse_ints
@@ -94,6 +95,10 @@ def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None 
                           message=text, reason_code="" if state == JobState.SUCCEEDED else state,
                           reason_message="" if state == JobState.SUCCEEDED else text[:300])
         if done:
+            if exit_code is not None or state in (JobState.SUCCEEDED, JobState.TIMEOUT, JobState.OOM):
+                # It ran, though its `running` report never landed (lost, or overtaken by this one):
+                # it started by its end at the latest, so pages and wait times have a start.
+                Job.objects.filter(pk=job.pk, started_at__isnull=True).update(started_at=F("ended_at"))
             _after_end(job)
         return "applied" if done else "duplicate"
     raise Conflict(f"Unknown state {state!r}.", code="invalid_state")

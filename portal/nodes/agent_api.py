@@ -15,7 +15,7 @@ from portal.core.api import StrictSerializer, _flatten
 from portal.jobs.reports import job_append_log, job_confirm, job_report
 
 from .auth import IsNode, NodeTokenAuthentication
-from .services import agent_heartbeat, agent_register
+from .services import agent_heartbeat, agent_probe_answer, agent_register
 
 
 class AgentView(APIView):
@@ -91,6 +91,22 @@ class RegisterView(AgentView):
         # SIGKILL after fence_grace_s): NODE_TIMEOUT_S covers both (portal/settings.py).
         return Response({"node": node.name, "heartbeat_interval_s": settings.NODE_HEARTBEAT_INTERVAL_S,
                          "lease_s": settings.AGENT_LEASE_S, "fence_grace_s": settings.AGENT_FENCE_GRACE_S})
+
+
+class ProbeSerializer(StrictSerializer):
+    nonce = serializers.RegexField(r"^[0-9a-f]{32}$", max_length=32)
+
+
+class ProbeView(AgentView):
+    """The agent answers the probe the portal put on its queue node.<name> at registration:
+    proof that it receives its commands, after which the node takes jobs."""
+
+    @extend_schema(request=ProbeSerializer, responses=inline_serializer("ProbeAnswered", {
+        "result": serializers.CharField()}))
+    def post(self, request):
+        data = ProbeSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        return Response({"result": agent_probe_answer(node=self.node, **data.validated_data)})
 
 
 class JobKeySerializer(serializers.Serializer):

@@ -17,11 +17,15 @@ class GPUSerializer(serializers.ModelSerializer):
 
 class NodeSerializer(serializers.ModelSerializer):
     gpus = GPUSerializer(many=True, read_only=True)
+    # Whether new jobs land here, and if not yet, why (its agent has not registered or not
+    # answered the probe on its queue).
+    schedulable = serializers.BooleanField(read_only=True)
+    waiting_for = serializers.CharField(read_only=True)
 
     class Meta:
         model = Node
-        fields = ["name", "state", "state_reason", "pool", "labels", "cpus", "memory_mb", "sandbox",
-                  "last_heartbeat_at", "created_at", "gpus"]
+        fields = ["name", "state", "state_reason", "schedulable", "waiting_for", "pool", "labels", "cpus",
+                  "memory_mb", "sandbox", "last_heartbeat_at", "created_at", "gpus"]
 
 
 class DrainSerializer(StrictSerializer):

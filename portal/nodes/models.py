@@ -25,12 +25,37 @@ class Node(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     # sha256 of the node's agent token (gpn_...); the secret is shown once by add_node.
     token_digest = models.CharField(max_length=64, blank=True, db_index=True)
+    # A node takes jobs only once its agent has registered and proved it receives its own queue
+    # node.<name> (a wrong --broker or queue folder would leave launches unread): at each
+    # registration the portal sends a probe there with a fresh nonce, and the agent answers it
+    # through the agent API (services.agent_register, agent_probe_answer).
+    agent_registered_at = models.DateTimeField(null=True, blank=True)
+    queue_probe = models.CharField(max_length=32, blank=True)  # nonce of the probe awaiting its answer
+    queue_probe_sent_at = models.DateTimeField(null=True, blank=True)
+    queue_verified_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["name"]
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def schedulable(self) -> bool:
+        return self.state == NodeState.READY and self.queue_verified_at is not None
+
+    @property
+    def waiting_for(self) -> str:
+        """Why the node takes no jobs yet, in words an operator can act on ("" once it does)."""
+        from portal.celery import node_queue
+
+        if self.queue_verified_at is not None:
+            return ""
+        if self.agent_registered_at is None:
+            return (f"waiting for its agent to register: start it with this node's token "
+                    f"(python -m agents --portal URL --token gpn_... --name {self.name})")
+        return (f"waiting for the agent to receive its queue {node_queue(self.name)}: check --broker and "
+                f"the queue folder")
 
 
 class GPUMode(models.TextChoices):

@@ -1,5 +1,6 @@
 """Writes for nodes and GPUs: registration by operators, drain and undrain."""
 import re
+import secrets
 import uuid
 
 from django.db import transaction
@@ -13,6 +14,7 @@ from .models import GPU, GPUHealth, GPUMode, Node, NodeState, ReaperState
 
 GPU_SPEC = re.compile(r"^(?P<count>\d{1,3})x(?P<model>[A-Za-z0-9][A-Za-z0-9._-]*?)(?:-(?P<mem>\d{1,4})GB)?$")
 NODE_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+QUEUE_PROBE_RESEND_S = 30
 MEMORY_BY_MODEL = {"H100": 80, "H200": 141, "A100": 80, "V100": 32, "P100": 16, "T4": 16, "L4": 24, "A10": 24}
 
 
@@ -45,7 +47,7 @@ def node_add(*, actor: Actor, name: str, gpus: str = "", pool: str = "default", 
         if Node.objects.filter(name=name).exists():
             raise Conflict(f"A node named {name!r} already exists.", field="name")
         node = Node.objects.create(name=name, pool=pool, cpus=cpus, memory_mb=memory_mb,
-                                   token_digest=tokens.digest(secret))
+                                   token_digest=tokens.digest(secret), **_queue_verified_in_tests())
         GPU.objects.bulk_create([
             GPU(node=node, index=i, uuid=f"GPU-{uuid.uuid4()}", model=model, memory_mb=memory,
                 mode=GPUMode.SHARED if shared else GPUMode.WHOLE)
@@ -160,9 +162,15 @@ def agent_register(*, node: Node, name: str, cpus: int, memory_mb: int, sandbox:
                    "capabilities": capabilities or {}}
         if node.state == NodeState.DOWN:
             updates.update(state=NodeState.READY, state_reason="")
+        # No new jobs until this agent proves it receives node.<name> (a restart may bring a wrong --broker).
+        nonce = secrets.token_hex(16)
+        updates.update(agent_registered_at=updates["last_heartbeat_at"], queue_probe=nonce, queue_verified_at=None,
+                       queue_probe_sent_at=updates["last_heartbeat_at"])
+        updates.update(_queue_verified_in_tests())
         Node.objects.filter(pk=node.pk).update(**updates)
         audit_record(actor=Actor(user=None, label=f"node:{node.name}"), action="node.register", obj=node,
                      gpus=len(gpus), sandbox=sandbox)
+        transaction.on_commit(lambda: _send_probe(node.name, nonce))
     _request_pass()
     node.refresh_from_db()
     return node
@@ -195,6 +203,53 @@ def _gpus_usable_apply(*, node: Node, sandbox: str, problem: str) -> None:
                      gpus=changed, usable=not problem, reason=problem)
 
 
+def _queue_verified_in_tests() -> dict:
+    from django.conf import settings
+    from django.utils import timezone
+
+    return {"queue_verified_at": timezone.now(), "queue_probe": ""} if settings.TEST_NODES_SKIP_QUEUE_PROBE else {}
+
+
+def _send_probe(node_name: str, nonce: str) -> None:
+    from scheduler.dispatch import send_probe
+
+    send_probe(node_name, nonce)
+
+
+def _queue_probe_resend(node: Node) -> None:
+    """A probe still unanswered QUEUE_PROBE_RESEND_S after it was sent goes again (the broker may
+    have been down at registration); once a while, so a misconfigured agent does not fill its queue."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    if not node.queue_probe or node.queue_verified_at is not None:
+        return
+    now = timezone.now()
+    due = now - timedelta(seconds=QUEUE_PROBE_RESEND_S)
+    if Node.objects.filter(pk=node.pk, queue_probe=node.queue_probe, queue_probe_sent_at__lt=due).update(
+            queue_probe_sent_at=now):
+        transaction.on_commit(lambda: _send_probe(node.name, node.queue_probe))
+
+
+def agent_probe_answer(*, node: Node, nonce: str) -> str:
+    """The agent got the probe from its queue: from now on the node takes jobs. Returns
+    "verified", or "duplicate" for a probe answered again; an unknown nonce (a probe of an
+    earlier registration) is a Conflict."""
+    from django.utils import timezone
+
+    with transaction.atomic():
+        if not Node.objects.filter(pk=node.pk, queue_probe=nonce).exclude(queue_probe="").update(
+                queue_probe="", queue_verified_at=timezone.now()):
+            if node.queue_verified_at is not None and not node.queue_probe:
+                return "duplicate"
+            raise Conflict("This probe is not the node's current one (the agent registered again since).",
+                           field="nonce", code="stale")
+        audit_record(actor=Actor(user=None, label=f"node:{node.name}"), action="node.queue_verified", obj=node)
+    _request_pass()
+    return "verified"
+
+
 def _model_name(g: dict) -> str:
     """'NVIDIA H100 80GB HBM3' -> 'H100-80GB': the short name quotas and job specs use."""
     raw = str(g.get("model") or "")
@@ -211,6 +266,7 @@ def agent_heartbeat(*, node: Node, samples: list[dict], jobs: list[dict]) -> dic
     from portal.jobs.reports import stale_reports
 
     Node.objects.filter(pk=node.pk).update(last_heartbeat_at=timezone.now())
+    _queue_probe_resend(node)
     if node.state == NodeState.DOWN:
         # Back before re-registering: the reaper already failed its jobs; their reports will be stale.
         Node.objects.filter(pk=node.pk, state=NodeState.DOWN).update(state=NodeState.READY, state_reason="")

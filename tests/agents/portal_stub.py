@@ -61,6 +61,8 @@ class PortalStub:
         p = path.removeprefix("/api/agent/v1")
         if p == "/register":
             return 200, {"node": 1, "heartbeat_interval_s": 1, "lease_s": 30}
+        if p == "/probe":
+            return 200, {"result": "verified"}
         if p == "/heartbeat":
             with self.lock:
                 stop, self.stop_list = self.stop_list, []

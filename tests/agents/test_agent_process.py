@@ -91,3 +91,13 @@ def test_agent_runs_a_job_end_to_end(stack):
              f"e2e-3 cancelled; log:\n{s.log()}")
     (ev,) = [e for e in s.stub.calls("/jobs/e2e-3/events") if e["state"] == "cancelled"]
     assert ev["message"] == "cancelled by alice"
+
+
+def test_agent_answers_the_portals_probe_from_its_queue(stack):
+    """The probe proves the agent reads node.<name> (its --broker and queue folder are right):
+    what the portal puts on the queue comes back through the agent API."""
+    nonce = "5e" * 16
+    stack.send("agent.probe", nonce)
+    wait_for(lambda: stack.stub.calls("/probe"), 30, f"the probe's answer; log:\n{stack.log()}")
+    assert stack.stub.calls("/probe") == [{"nonce": nonce}]
+    assert "queue probe answered" in stack.log()
