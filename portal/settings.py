@@ -345,6 +345,8 @@ CELERY_TIMEZONE = "UTC"
 # Jobs and scheduling.
 JOB_ARRAY_MAX_TASKS = env_int("JOB_ARRAY_MAX_TASKS", 1000, minimum=1)
 JOB_DEFAULT_TIME_LIMIT_S = env_int("JOB_DEFAULT_TIME_LIMIT_S", 3600, minimum=1)
+# Each attempt keeps at most this many bytes of log (the head, then a truncation notice).
+JOB_LOG_MAX_BYTES = env_int("JOB_LOG_MAX_BYTES", 10 * 1024 * 1024, minimum=4096)
 SCHEDULER_POLICY = env_str("SCHEDULER_POLICY", "multifactor")
 SCHEDULER_PLACEMENT = env_str("SCHEDULER_PLACEMENT", "bestfit")
 SCHEDULER_MIN_RUNTIME_S = env_int("SCHEDULER_MIN_RUNTIME_S", 600, minimum=0)

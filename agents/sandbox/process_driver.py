@@ -26,6 +26,8 @@ from agents.sandbox import EXITED, RUNNING, LaunchSpec, SandboxError, SandboxHan
 
 log = logging.getLogger(__name__)
 
+LOG_READ_MAX_BYTES = 1024 * 1024  # one read_logs call returns at most this; the agent reads on
+
 
 class ProcessDriver:
     name = "process"
@@ -87,7 +89,7 @@ class ProcessDriver:
         try:
             with open(self.state_dir / handle.ref / "log", "rb") as f:
                 f.seek(offset)
-                return f.read()
+                return f.read(LOG_READ_MAX_BYTES)
         except FileNotFoundError:
             return b""
 

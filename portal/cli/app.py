@@ -438,7 +438,13 @@ def logs(
     client = _client()
     if not follow:
         doc = client.logs(job_id, attempt=attempt)
-        return emit_json(doc) if output is Format.json else _write(doc["data"])
+        if output is Format.json:
+            return emit_json(doc)  # one page: `next_offset` < `size` says more follows
+        _write(doc["data"])
+        while doc["offset"] < doc["next_offset"] < doc["size"]:  # the log comes in pages of at most 1 MiB
+            doc = client.logs(job_id, offset=doc["next_offset"], attempt=doc["attempt"])
+            _write(doc["data"])
+        return None
     poller, offset, current = _Poller(interval, timeout), 0, attempt
     try:
         while True:
@@ -451,6 +457,8 @@ def logs(
             current = doc["attempt"]
             _write(doc["data"])
             offset = doc["next_offset"]
+            if offset < doc.get("size", offset):
+                continue  # more is stored already: read the next page now
             if doc["complete"]:
                 if not doc["data"]:
                     break

@@ -184,12 +184,19 @@ class Allocation(models.Model):
 
 
 class JobLogChunk(models.Model):
-    """Log text shipped by the agent, keyed by byte offset so a retried chunk is a no-op."""
+    """Raw log bytes shipped by the agent, keyed by byte offset so a retried chunk is a no-op.
+
+    Bytes, not text: a job may print anything (NUL, invalid UTF-8), and PostgreSQL text holds
+    no NUL. Readers decode (selectors.log_read). Chunks of one attempt never overlap; the
+    attempt's log ends at the last chunk's end and is at most JOB_LOG_MAX_BYTES long.
+    """
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="log_chunks")
     attempt = models.PositiveIntegerField()
     offset = models.BigIntegerField()
-    data = models.TextField()
+    data = models.BinaryField()
+    # The notice the portal wrote at the cap; nothing is stored after it.
+    marker = models.BooleanField(default=False)
 
     class Meta:
         ordering = ["attempt", "offset"]

@@ -7,6 +7,7 @@ are no-ops, so agents may retry freely.
 """
 import logging
 
+from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import F
 
@@ -136,17 +137,47 @@ def _after_end(job: Job) -> None:
     request_schedule_pass()
 
 
-def job_append_log(*, node, job_id, attempt: int, offset: int, data: str) -> bool:
-    """Store a chunk keyed by offset; a retried chunk is a no-op. Returns True when stored."""
+def log_notice(cap: int) -> bytes:
+    """What closes a log that reached the cap; part of the log, so every reader sees it."""
+    size = f"{cap // 2**20} MiB" if cap % 2**20 == 0 else f"{cap} bytes"
+    return (f"\n[gpuportal: log truncated: this attempt's log reached the portal's limit of {size} "
+            f"(JOB_LOG_MAX_BYTES); later output was not kept]\n").encode()
+
+
+def job_append_log(*, node, job_id, attempt: int, offset: int, data: bytes) -> dict:
+    """Store a chunk of raw log bytes at its offset in the sandbox's output.
+
+    Idempotent: bytes already stored are skipped, so a retried or re-shipped chunk (an agent
+    restarted and sent the log again from 0) adds only what is new. Each attempt keeps the head
+    of its log up to JOB_LOG_MAX_BYTES, the notice included, then nothing more.
+    Returns {stored: any byte kept, size: bytes stored, full: the cap is reached}: a full log
+    tells the agent to stop shipping this attempt.
+    """
+    from .selectors import log_end, utf8_whole_len
+
     job = _load(job_id, attempt, node)
     if node.name not in job_nodes(job) and job.node_id != node.pk:
         raise Conflict(f"Job {job_id} does not run on {node.name}.", code="stale")
+    end, full = log_end(job, attempt=attempt)
+    if full or offset + len(data) <= end:
+        return {"stored": False, "size": end, "full": full}
+    if offset < end:
+        data, offset = data[end - offset:], end
+    notice = log_notice(settings.JOB_LOG_MAX_BYTES)
+    room = settings.JOB_LOG_MAX_BYTES - len(notice) - offset
+    rows = [JobLogChunk(job=job, attempt=attempt, offset=offset, data=data)]
+    if len(data) > room:  # this chunk crosses the cap: keep what fits, whole characters only
+        head = data[:utf8_whole_len(data[:max(0, room)])]
+        rows = [JobLogChunk(job=job, attempt=attempt, offset=offset, data=head)] if head else []
+        rows.append(JobLogChunk(job=job, attempt=attempt, offset=offset + len(head), data=notice, marker=True))
+        log.info("job %s attempt %s: log reached JOB_LOG_MAX_BYTES; truncated", job.pk, attempt)
     try:
         with transaction.atomic():
-            JobLogChunk.objects.create(job=job, attempt=attempt, offset=offset, data=data)
-    except IntegrityError:
-        return False
-    return True
+            JobLogChunk.objects.bulk_create(rows)
+    except IntegrityError:  # the same chunk, sent twice at once: the other request stored it
+        return {"stored": False, "size": log_end(job, attempt=attempt)[0], "full": full}
+    last = rows[-1]
+    return {"stored": True, "size": last.offset + len(last.data), "full": last.marker}
 
 
 def stale_reports(*, node, reported: list[dict]) -> list[dict]:

@@ -1,5 +1,7 @@
 """Reads for jobs: usage figures the scheduler and submit checks need, list filters."""
+import codecs
 from collections import defaultdict
+from dataclasses import dataclass
 from datetime import datetime, timezone as dt_timezone
 from decimal import Decimal
 
@@ -146,20 +148,72 @@ def task_histograms(parent_ids) -> dict[int, dict[str, int]]:
     return dict(out)
 
 
-def log_read(job, *, attempt: int, offset: int = 0) -> tuple[str, int]:
-    """The log text of one attempt from byte `offset` on, and the offset to ask for next."""
+# One read of a job's log returns at most this many bytes: a page, not the whole log.
+LOG_PAGE_MAX_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class LogPage:
+    """One range of an attempt's log. ``offset`` and ``next_offset`` count stored bytes."""
+
+    data: str  # the bytes decoded as UTF-8; invalid bytes and NUL read as U+FFFD
+    offset: int
+    next_offset: int  # where the next read starts; equals ``size`` once everything stored was read
+    size: int  # bytes stored for this attempt so far
+    truncated: bool  # the log reached JOB_LOG_MAX_BYTES: it ends with the portal's notice
+
+
+def utf8_whole_len(data: bytes) -> int:
+    """Length of the longest prefix of ``data`` that does not end inside a UTF-8 character."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(data, final=False)
+    return len(data) - len(decoder.getstate()[0])
+
+
+def log_end(job, *, attempt: int) -> tuple[int, bool]:
+    """(bytes stored for this attempt, whether the truncation notice closes it): from the last chunk."""
+    from django.db.models.functions import Length
+
     from .models import JobLogChunk
 
-    chunks = JobLogChunk.objects.filter(job=job, attempt=attempt).order_by("offset")
-    text, end = [], offset
-    for start, data in chunks.values_list("offset", "data"):
-        raw = data.encode()
-        stop = start + len(raw)
-        if stop <= offset:
+    last = (JobLogChunk.objects.filter(job=job, attempt=attempt).order_by("-offset")
+            .values_list("offset", Length("data"), "marker").first())
+    return (last[0] + last[1], last[2]) if last else (0, False)
+
+
+def log_read(job, *, attempt: int, offset: int = 0, limit: int = LOG_PAGE_MAX_BYTES) -> LogPage:
+    """Bytes ``[offset, offset + limit)`` of one attempt's log, decoded for people.
+
+    A page never ends inside a UTF-8 character (unless ``limit`` is smaller than one), so the
+    text of consecutive pages joins up exactly. Two indexed queries whatever the log's size:
+    the chunk holding ``offset``, then those starting inside the range.
+    """
+    from .models import JobLogChunk
+
+    size, truncated = log_end(job, attempt=attempt)
+    offset, limit = max(0, offset), max(1, limit)
+    stop = min(offset + limit, size)
+    if offset >= stop:
+        return LogPage("", offset, offset, size, truncated)
+    chunks = JobLogChunk.objects.filter(job=job, attempt=attempt)
+    rows = list(chunks.filter(offset__lte=offset).order_by("-offset").values_list("offset", "data")[:1])
+    rows += chunks.filter(offset__gt=offset, offset__lt=stop).order_by("offset").values_list("offset", "data")
+    buf, pos = bytearray(), offset
+    for start, data in rows:
+        data = bytes(data)  # PostgreSQL hands back a memoryview
+        if start + len(data) <= pos:
             continue
-        text.append(raw[max(0, offset - start):].decode(errors="replace"))
-        end = stop
-    return "".join(text), max(end, offset)
+        pos = max(pos, start)  # a gap (bytes the portal never got) is skipped
+        piece = data[pos - start:stop - start]
+        buf += piece
+        pos += len(piece)
+    if pos < size:
+        held = len(buf) - utf8_whole_len(bytes(buf))
+        if held < len(buf):
+            del buf[len(buf) - held:]
+            pos -= held
+    text = bytes(buf).decode("utf-8", errors="replace").replace("\x00", "\ufffd")
+    return LogPage(text, offset, pos, size, truncated)
 
 
 def job_gpu_samples(job) -> list[dict]:

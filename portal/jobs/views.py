@@ -4,9 +4,11 @@ Each view loads rows through `Job.objects.for_user` (an outsider gets 404), call
 service and renders. htmx polls ask for fragments and carry the version of what they
 show; an unchanged fragment is answered with 204 so nothing on the page moves.
 """
+import dataclasses
+
 from django.contrib import messages
 from django.core.paginator import Paginator
-from django.http import Http404, HttpResponse, JsonResponse
+from django.http import Http404, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.shortcuts import redirect, render
 from django.template.loader import render_to_string
 from django.urls import reverse
@@ -22,7 +24,7 @@ from portal.tenancy.models import Project
 
 from .forms import JobFilterForm, JobSubmitForm
 from .models import CANCELLABLE, HOLDING, TERMINAL, Job, JobState, JobTemplate
-from .selectors import job_gpu_samples, jobs_for_list, log_read, task_histograms
+from .selectors import LogPage, job_gpu_samples, jobs_for_list, log_end, log_read, task_histograms
 from .services import job_cancel, job_resubmit, job_submit
 
 PAGE_SIZE = 50
@@ -30,6 +32,8 @@ POLL_LIST = "every 3s"
 POLL_DETAIL = "every 2s"
 # A finished job's log is still polled this long: the agent may ship the tail after the end.
 LOG_GRACE_S = 30
+# The detail page opens on the end of the log; the raw log has all of it.
+LOG_TAIL_BYTES = 256 * 1024
 STATE_ORDER = {state: i for i, state in enumerate(JobState.values)}
 SAMPLE_KEYS = ("ts", "utilization", "memory_used_mb", "memory_total_mb", "temperature_c", "power_w", "power_limit_w")
 
@@ -150,24 +154,37 @@ def status_context(request, job: Job) -> dict:
             "status_trigger": "" if job.state in TERMINAL else POLL_DETAIL}
 
 
-def log_context(job: Job, attempt: int, offset: int, text: str, next_offset: int) -> dict:
+def log_context(job: Job, attempt: int, page: LogPage, skipped: int = 0) -> dict:
+    """The log section: ``page``'s text, then a poller that asks for what follows it (at once while
+    more is stored, else every 2 s until the job has ended and the grace has passed)."""
     ended_long_ago = job.state in TERMINAL and job.ended_at and \
         (timezone.now() - job.ended_at).total_seconds() > LOG_GRACE_S
-    return {"job": job, "attempt": attempt, "log_text": text, "offset": next_offset,
-            "log_trigger": "" if ended_long_ago and not text else POLL_DETAIL,
-            "log_complete": bool(ended_long_ago)}
+    behind = page.next_offset < page.size
+    trigger = "load" if behind else "" if ended_long_ago and not page.data else POLL_DETAIL
+    return {"job": job, "attempt": attempt, "log_text": page.data, "offset": page.next_offset,
+            "log_trigger": trigger, "log_complete": bool(ended_long_ago) and not behind,
+            "log_skipped": skipped, "log_truncated": page.truncated}
+
+
+def log_tail(job: Job) -> dict:
+    """The latest attempt's log for the detail page: its last LOG_TAIL_BYTES, from a line start."""
+    size, _ = log_end(job, attempt=job.attempt)
+    start = max(0, size - LOG_TAIL_BYTES)
+    page = log_read(job, attempt=job.attempt, offset=start, limit=LOG_TAIL_BYTES)
+    if start and "\n" in page.data:
+        page = dataclasses.replace(page, data=page.data[page.data.index("\n") + 1:])
+    return log_context(job, job.attempt, page, skipped=start)
 
 
 class JobDetailView(PageMixin, View):
     def get(self, request, pk):
         job = _job(request, pk)
-        text, next_offset = log_read(job, attempt=job.attempt, offset=0)
         tasks = []
         if job.is_array_parent:
             tasks = list(job.tasks.select_related("node").order_by("array_index")[:500])
         return render(request, "jobs/detail.html", {
             **status_context(request, job),
-            **log_context(job, job.attempt, 0, text, next_offset),
+            **log_tail(job),
             "gpus": job_gpu_samples(job) if not job.is_array_parent else [],
             "gpus_live": job.state in HOLDING,
             "charts_live": job.state not in TERMINAL,
@@ -191,7 +208,7 @@ class JobStatusView(PageMixin, View):
 
 
 class JobLogView(PageMixin, View):
-    """htmx: the text after `offset` appended to the log; otherwise the attempt's log as text/plain."""
+    """htmx: the page after `offset`, appended to the log; otherwise the attempt's log as text/plain."""
 
     def get(self, request, pk):
         job = _job(request, pk)
@@ -200,19 +217,28 @@ class JobLogView(PageMixin, View):
             offset = max(0, int(request.GET.get("offset", 0)))
         except ValueError:
             attempt, offset = job.attempt, 0
+        if not 0 <= attempt < 2**31:  # the column's range: no lookup may overflow it
+            attempt = job.attempt
         if not request.htmx:
-            text, _ = log_read(job, attempt=attempt, offset=offset)
-            return HttpResponse(text, content_type="text/plain; charset=utf-8")
+            # Streamed page by page: a log may be JOB_LOG_MAX_BYTES long.
+            return StreamingHttpResponse(_log_pages(job, attempt, offset), content_type="text/plain; charset=utf-8")
         if attempt != job.attempt:
             # A new attempt started: show its log from the beginning.
-            text, next_offset = log_read(job, attempt=job.attempt, offset=0)
-            ctx = log_context(job, job.attempt, 0, text, next_offset)
-            return render(request, "jobs/_log_poll.html", {**ctx, "replace": True})
-        text, next_offset = log_read(job, attempt=attempt, offset=offset)
-        ctx = log_context(job, attempt, offset, text, next_offset)
-        if not text and ctx["log_trigger"]:
+            return render(request, "jobs/_log_poll.html", {**log_tail(job), "replace": True})
+        ctx = log_context(job, attempt, log_read(job, attempt=attempt, offset=offset))
+        if not ctx["log_text"] and ctx["log_trigger"] == POLL_DETAIL:
             return HttpResponse(status=204)
         return render(request, "jobs/_log_poll.html", ctx)
+
+
+def _log_pages(job: Job, attempt: int, offset: int):
+    while True:
+        page = log_read(job, attempt=attempt, offset=offset)
+        if page.data:
+            yield page.data
+        if page.next_offset >= page.size or page.next_offset == offset:
+            return
+        offset = page.next_offset
 
 
 class JobMetricsView(PageMixin, View):

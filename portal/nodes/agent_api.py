@@ -3,9 +3,12 @@
 Only node tokens (gpn_...) authenticate here, and a node token authenticates nowhere else.
 409 means "stale": the agent must stop that attempt and start nothing for it.
 """
+import base64
 import re
+import binascii
 
 from django.conf import settings
+from django.core.validators import ProhibitNullCharactersValidator
 from drf_spectacular.utils import extend_schema, extend_schema_field, inline_serializer
 from rest_framework import serializers
 from rest_framework.response import Response
@@ -263,15 +266,40 @@ class EventView(AgentView):
 
 
 class LogSerializer(StrictSerializer):
-    attempt = serializers.IntegerField(min_value=0)
-    offset = serializers.IntegerField(min_value=0)
-    data = serializers.CharField(allow_blank=True, trim_whitespace=False, max_length=4 * 1024 * 1024)
+    """A chunk of a sandbox's output: raw bytes as base64 (what the agent sends: a job may print NUL
+    or invalid UTF-8), or as text (stored UTF-8 encoded). ``offset`` counts raw bytes."""
+
+    attempt = serializers.IntegerField(min_value=0, max_value=2**31 - 1)
+    offset = serializers.IntegerField(min_value=0, max_value=2**53)
+    data = serializers.CharField(required=False, allow_blank=True, trim_whitespace=False, max_length=4 * 1024 * 1024)
+    data_base64 = serializers.CharField(required=False, allow_blank=True, trim_whitespace=False,
+                                        max_length=6 * 1024 * 1024)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Log text may hold NUL: it is stored as bytes, so DRF's refusal of it does not apply.
+        field = self.fields["data"]
+        field.validators = [v for v in field.validators if not isinstance(v, ProhibitNullCharactersValidator)]
+
+    def validate(self, attrs):
+        if ("data" in attrs) == ("data_base64" in attrs):
+            raise serializers.ValidationError({"data": ["Send exactly one of data and data_base64."]})
+        if "data" in attrs:
+            # A lone surrogate (valid JSON, not valid Unicode) becomes "?": the chunk is still kept.
+            return {**attrs, "data": attrs["data"].encode("utf-8", errors="replace")}
+        try:
+            raw = base64.b64decode(attrs.pop("data_base64"), validate=True)
+        except (binascii.Error, ValueError):
+            raise serializers.ValidationError({"data_base64": ["Not valid base64."]}) from None
+        return {**attrs, "data": raw}
 
 
 class LogView(AgentView):
     @extend_schema(request=LogSerializer, responses=inline_serializer("LogStored", {
-        "stored": serializers.BooleanField()}))
+        "stored": serializers.BooleanField(help_text="Some of the chunk was new and kept."),
+        "size": serializers.IntegerField(help_text="Bytes stored for this attempt."),
+        "full": serializers.BooleanField(help_text="The attempt's log reached JOB_LOG_MAX_BYTES: stop sending.")}))
     def post(self, request, job_id):
         data = LogSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        return Response({"stored": job_append_log(node=self.node, job_id=job_id, **data.validated_data)})
+        return Response(job_append_log(node=self.node, job_id=job_id, **data.validated_data))

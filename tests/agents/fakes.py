@@ -3,7 +3,7 @@
 import itertools
 import threading
 
-from agents.client import PortalUnreachable, StaleAttempt
+from agents.client import PortalError, PortalUnreachable, StaleAttempt
 from agents.sandbox import EXITED, OOM, RUNNING, SandboxError, SandboxHandle
 
 
@@ -24,6 +24,9 @@ class FakePortal:
         self.confirms: list = []
         self.scrub_failures: list = []
         self.node_problems: list = []
+        self.refuse_logs = 0  # log chunks to refuse with HTTP 400 before taking them
+        self.refuse_events = 0  # terminal reports to refuse with HTTP 400
+        self.log_cap: int | None = None  # answer full=True once this many bytes are stored
 
     def _call(self, key=None):
         if self.unreachable:
@@ -52,6 +55,9 @@ class FakePortal:
 
     def event(self, job_id, attempt, state, *, exit_code=None, message="", scrub_failures=None, node_problem=""):
         self._call((job_id, attempt))
+        if self.refuse_events and state not in ("starting", "running"):
+            self.refuse_events -= 1
+            raise PortalError("POST events: HTTP 400: refused (fake)", 400)
         self.events.append((job_id, attempt, state, exit_code, message))
         if node_problem:
             self.node_problems.append((job_id, attempt, node_problem))
@@ -60,13 +66,21 @@ class FakePortal:
 
     def logs(self, job_id, attempt, offset, data):
         self._call((job_id, attempt))
-        self.log_chunks.append((job_id, attempt, offset, data.decode("utf-8", errors="replace")))
+        if self.refuse_logs:
+            self.refuse_logs -= 1
+            raise PortalError("POST logs: HTTP 400: refused (fake)", 400)
+        self.log_chunks.append((job_id, attempt, offset, bytes(data)))
+        size = sum(len(d) for j, a, _, d in self.log_chunks if (j, a) == (job_id, attempt))
+        return {"stored": True, "size": size, "full": self.log_cap is not None and size >= self.log_cap}
 
     def states(self, job_id):
         return [e[2] for e in self.events if e[0] == job_id]
 
+    def log_bytes(self, job_id):
+        return b"".join(d for j, _, _, d in sorted(self.log_chunks, key=lambda x: x[2]) if j == job_id)
+
     def log_text(self, job_id):
-        return "".join(d for j, _, _, d in sorted(self.log_chunks, key=lambda x: x[2]) if j == job_id)
+        return self.log_bytes(job_id).decode("utf-8", errors="replace")
 
 
 class FakeDriver:
@@ -78,6 +92,7 @@ class FakeDriver:
         self.stopped: list = []
         self.removed: list = []
         self.fail_with: str | None = None
+        self.read_limit: int | None = None  # read_logs returns at most this many bytes
         self.unkillable: set = set()  # job ids whose sandbox survives stop and remove (a stuck process)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -120,7 +135,7 @@ class FakeDriver:
 
     def read_logs(self, h, offset):
         s = self.sandboxes.get(h.ref)
-        return b"" if s is None else s["log"][offset:]
+        return b"" if s is None else s["log"][offset:offset + self.read_limit if self.read_limit else None]
 
     def stop(self, h, grace_s):
         self.stopped.append((h.job_id, h.attempt, grace_s))

@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from agents.probe.sim import SimProbe
-from agents.worker import Agent, _utf8_complete_len
+from agents.worker import Agent
 from tests.agents.fakes import Clock, FakeDriver, FakePortal
 
 SPEC = {"image": "gpuportal/busybox:latest", "command": ["sh", "-c", "train"], "cpus": 2,
@@ -267,24 +267,113 @@ def test_stop_that_overtakes_its_launch_is_applied(env):
     assert env.driver.running() == [] and env.portal.events[-1][2] == "cancelled"
 
 
-def test_logs_never_split_a_utf8_character(env):
+def test_logs_ship_raw_bytes_whatever_the_job_printed(env):
+    """NUL, invalid UTF-8 and characters cut at a chunk boundary reach the portal byte for byte."""
     env.agent.log_chunk_bytes = 5
     env.agent.launch("j1", 1, SPEC)
-    text = "héllo wörld ✓ 日本語\n"
-    env.driver.by_job("j1")["log"] = text.encode()
+    raw = "héllo ✓ 日本\n".encode() + b"nul\x00 bad\xff\xfe\x80 end\n"
+    env.driver.by_job("j1")["log"] = raw
     env.agent.supervise_once()
     env.driver.exit("j1", 0)
     env.agent.supervise_once()
-    assert env.portal.log_text("j1") == text
-    assert all("\ufffd" not in d for *_, d in env.portal.log_chunks)
+    assert env.portal.log_bytes("j1") == raw
+    assert env.portal.states("j1")[-1] == "succeeded"
 
 
-def test_utf8_complete_len():
-    assert _utf8_complete_len(b"abc") == 3
-    assert _utf8_complete_len("é".encode()[:1]) == 0
-    assert _utf8_complete_len(b"a" + "✓".encode()[:2]) == 1
-    assert _utf8_complete_len(b"a" + "✓".encode()) == 4
-    assert _utf8_complete_len(b"\x80\x80\x80\x80\x80") == 5
+def _past_time_limit(env):
+    env.wall.t = 1000.0 + SPEC["time_limit_s"] + 1
+
+
+def test_a_refused_log_chunk_never_skips_the_time_limit(env):
+    """The portal answering 400 to a log chunk (once: a job printed NUL) must not let the job run
+    on: the time limit is enforced in the same pass, and the job ends timeout, its sandbox gone."""
+    env.agent.launch("j1", 1, SPEC)
+    env.driver.by_job("j1")["log"] = b"\x00" * 10
+    env.portal.refuse_logs = 1000
+    env.agent.supervise_once()
+    assert env.driver.running() == [("j1", 1)] and env.portal.states("j1") == ["starting", "running"]
+    _past_time_limit(env)
+    env.agent.supervise_once()
+    assert env.driver.running() == [] and env.driver.stopped[0][:2] == ("j1", 1)
+    # The refused chunk is retried a few times, then given up: the end is reported all the same.
+    for _ in range(3):
+        env.agent.supervise_once()
+    assert env.portal.states("j1")[-1] == "timeout" and env.agent.jobs() == {} and env.driver.sandboxes == {}
+
+
+def test_a_log_chunk_refused_a_few_times_is_skipped_not_retried_forever(env):
+    env.agent.log_chunk_bytes = 4
+    env.agent.launch("j1", 1, SPEC)
+    env.driver.by_job("j1")["log"] = b"bad!good"
+    env.portal.refuse_logs = 3
+    for _ in range(4):
+        env.agent.supervise_once()
+    assert env.portal.log_bytes("j1") == b"good" and env.portal.log_chunks[0][2] == 4
+
+
+def test_any_error_in_a_report_skips_no_enforcement(env, monkeypatch):
+    """Whatever a report raises (a bug, a 500 the client did not expect), each job's time limit
+    and the lease are still checked in that pass."""
+    env.agent.launch("j1", 1, SPEC)
+    env.agent.launch("j2", 1, {**SPEC, "gpu_indexes": [3]})
+    for j in ("j1", "j2"):
+        env.driver.by_job(j)["log"] = b"x\n"
+
+    def broken(*a, **k):
+        raise RuntimeError("surprise")
+
+    monkeypatch.setattr(env.portal, "logs", broken)
+    _past_time_limit(env)
+    env.agent.supervise_once()
+    assert env.driver.running() == []
+    assert [s[:2] for s in env.driver.stopped] == [("j1", 1), ("j2", 1)]
+    # A driver that cannot even poll does not stop the time limit either.
+    env.agent.launch("j3", 1, {**SPEC, "gpu_indexes": [0]})
+    monkeypatch.setattr(env.driver, "poll", broken)
+    env.agent.supervise_once()
+    assert ("j3", 1) in [s[:2] for s in env.driver.stopped]
+    # Nor the lease: the portal has been silent for longer than it.
+    env.clock.t += env.agent.lease_s + 1
+    env.portal.unreachable = True
+    env.agent.supervise_once()
+    assert env.agent.fenced
+
+
+def test_a_refused_end_report_is_sent_again_shorter(env):
+    env.agent.launch("j1", 1, SPEC)
+    env.portal.refuse_events = 1
+    env.driver.exit("j1", 3)
+    env.agent.supervise_once()
+    assert ("j1", 1) in env.agent.jobs()  # kept: the portal must learn the end
+    env.agent.supervise_once()
+    (end,) = [e for e in env.portal.events if e[2] == "failed"]
+    assert end[3] is None and "refused" in end[4] and env.agent.jobs() == {}
+
+
+def test_a_full_log_stops_shipping(env):
+    env.agent.log_chunk_bytes = 4
+    env.portal.log_cap = 8
+    env.agent.launch("j1", 1, SPEC)
+    sbx = env.driver.by_job("j1")
+    sbx["log"] = b"0123456789abcdef"
+    env.agent.supervise_once()
+    sbx["log"] += b"more"
+    env.driver.exit("j1", 0)
+    env.agent.supervise_once()
+    assert env.portal.log_bytes("j1") == b"01234567" and env.portal.states("j1")[-1] == "succeeded"
+
+
+def test_a_chatty_job_ships_a_bounded_amount_per_pass(env):
+    env.agent.log_chunk_bytes = 4
+    env.agent.log_pass_bytes = 8
+    env.driver.read_limit = 4  # a driver may return part of what is there
+    env.agent.launch("j1", 1, SPEC)
+    env.driver.by_job("j1")["log"] = b"x" * 20
+    env.agent.supervise_once()
+    assert len(env.portal.log_bytes("j1")) == 8
+    env.driver.exit("j1", 0)
+    env.agent.supervise_once()  # at the end, everything
+    assert env.portal.log_bytes("j1") == b"x" * 20
 
 
 def test_xids_survive_a_failed_heartbeat(env):

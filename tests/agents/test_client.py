@@ -1,3 +1,5 @@
+import base64
+
 import pytest
 
 from agents.client import PortalClient, PortalError, PortalUnreachable, StaleAttempt
@@ -40,7 +42,11 @@ def test_every_endpoint_and_body(stub):
     assert paths == ["/api/agent/v1/heartbeat", "/api/agent/v1/jobs/job%2F1/confirm",
                      "/api/agent/v1/jobs/job%2F1/events", "/api/agent/v1/jobs/job%2F1/logs"]
     assert stub.requests[2][1] == {"attempt": 2, "state": "failed", "exit_code": 3, "message": "boom"}
-    assert stub.requests[3][1] == {"attempt": 2, "offset": 10, "data": "ok \ufffd\n"}
+    # Raw bytes, base64: a job may print NUL and invalid UTF-8.
+    assert stub.requests[3][1] == {"attempt": 2, "offset": 10, "data_base64": base64.b64encode(b"ok \xff\n").decode()}
+    # Report texts stay within the portal's field limits (a refused report would leave the job running).
+    c.event("1", 1, "failed", message="m" * 5000, node_problem="p" * 900)
+    assert len(stub.requests[-1][1]["message"]) == 2000 and len(stub.requests[-1][1]["node_problem"]) == 500
     with pytest.raises(ValueError):
         c.event("1", 1, "exploded")
     # Scrub failures ride on the report, in the shape the portal's EventSerializer takes.

@@ -65,12 +65,12 @@ def test_logs_follow_streams_until_the_job_has_ended(portal, gpuctl, running, re
     path = f"jobs/{running.pk}/logs/"
 
     def the_agent():
-        JobLogChunk.objects.create(job=running, attempt=1, offset=0, data="epoch 1\n")
+        JobLogChunk.objects.create(job=running, attempt=1, offset=0, data=b"epoch 1\n")
         polled_again(requests_seen, path)
-        JobLogChunk.objects.create(job=running, attempt=1, offset=8, data="epoch 2 ✓\n")
+        JobLogChunk.objects.create(job=running, attempt=1, offset=8, data="epoch 2 ✓\n".encode())
         polled_again(requests_seen, path)
         # The agent ships the tail, then reports the end.
-        JobLogChunk.objects.create(job=running, attempt=1, offset=20, data="done\n")
+        JobLogChunk.objects.create(job=running, attempt=1, offset=20, data=b"done\n")
         transition(running.pk, to=JobState.SUCCEEDED, from_states={JobState.RUNNING}, exit_code=0)
 
     driver = drive(the_agent)
@@ -82,7 +82,7 @@ def test_logs_follow_streams_until_the_job_has_ended(portal, gpuctl, running, re
 
 
 def test_logs_without_follow_prints_what_is_there(portal, gpuctl, running):
-    JobLogChunk.objects.create(job=running, attempt=1, offset=0, data="hello\n")
+    JobLogChunk.objects.create(job=running, attempt=1, offset=0, data=b"hello\n")
     assert gpuctl("logs", running.pk).stdout == "hello\n"
     doc = json.loads(gpuctl("logs", running.pk, "-o", "json").stdout)
     assert doc["data"] == "hello\n" and doc["next_offset"] == 6 and doc["complete"] is False

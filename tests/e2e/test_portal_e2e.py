@@ -63,14 +63,14 @@ def agent_starts(job_id, first_line):
         cache.set(f"gpu-sample:{uuid}", sample, 300)
     assert transition(job_id, to="starting", from_states={"assigned"})
     assert transition(job_id, to="running", from_states={"starting"})
-    JobLogChunk.objects.create(job_id=job_id, attempt=1, offset=0, data=first_line)
+    JobLogChunk.objects.create(job_id=job_id, attempt=1, offset=0, data=first_line.encode())
 
 
 def agent_finishes(job_id, offset, last_line):
     from portal.jobs.models import JobLogChunk
     from portal.jobs.states import transition
 
-    JobLogChunk.objects.create(job_id=job_id, attempt=1, offset=offset, data=last_line)
+    JobLogChunk.objects.create(job_id=job_id, attempt=1, offset=offset, data=last_line.encode())
     assert transition(job_id, to="succeeded", from_states={"running"}, exit_code=0, message="Exit code 0.")
 
 

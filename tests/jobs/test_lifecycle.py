@@ -200,8 +200,8 @@ def test_lost_launch_is_resent(cluster, settings, sent, django_capture_on_commit
 
 def test_logs_by_offset(cluster, api):
     job = submit(cluster)
-    JobLogChunk.objects.create(job=job, attempt=1, offset=0, data="hello ")
-    JobLogChunk.objects.create(job=job, attempt=1, offset=6, data="wörld\n")
+    JobLogChunk.objects.create(job=job, attempt=1, offset=0, data=b"hello ")
+    JobLogChunk.objects.create(job=job, attempt=1, offset=6, data="wörld\n".encode())
     client = api("dave")
     r = client.get(f"/api/v1/jobs/{job.pk}/logs/").json()
     assert r["data"] == "hello wörld\n" and r["next_offset"] == 13 and r["complete"] is False
