@@ -323,3 +323,17 @@ def test_a_job_no_set_of_nodes_could_hold_is_refused_naming_the_field(alice, two
         return
     assert r.status_code == 400 and r.json()["error"]["fields"][field] == [message]
     assert not Job.objects.exists()
+
+
+def test_a_template_carries_nodes_and_refuses_a_bad_split(demo, api, two_nodes):
+    client = api("alice")
+    r = client.post("/api/v1/job-templates/", data={"project": "vision", "name": "ddp", "spec": {
+        "image": IMAGE, "resources": {"nodes": 2, "gpus_per_node": 5}}}, format="json")  # nodes have 4
+    assert r.status_code == 400
+    assert r.json()["error"]["fields"]["spec.resources.gpus_per_node"] == ["5 exceeds the largest node's 4 GPUs."]
+    r = client.post("/api/v1/job-templates/", data={"project": "vision", "name": "ddp", "spec": {
+        "image": IMAGE, "resources": {"nodes": 2, "gpus_per_node": 2}}}, format="json")
+    assert r.status_code == 201, r.content
+    r = submit(client, {"project": "vision", "template": "ddp", "name": "run", "command": ["torchrun", "t.py"]})
+    assert r.status_code == 201, r.content
+    assert (r.json()["resources"]["nodes"], r.json()["resources"]["gpus"]) == (2, 4)

@@ -242,3 +242,23 @@ def test_bulk_cancel_asks_first_then_cancels(demo, browser, submit):
     assert done.status_code == 302 and done["Location"] == "/jobs/"
     assert set(Job.objects.filter(state="cancelled").values_list("pk", flat=True)) == {a.pk, b.pk}
     assert Job.objects.get(pk=theirs.pk).state == "queued"
+
+
+def test_submit_form_spans_nodes_only_when_asked_and_templates_carry_it(demo, browser):
+    for name in ("gpu-01", "gpu-02"):
+        node_add(actor=Actor(user=demo.users["admin"]), name=name, gpus="4xH100-80GB")
+    response = browser("alice").post("/jobs/new/", {**FORM, "nodes": "2", "gpus_per_node": "4"})
+    job = Job.objects.get(name="train")
+    assert response.status_code == 302 and (job.nodes, job.gpus) == (2, 8)
+    assert "8 GPUs on 2 nodes (4 each)" in browser("alice").get(f"/jobs/{job.pk}/").content.decode()
+    page = browser("alice").post("/jobs/new/", {**FORM, "name": "wide", "nodes": "3", "gpus_per_node": "1"}
+                                 ).content.decode()
+    assert re.search(r'id="id_nodes_error"><li>3 exceeds the 2 node\(s\) with GPUs in the cluster', page)
+    page = browser("alice").post("/jobs/new/", {**FORM, "name": "big", "gpus": "8"}).content.decode()
+    assert re.search(r'id="id_gpus_error"><li>8 GPUs on one node, but the largest node has 4 GPUs', page)
+    assert not Job.objects.filter(name__in=["wide", "big"]).exists()
+    template = template_save(actor=Actor(user=demo.users["alice"]), project=demo.vision, name="ddp", locked=[],
+                             spec={"image": IMAGE, "resources": {"nodes": 2, "gpus_per_node": 2}})
+    page = browser("alice").get(f"/jobs/new/?template={template.pk}").content.decode()
+    assert re.search(r'<input[^>]*name="nodes"[^>]*value="2"', page)
+    assert re.search(r'<input[^>]*name="gpus_per_node"[^>]*value="2"', page)
