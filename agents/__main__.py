@@ -52,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--egress-allow", default=env("GPUPORTAL_EGRESS_ALLOW") or "",
                     help="jobs with network: destinations they may reach beyond the public internet (CIDRs or "
                          "host names, comma-separated); the node itself and private ranges are blocked otherwise")
+    ap.add_argument("--installation", default=env("GPUPORTAL_INSTALLATION") or "",
+                    help="a short name of this portal installation, for hosts whose Docker engine or libvirtd "
+                         "serves agents of several installations: sandbox names and adoption go by it and the node")
     ap.add_argument("--state-dir", default=env("GPUPORTAL_AGENT_STATE_DIR") or "/var/lib/gpuportal-agent",
                     help="the agent's own folder (kvm: per-launch initrd, kernel and console)")
     ap.add_argument("--stop-grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
@@ -93,7 +96,8 @@ def main(argv=None) -> int:
         extra = {}
         if args.sandbox == "kvm":
             extra = {"pci_bus_ids": {g.index: g.pci_bus_id for g in probe.inventory()},
-                     "egress_allow": args.egress_allow, "state_dir": args.state_dir}
+                     "egress_allow": args.egress_allow, "state_dir": args.state_dir,
+                     "installation": args.installation}
         elif args.sandbox == "docker":
             extra = {"gang_network_driver": args.gang_network_driver,
                      "gang_network_internal": args.gang_network_internal,

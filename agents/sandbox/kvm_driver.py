@@ -59,7 +59,7 @@ import docker.errors
 import requests
 
 from agents.sandbox import (
-    EXITED, RUNNING, LaunchSpec, SandboxError, SandboxHandle, job_env, sandbox_name,
+    EXITED, OOM, RUNNING, LaunchSpec, SandboxError, SandboxHandle, job_env, sandbox_name,
 )
 from agents.sandbox import kvm_image
 from agents.sandbox.egress import EgressError, Firewall, parse_allow
@@ -71,11 +71,16 @@ METADATA_NS = "https://gpuportal.dev/xmlns/agent/1"
 EXIT_RE = re.compile(re.escape(EXIT_MARKER) + rb"(\d+)")
 ET.register_namespace("gpuportal", METADATA_NS)
 _PCI_RE = re.compile(r"^(?:([0-9a-fA-F]{4,8}):)?([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")
-# A Debian kernel plus the initramfs needs about this much to boot; smaller specs get this.
-MIN_MEMORY_MB = 128
-# Kernel command line: serial console, no boot chatter, power off (not reboot) on panic, and a ramfs
-# root (a tmpfs one holds at most half the memory; the image lives there).
-CMDLINE = "console=ttyS0 quiet panic=-1 8250.nr_uarts=1 rootfstype=ramfs"
+# The guest's own share on top of the job's memory (which its cgroup caps) and the image: kernel, init, caches.
+GUEST_MEMORY_MB = 96
+# Kernel command line: serial console, no boot chatter, power off (not reboot) on panic, two serial ports
+# (the console and the exit code's), and a ramfs root (a tmpfs one holds at most half the memory; the image
+# lives there).
+CMDLINE = "console=ttyS0 quiet panic=-1 8250.nr_uarts=2 rootfstype=ramfs"
+# What init writes on the second serial port, which the job cannot open.
+EXIT_RECORD_RE = re.compile(rb"GPUPORTAL-JOB-EXIT rc=(\d+) oom_kill=(\d+)")
+# CFS period for the domain's CPU cap (libvirt <cputune>).
+CPU_PERIOD_US = 100_000
 MiB = 2**20
 # The largest job image (uncompressed, as `docker image inspect` says) a VM may unpack into its memory.
 MAX_IMAGE_MB = 2048
@@ -104,14 +109,17 @@ def pci_address(bus_id: str) -> dict[str, str]:
 def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: str, initrd: str,
                console_log: str, domain_type: str = "kvm", started_at: float | None = None,
                job_network: str | None = None, extra_memory_mb: int = 0, name: str | None = None,
-               qemu_user: tuple[int, int] | None = None) -> str:
+               qemu_user: tuple[int, int] | None = None, exit_log: str | None = None, installation: str = "") -> str:
     """The libvirt domain for one job attempt.
 
     ``qemu_user`` (uid, gid): QEMU runs as this user instead of libvirt's
     shared one (libvirt hands it the kernel, initrd and its own files).
 
     ``extra_memory_mb`` goes on top of the job's memory: the guest holds its
-    image (unpacked) and, while booting, the initrd in RAM.
+    image (unpacked) and, while booting, the initrd in RAM. The job itself
+    gets no more than its ``memory_mb`` (a cgroup in the guest), and its
+    CPU time is capped on the host at ``cpus`` (``<cputune>``), on
+    ``ceil(cpus)`` vCPUs. ``exit_log`` is the second serial port's file.
 
     No NIC unless the job may use the network; then one virtio NIC on
     ``job_network`` (a libvirt network name; ``"user"`` is QEMU's user-mode
@@ -126,10 +134,15 @@ def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: s
         "started_at": f"{time.time() if started_at is None else started_at:.3f}"})
     if qemu_user:
         md.set("qemu_uid", str(qemu_user[0]))
+    if installation:
+        md.set("installation", installation)
     # For reconcile and people reading `virsh dumpxml`; the guest gets its command from the initrd.
     md.text = json.dumps({"command": spec.command, "image": spec.image})
-    ET.SubElement(d, "memory", unit="MiB").text = str(max(MIN_MEMORY_MB, spec.memory_mb) + extra_memory_mb)
+    ET.SubElement(d, "memory", unit="MiB").text = str(spec.memory_mb + GUEST_MEMORY_MB + extra_memory_mb)
     ET.SubElement(d, "vcpu").text = str(max(1, math.ceil(spec.cpus)))
+    tune = ET.SubElement(d, "cputune")  # the whole domain (every vCPU and QEMU's own threads) together
+    ET.SubElement(tune, "global_period").text = str(CPU_PERIOD_US)
+    ET.SubElement(tune, "global_quota").text = str(max(1000, int(spec.cpus * CPU_PERIOD_US)))
     os_ = ET.SubElement(d, "os")
     ET.SubElement(os_, "type", arch="x86_64", machine="q35").text = "hvm"
     ET.SubElement(os_, "kernel").text = kernel
@@ -152,6 +165,10 @@ def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: s
     ET.SubElement(serial, "source", path=console_log, append="off")
     ET.SubElement(serial, "target", port="0")
     ET.SubElement(ET.SubElement(dev, "console", type="file"), "target", type="serial", port="0")
+    if exit_log:
+        exit_port = ET.SubElement(dev, "serial", type="file")
+        ET.SubElement(exit_port, "source", path=exit_log, append="off")
+        ET.SubElement(exit_port, "target", port="1")
     if spec.network and job_network:
         if job_network == "user":
             nic = ET.SubElement(dev, "interface", type="user")
@@ -208,7 +225,7 @@ class KvmDriver:
                  state_dir: str | None = None, pci_bus_ids: dict[int, str] | None = None,
                  job_network: str | None = "user", docker_client=None, max_image_mb: int | None = None,
                  image_cache_mb: int | None = None, vm_uids: str | None = None,
-                 egress_allow: str | list[str] | None = None):
+                 egress_allow: str | list[str] | None = None, installation: str | None = None):
         try:
             import libvirt
         except ImportError as exc:
@@ -218,6 +235,8 @@ class KvmDriver:
         # VM that has ended included; the driver turns the ones that matter into SandboxError.
         libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
         self.node = node
+        # Several installations may share one libvirtd: names and adoption go by installation and node.
+        self.installation = installation if installation is not None else os.environ.get("GPUPORTAL_INSTALLATION", "")
         img_dir = Path(image_dir) if image_dir else Path(initrd).parent if initrd else kvm_image.DEFAULT_DIR
         self._stale = None
         if kernel is None or initrd is None:
@@ -298,6 +317,9 @@ class KvmDriver:
             buses = [self.pci_bus_ids[i] for i in spec.gpu_indexes]
         except KeyError as exc:
             raise SandboxError(f"no PCI address known for GPU {exc.args[0]}") from None
+        vcpus, node_cpus = math.ceil(spec.cpus), self.conn.getInfo()[2]
+        if vcpus > node_cpus:
+            raise SandboxError(f"cpus: {spec.cpus:g} needs {vcpus} vCPUs, node {self.node} has {node_cpus} CPUs")
         name = self.vm_name(spec)
         if self._dom(name) is not None:
             raise SandboxError(f"VM {name} already exists")
@@ -308,7 +330,9 @@ class KvmDriver:
         try:
             kernel, initrd, extra_mb = self._job_files(spec, name)
             started = time.time()
-            _unlink(console)  # a stale console from an earlier VM of this name must not be read as this one's
+            # A stale console or exit record from an earlier VM of this name must not be read as this one's.
+            _unlink(console)
+            _unlink(console.with_suffix(".exit"))
             try:
                 self._create(spec, name, buses, kernel, initrd, console, started, extra_mb, uid)
             finally:
@@ -327,7 +351,7 @@ class KvmDriver:
 
     def vm_name(self, spec: LaunchSpec) -> str:
         """The domain's name: unique per node and job attempt, so agents sharing one libvirtd never collide."""
-        return sandbox_name(spec.job_id, spec.attempt, scope=self.node)
+        return sandbox_name(spec.job_id, spec.attempt, scope="-".join(filter(None, (self.installation, self.node))))
 
     def _check_egress(self) -> None:
         """Refuse a job with network unless the egress policy is in force (it may have been flushed)."""
@@ -370,8 +394,10 @@ class KvmDriver:
         libvirt = self._libvirt
         while True:
             xml = domain_xml(spec, node=self.node, pci_bus_ids=buses, kernel=kernel, initrd=initrd,
-                             console_log=str(console), domain_type=self.domain_type, started_at=started,
+                             console_log=str(console), exit_log=str(console.with_suffix(".exit")),
+                             domain_type=self.domain_type, started_at=started,
                              job_network=self.job_network, extra_memory_mb=extra_mb, name=name,
+                             installation=self.installation,
                              qemu_user=None if uid is None else (uid, self.vm_gid))
             try:
                 self.conn.createXML(xml, 0)
@@ -419,7 +445,9 @@ class KvmDriver:
                 for part in (self.initrd, image.cpio):
                     with open(part, "rb") as src:
                         shutil.copyfileobj(src, f, 1 << 20)
-                f.write(gzip.compress(kvm_image.job_overlay(image.entrypoint + list(spec.command), env), mtime=0))
+                overlay = kvm_image.job_overlay(image.entrypoint + list(spec.command), env, memory_mb=spec.memory_mb,
+                                                pids_limit=spec.pids_limit)
+                f.write(gzip.compress(overlay, mtime=0))
                 size = f.tell()
         except OSError as exc:  # a full disk, or the cached image pruned under us
             _unlink(path)  # a partial file still holds the job's environment
@@ -565,9 +593,22 @@ class KvmDriver:
             return b""
 
     def poll(self, handle: SandboxHandle) -> tuple[str, int | None]:
+        """The exit code from the second serial port (never the console, which the job writes too);
+        ``oom`` when the kernel killed any of the job's processes for memory, as docker reports it."""
         if self._active(handle.ref):
             return RUNNING, None
-        return EXITED, _exit_code(self._console(handle))
+        path = self.state_dir / f"{handle.ref}.exit"
+        m = _exit_record(path)
+        if m is None and EXIT_RE.search(self._console(handle)):
+            # Init got to the end: virtlogd may still be writing the record's bytes QEMU passed it.
+            deadline = time.monotonic() + 2.0
+            while m is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+                m = _exit_record(path)
+        if not m:
+            return EXITED, None  # killed (stop, a crash): no code
+        rc, oom_kills = int(m.group(1)), int(m.group(2))
+        return (OOM if oom_kills else EXITED), rc
 
     def read_logs(self, handle: SandboxHandle, offset: int) -> bytes:
         """The job's output from ``offset``: only what the guest printed between its markers.
@@ -614,8 +655,8 @@ class KvmDriver:
                 md = ET.fromstring(dom.metadata(self._libvirt.VIR_DOMAIN_METADATA_ELEMENT, METADATA_NS))
             except (self._libvirt.libvirtError, ET.ParseError):
                 continue  # not ours
-            if md.get("node") != self.node:
-                continue
+            if md.get("node") != self.node or md.get("installation", "") != self.installation:
+                continue  # another agent's, on the same libvirtd
             try:
                 job_id, attempt = md.get("job"), int(md.get("attempt"))
                 out.append((job_id, attempt, SandboxHandle(
@@ -637,7 +678,7 @@ class KvmDriver:
                     dom.undefine()
             except self._libvirt.libvirtError as exc:
                 log.warning("could not remove VM %s: %s", handle.ref, exc)
-        for suffix in (".log", ".initrd", ".kernel"):
+        for suffix in (".log", ".exit", ".initrd", ".kernel"):
             _unlink(self.state_dir / f"{handle.ref}{suffix}")
 
 
@@ -659,10 +700,11 @@ def _job_output(raw: bytes, final: bool) -> bytes:
     return body[:min([cut] + ends)]
 
 
-def _exit_code(raw: bytes) -> int | None:
-    i = raw.find(START_MARKER + b"\n")
-    ends = list(EXIT_RE.finditer(raw, max(i, 0)))
-    return int(ends[-1].group(1)) if ends else None
+def _exit_record(path: Path):
+    try:
+        return EXIT_RECORD_RE.search(path.read_bytes())
+    except FileNotFoundError:
+        return None
 
 
 def _env_mb(name: str, default: int) -> int:

@@ -26,12 +26,19 @@ kernel command line. ``/init`` mounts /proc, /sys, /dev, /tmp and /work inside
 ``/image`` and runs the command chrooted there as uid/gid 65534 (``job_overlay``
 says how; the image needs no shell).
 
-The guest protocol, all on the serial console (ttyS0):
-``GPUPORTAL-JOB-START`` on a line of its own, then the job's stdout and stderr
-byte for byte (output post-processing is off), then ``GPUPORTAL-JOB-EXIT rc=N``
-and an ACPI power-off. The ACPI power button (libvirt ``shutdown``) sends
-SIGTERM to the job (``power_button`` in INIT, a read of the button's evdev
-device), which then ends the same way.
+The guest protocol. On the serial console (ttyS0): ``GPUPORTAL-JOB-START`` on a
+line of its own, then the job's stdout and stderr byte for byte (output
+post-processing is off), then ``GPUPORTAL-JOB-EXIT rc=N`` and an ACPI power-off.
+The job writes that console too, so the markers there only delimit its output:
+the exit code the agent believes comes from the second serial port (ttyS1),
+which only init opens (root's, mode 0600; the job runs as 65534 without
+capabilities), as ``GPUPORTAL-JOB-EXIT rc=N oom_kill=K`` once the job has ended.
+The job runs in a cgroup of its own (``memory.max`` = its memory, so the image
+and initrd that init holds in RAM never count as the job's; ``pids.max``), and
+``oom_kill`` is that cgroup's count of processes the kernel killed for memory.
+The ACPI power button (libvirt ``shutdown``) sends SIGTERM to the job
+(``power_button`` in INIT, a read of the button's evdev device), which then ends
+the same way.
 """
 
 from __future__ import annotations
@@ -97,6 +104,16 @@ mount -t devpts devpts /image/dev/pts
 mount -t tmpfs -o mode=1777 tmpfs /image/dev/shm
 mount -t tmpfs -o mode=1777 tmpfs /image/tmp
 mount -t tmpfs -o mode=0700,uid=65534,gid=65534 tmpfs /image/work
+# The exit code's own channel: the job must not be able to open it.
+chown 0:0 /dev/ttyS1 && chmod 0600 /dev/ttyS1
+# The job's limits (job.sh's neighbour limits.sh: MEMORY_MAX, PIDS_MAX) in a cgroup of its own.
+. /gpuportal/limits.sh
+mkdir -p /sys/fs/cgroup && mount -t cgroup2 cgroup2 /sys/fs/cgroup
+echo "+memory +pids" > /sys/fs/cgroup/cgroup.subtree_control
+mkdir /sys/fs/cgroup/job
+echo "$MEMORY_MAX" > /sys/fs/cgroup/job/memory.max
+echo 0 > /sys/fs/cgroup/job/memory.swap.max 2>/dev/null
+echo "$PIDS_MAX" > /sys/fs/cgroup/job/pids.max
 # Keep kernel messages out of the job's output, and pass its bytes through untouched.
 echo 1 > /proc/sys/kernel/printk
 exec </dev/null >/dev/ttyS0 2>/dev/null  # the shell's own "Terminated" is not the job's output
@@ -129,12 +146,16 @@ power_button() {  # the ACPI power button (libvirt shutdown) sends SIGTERM to th
   done
 }
 echo "GPUPORTAL-JOB-START"
-sh /gpuportal/job.sh 2>&1 &
+sh -c 'echo $$ > /sys/fs/cgroup/job/cgroup.procs && exec sh /gpuportal/job.sh' 2>&1 &
 job=$!
 power_button "$job" &
 wait "$job"
 rc=$?
+# What the job left running goes now: nothing of it writes the console after the end marker.
+echo 1 > /sys/fs/cgroup/job/cgroup.kill
+oom=$(sed -n 's/^oom_kill //p' /sys/fs/cgroup/job/memory.events)
 echo "GPUPORTAL-JOB-EXIT rc=$rc"
+echo "GPUPORTAL-JOB-EXIT rc=$rc oom_kill=${oom:-0}" > /dev/ttyS1
 sync
 poweroff -f
 sleep 5
@@ -155,7 +176,7 @@ esac
 """
 
 # Bump when INIT or the layout changes: invalidates every cache.
-BUILD_VERSION = 4
+BUILD_VERSION = 5
 
 
 @dataclass
@@ -248,8 +269,9 @@ class Cpio:
         return self.out.getvalue() if isinstance(self.out, io.BytesIO) else None
 
 
-def job_overlay(command: list[str], env: dict[str, str]) -> bytes:
-    """The per-job cpio: ``/gpuportal/job.sh`` runs the command in the job's image.
+def job_overlay(command: list[str], env: dict[str, str], *, memory_mb: int = 1024, pids_limit: int = 512) -> bytes:
+    """The per-job cpio: ``/gpuportal/job.sh`` runs the command in the job's image, and
+    ``/gpuportal/limits.sh`` holds the job cgroup's limits for INIT.
 
     The guest's own busybox makes the switch, so the image needs no shell:
     ``env -i`` leaves exactly ``env``; ``setpriv --nnp`` makes setuid bits
@@ -269,6 +291,7 @@ def job_overlay(command: list[str], env: dict[str, str]) -> bytes:
     script = "# written by the gpuportal kvm driver\nexec " + " ".join(shlex.quote(a) for a in argv) + "\n"
     c = Cpio()
     c.file("gpuportal/job.sh", script.encode(), 0o755)
+    c.file("gpuportal/limits.sh", f"MEMORY_MAX={int(memory_mb) * 2**20}\nPIDS_MAX={int(pids_limit)}\n".encode())
     return c.finish()
 
 

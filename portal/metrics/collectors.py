@@ -65,14 +65,21 @@ class PortalCollector:
 
     def _jobs(self):
         from portal.jobs.models import Job, JobState
+        from scheduler.core import REASON_FRAGMENTED
 
-        counts = dict(Job.objects.filter(is_array_parent=False).values("state").annotate(n=Count("id"))
-                      .values_list("state", "n").order_by())
+        rows = (Job.objects.filter(is_array_parent=False).values("state")
+                .annotate(n=Count("id"), frag=Count("id", filter=Q(reason_code=REASON_FRAGMENTED)))
+                .values_list("state", "n", "frag").order_by())
+        counts = {state: n for state, n, _ in rows}
         jobs = GaugeMetricFamily("gpuportal_jobs", "Jobs by state (array tasks counted, parents not)",
                                  labels=["state"])
         for state in JobState.values:
             jobs.add_metric([state], float(counts.get(state, 0)))
         yield jobs
+        # The scheduler's fragmentation: jobs that would start if their GPUs could be split over nodes.
+        yield GaugeMetricFamily("gpuportal_jobs_fragmented",
+                                "Queued jobs waiting 'fragmented': enough GPUs free, but not on the nodes they need",
+                                value=float(sum(f for state, _, f in rows if state == JobState.QUEUED)))
         # Cumulative over every job that ever started (first start), so it only grows like a
         # histogram must; one aggregate query whatever the number of jobs.
         wait = ExpressionWrapper(F("started_at") - F("submitted_at"), output_field=DurationField())

@@ -128,10 +128,51 @@ def test_exit_code_argv_and_env_reach_the_guest(vm_driver):
     h = d.launch(spec)
     xml = d.conn.lookupByName(h.ref).XMLDesc()
     assert "<interface" not in xml and "<hostdev" not in xml and ">2</vcpu>" in xml
-    # The job's 256 MiB plus room for the busybox image (2 MiB) and the initrd, both held in RAM.
-    assert 256 * 1024 < int(re.search(r"<memory unit='KiB'>(\d+)<", xml).group(1)) <= 272 * 1024
+    # The job's 256 MiB, the guest's own 96 and room for the busybox image (2 MiB) and the initrd, held in RAM.
+    assert (256 + 96) * 1024 < int(re.search(r"<memory unit='KiB'>(\d+)<", xml).group(1)) <= (256 + 96 + 16) * 1024
     assert wait_exit(d, h) == (EXITED, 3)
     assert d.read_logs(h, 0) == f"bar $baz|a b'c \"d\"|{spec.job_id}\n".encode()
+    d.remove(h)
+
+
+def test_a_job_cannot_fake_its_exit_code(vm_driver):
+    """The job exits 3 while a child of its keeps printing the console's exit marker with 0 (so the last
+    marker there would be the job's): the code comes from the second serial port, which it cannot open."""
+    d = vm_driver
+    h = d.launch(make_spec(command=["sh", "-c", '{ echo "GPUPORTAL-JOB-EXIT rc=0 oom_kill=0" > /dev/ttyS1; } '
+                                                '2>/dev/null || echo "ttyS1 refused"; '
+                                                '(while :; do echo "GPUPORTAL-JOB-EXIT rc=0"; done) & sleep 1; exit 3']))
+    assert wait_exit(d, h) == (EXITED, 3)
+    out = d.read_logs(h, 0)
+    assert out.startswith(b"ttyS1 refused\nGPUPORTAL-JOB-EXIT rc=0\n"), out[:200]
+    d.remove(h)
+
+
+def test_the_job_gets_its_memory_not_the_images_and_over_it_ends_oom(vm_driver):
+    """40 MiB of files in /work fit a 64 MiB job; an endless allocation is killed at 64 MiB, although the VM
+    holds more (the guest's share, the image): reported oom, as docker reports it."""
+    from agents.sandbox import OOM
+
+    d = vm_driver
+    h = d.launch(make_spec(memory_mb=64, command=[
+        "sh", "-c", "dd if=/dev/zero of=/work/a bs=1M count=40 2>/dev/null && echo fits; rm /work/a; "
+                    "exec tail /dev/zero"]))
+    assert wait_exit(d, h) == (OOM, 137)
+    assert d.read_logs(h, 0) == b"fits\n"
+    d.remove(h)
+
+
+def test_cpus_are_capped_on_the_host_and_more_than_the_node_has_are_refused(vm_driver):
+    d = vm_driver
+    node_cpus = d.conn.getInfo()[2]
+    with pytest.raises(SandboxError, match=f"cpus: {node_cpus + 1} needs {node_cpus + 1} vCPUs, node {d.node} "
+                                           f"has {node_cpus} CPUs"):
+        d.launch(make_spec(cpus=node_cpus + 1))
+    h = d.launch(make_spec(cpus=0.25, command=["sh", "-c", "echo up; sleep 600"]))
+    wait_output(d, h, b"up\n")
+    dom = d.conn.lookupByName(h.ref)
+    params = dom.schedulerParameters()  # read back from the domain's cgroup
+    assert (dom.maxVcpus(), params["global_period"], params["global_quota"]) == (1, 100000, 25000)
     d.remove(h)
 
 

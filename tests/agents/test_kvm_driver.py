@@ -10,7 +10,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from agents.sandbox import EXITED, RUNNING, SandboxError
+from agents.sandbox import EXITED, OOM, RUNNING, SandboxError
 from agents.sandbox.kvm_driver import METADATA_NS, domain_xml, pci_address
 from agents.sandbox.kvm_image import BUILD_VERSION, ImageError, image_cpio
 from tests.agents.conftest import make_spec
@@ -29,7 +29,9 @@ def test_domain_xml_passes_only_the_allocated_gpus_and_no_nic():
     root = ET.fromstring(domain_xml(spec, node="n1", pci_bus_ids=["00000000:28:00.0", "00000000:48:00.0"],
                                     kernel="/k", initrd="/i", console_log="/tmp/c.log"))
     assert root.get("type") == "kvm" and root.findtext("name") == "gpuportal-j1-2"
-    assert root.findtext("vcpu") == "3" and root.find("memory").text == "4096"
+    assert root.findtext("vcpu") == "3" and root.find("memory").text == str(4096 + 96)
+    # 2.5 CPUs of host time for the whole domain, on 3 vCPUs.
+    assert (root.findtext("cputune/global_period"), root.findtext("cputune/global_quota")) == ("100000", "250000")
     hostdevs = root.findall("devices/hostdev")
     assert [h.find("source/address").get("bus") for h in hostdevs] == ["0x28", "0x48"]
     assert all(h.get("managed") == "yes" and h.find("driver").get("name") == "vfio" for h in hostdevs)
@@ -68,12 +70,36 @@ def test_lifecycle_on_the_libvirt_test_driver(kvm, tmp_path):
     console = kvm.state_dir / f"{h.ref}.log"
     console.write_bytes(b"[ 0.1] booting\nGPUPORTAL-JOB-START\nout\nparti")
     assert kvm.read_logs(h, 0) == b"out\n"  # running: only complete lines
-    console.write_bytes(b"[ 0.1] booting\nGPUPORTAL-JOB-START\nout\npartial\nGPUPORTAL-JOB-EXIT rc=3\n"
+    console.write_bytes(b"[ 0.1] booting\nGPUPORTAL-JOB-START\nout\npartial\nGPUPORTAL-JOB-EXIT rc=0\n"
                         b"[ 2.0] reboot: Power down\n")
     kvm.stop(h, grace_s=0.2)
-    assert kvm.poll(h) == (EXITED, 3) and kvm.read_logs(h, 4) == b"partial\n"
+    # The console's marker delimits the output only: the code comes from the second serial port.
+    assert kvm.poll(h) == (EXITED, None) and kvm.read_logs(h, 4) == b"partial\n"
+    (kvm.state_dir / f"{h.ref}.exit").write_bytes(b"GPUPORTAL-JOB-EXIT rc=3 oom_kill=0\n")
+    assert kvm.poll(h) == (EXITED, 3)
+    (kvm.state_dir / f"{h.ref}.exit").write_bytes(b"GPUPORTAL-JOB-EXIT rc=137 oom_kill=1\n")
+    assert kvm.poll(h) == (OOM, 137)
     kvm.remove(h)
     assert kvm.list_own() == []
+
+
+def test_two_agents_on_one_libvirtd_run_the_same_attempt_and_adopt_only_their_own(kvm, tmp_path):
+    """A second agent (another node, or another installation with the same node name) sharing libvirtd:
+    the same job attempt starts on each, and each finds only its own VMs after a restart."""
+    from agents.sandbox.kvm_driver import KvmDriver
+
+    others = [KvmDriver(node=node, uri="test:///default", domain_type="test", state_dir=str(tmp_path / node),
+                        installation=inst) for node, inst in (("n2", ""), ("n1", "staging"))]
+    spec = make_spec(job_id="shared-1")
+    handles = [d.launch(spec) for d in (kvm, *others)]
+    assert len({h.ref for h in handles}) == 3 and all("n1" in h.ref or "n2" in h.ref for h in handles)
+    for d, h in zip((kvm, *others), handles):
+        assert [found.ref for _, _, found in d.list_own()] == [h.ref]
+    for d, h in zip((kvm, *others), handles):
+        d.remove(h)
+        assert d.list_own() == []
+    for d in others:
+        d.conn.close()
 
 
 def test_gpu_without_a_known_pci_address_is_refused(kvm):

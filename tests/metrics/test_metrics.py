@@ -170,3 +170,18 @@ def test_a_hot_gpu_whose_scrub_failed_meanwhile_does_not_heal_by_cooling(node):
     beat(node, [sample(hot, temperature_c=40)])
     hot.refresh_from_db()
     assert hot.health == "unhealthy" and "Memory scrub failed after job 7" in hot.health_reason
+
+
+def test_jobs_waiting_fragmented_are_counted(node, demo, api, settings):
+    """One GPU free on each of two nodes: a 2-GPU job waits fragmented and the gauge says 1."""
+    node_add(actor=Actor(user=demo.users["admin"]), name="gpu-02", gpus="2xH100-80GB")
+    settings.SCHEDULER_PLACEMENT = "spread"
+    submit(demo, 1)
+    submit(demo, 1)
+    run_pass()
+    pair = submit(demo, 2)
+    run_pass()
+    pair.refresh_from_db()
+    assert pair.reason_code == "fragmented"
+    families = parse(api("admin").get("/metrics").content.decode())
+    assert families["gpuportal_jobs_fragmented"].samples[0].value == 1
