@@ -499,7 +499,7 @@ class KvmDriver:
                 for c in self._docker.containers.list(all=True,
                                                       filters={"label": f"gpuportal.kvm_export={self.node}"}):
                     if c.status == "created":
-                        c.remove(force=True)
+                        c.remove(force=True, v=True)
                         gone.append(f"container {c.short_id}")
         except (docker.errors.DockerException, requests.RequestException) as exc:
             log.warning("kvm sandbox: image cache not pruned, the Docker engine is not answering: %s", exc)
@@ -560,7 +560,7 @@ class KvmDriver:
                 os.replace(tmp, dest)
                 tmp = None
             finally:
-                c.remove(force=True)
+                c.remove(force=True, v=True)  # v: the anonymous volumes of the image's VOLUMEs
         except (docker.errors.DockerException, requests.RequestException) as exc:
             raise SandboxError(f"could not export image {ref!r} from node {self.node}'s Docker engine: "
                                f"{exc}") from None

@@ -384,3 +384,28 @@ def test_a_link_planted_at_a_launch_file_is_replaced_not_followed(qemu_driver, d
     d.remove(h)
     assert victim.read_bytes() == b"precious"
     assert sorted(p.name for p in d.state_dir.iterdir()) == []  # the launch's files are gone again
+
+
+def test_converting_an_image_with_volumes_leaves_no_volume_behind(qemu_driver, docker_client):
+    """`docker create` makes an anonymous volume for each VOLUME of the image; the export container must
+    take them along when it goes."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        info = tarfile.TarInfo("etc/volume-test")
+        info.size = 1
+        tf.addfile(info, io.BytesIO(b"1"))
+    docker_client.api.import_image_from_data(buf.getvalue(), repository="gpuportal/volume-test", tag="1",
+                                             changes=["VOLUME /data", "VOLUME /cache"])
+    image = docker_client.images.get("gpuportal/volume-test:1")
+    before = {v.id for v in docker_client.volumes.list()}
+    d = qemu_driver()
+    try:
+        h = d.launch(make_spec(image="gpuportal/volume-test:1", command=["true"]))
+        d.remove(h)
+        assert (d.image_cache / f"{image.id.split(':')[-1]}.cpio.gz").is_file()
+        assert {v.id for v in docker_client.volumes.list()} - before == set()
+    finally:
+        docker_client.images.remove(image.id, force=True)
