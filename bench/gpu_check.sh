@@ -8,7 +8,9 @@
 #     exits; tenant B scans as much fresh memory for it (informational: does
 #     CUDA hand out old memory?); then A again, our scrub, and B again, which
 #     must find 0 matches;
-#  3. the agent's own scrub call (NvmlProbe.scrub) with its timing.
+#  3. the agent's own scrub call (NvmlProbe.scrub) with its timing;
+#  4. the kvm sandbox's passthrough check: every GPU's PCI address (from NVML) is an NVIDIA display
+#     controller in sysfs, and its libvirt address keeps the whole PCI domain.
 # Exit status is non-zero if NVML does not answer or the scrubbed scan finds the pattern.
 #   bench/gpu_check.sh [SAMPLES] [INTERVAL_S] [GIB]    (defaults: 5 samples, 1 s apart, 8 GiB)
 set -euo pipefail
@@ -20,6 +22,16 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=index,uuid,name,memory.total,pci.bus_id,driver_version --format=csv >&2 || true
 fi
 "$PY" -m agents.probe --gpus nvml --samples "${1:-5}" --interval "${2:-1}"
+echo "== kvm passthrough: each GPU's PCI address is an NVIDIA GPU in sysfs" >&2
+"$PY" - <<'EOF'
+import pynvml as n
+from agents.sandbox.kvm_driver import check_gpu, pci_address
+n.nvmlInit()
+for i in range(n.nvmlDeviceGetCount()):
+    bus = n.nvmlDeviceGetPciInfo(n.nvmlDeviceGetHandleByIndex(i)).busId
+    check_gpu(bus)
+    print({"gpu": i, "pci_bus_id": bus, "libvirt_address": pci_address(bus)})
+EOF
 
 GIB="${3:-8}"
 UUID="$("$PY" -c 'import pynvml as n; n.nvmlInit(); print(n.nvmlDeviceGetUUID(n.nvmlDeviceGetHandleByIndex(0)))')"

@@ -97,13 +97,29 @@ VM_UIDS = "3900000-3999999"
 
 
 def pci_address(bus_id: str) -> dict[str, str]:
-    """NVML's "00000000:3B:00.0" -> libvirt's domain/bus/slot/function attributes."""
+    """NVML's "00000000:3B:00.0" -> libvirt's domain/bus/slot/function attributes (the whole domain:
+    hosts with VMD or many root complexes use domains above 0xffff)."""
     m = _PCI_RE.match(bus_id.strip())
     if not m:
         raise SandboxError(f"not a PCI bus id: {bus_id!r}")
     dom, bus, slot, fn = m.groups()
-    return {"domain": f"0x{int(dom or '0', 16) & 0xFFFF:04x}", "bus": f"0x{int(bus, 16):02x}",
+    return {"domain": f"0x{int(dom or '0', 16):04x}", "bus": f"0x{int(bus, 16):02x}",
             "slot": f"0x{int(slot, 16):02x}", "function": f"0x{int(fn, 16):x}"}
+
+
+def check_gpu(bus_id: str, sysfs: str = "/sys/bus/pci/devices") -> None:
+    """SandboxError unless the device at ``bus_id`` is an NVIDIA display controller (vendor 0x10de, class
+    0x03xx): never hand a VM whatever else sits at an address (a NIC, a disk controller)."""
+    a = pci_address(bus_id)
+    name = f"{int(a['domain'], 16):04x}:{a['bus'][2:]}:{a['slot'][2:]}.{a['function'][2:]}"
+    try:
+        vendor = (Path(sysfs) / name / "vendor").read_text().strip().lower()
+        klass = (Path(sysfs) / name / "class").read_text().strip().lower()
+    except OSError:
+        raise SandboxError(f"no PCI device {name} on this host (GPU bus id {bus_id!r})") from None
+    if vendor != "0x10de" or not klass.startswith("0x03"):
+        raise SandboxError(f"PCI device {name} is not an NVIDIA GPU (vendor {vendor}, class {klass}): "
+                           f"refusing to pass it through")
 
 
 def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: str, initrd: str,
@@ -320,6 +336,9 @@ class KvmDriver:
         vcpus, node_cpus = math.ceil(spec.cpus), self.conn.getInfo()[2]
         if vcpus > node_cpus:
             raise SandboxError(f"cpus: {spec.cpus:g} needs {vcpus} vCPUs, node {self.node} has {node_cpus} CPUs")
+        if self.domain_type != "test":
+            for bus in buses:
+                check_gpu(bus)
         name = self.vm_name(spec)
         if self._dom(name) is not None:
             raise SandboxError(f"VM {name} already exists")

@@ -311,7 +311,8 @@ def test_domain_xml_validates_against_libvirts_schema(tmp_path, domain_type, gpu
     if not shutil.which("virt-xml-validate") or not shutil.which("xmllint"):
         pytest.fail(f"virt-xml-validate or xmllint is missing; {SETUP}", pytrace=False)
     spec = make_spec(gpu_indexes=list(range(gpus)), gpu_uuids=[f"GPU-{i}" for i in range(gpus)], network=network)
-    xml = domain_xml(spec, node="n1", pci_bus_ids=[f"0000:{0x18 + 16 * i:02x}:00.0" for i in range(gpus)],
+    buses = [f"{0x10000 * i:04x}:{0x18 + 16 * i:02x}:00.0" for i in range(gpus)]  # the second behind VMD
+    xml = domain_xml(spec, node="n1", pci_bus_ids=buses,
                      kernel="/k", initrd="/i", console_log="/tmp/c.log", domain_type=domain_type,
                      job_network="user")
     assert ("<interface" in xml) == network and xml.count("<hostdev ") == gpus

@@ -19,8 +19,44 @@ from tests.agents.conftest import make_spec
 def test_pci_address_from_nvml_bus_id():
     assert pci_address("00000000:3B:00.0") == {"domain": "0x0000", "bus": "0x3b", "slot": "0x00", "function": "0x0"}
     assert pci_address("0001:af:1f.7") == {"domain": "0x0001", "bus": "0xaf", "slot": "0x1f", "function": "0x7"}
+    # A VMD domain keeps its upper bits (it was cut to 0x0000, a different device).
+    assert pci_address("00010000:e1:00.0")["domain"] == "0x10000"
     with pytest.raises(SandboxError):
         pci_address("GPU-abc")
+
+
+def fake_pci(root, name, vendor, klass):
+    (root / name).mkdir(parents=True)
+    (root / name / "vendor").write_text(vendor + "\n")
+    (root / name / "class").write_text(klass + "\n")
+
+
+def test_only_an_nvidia_display_controller_is_passed_through(tmp_path):
+    from agents.sandbox.kvm_driver import check_gpu
+
+    fake_pci(tmp_path, "0000:3b:00.0", "0x10de", "0x030200")  # a data-centre GPU (3D controller)
+    fake_pci(tmp_path, "10000:e1:00.0", "0x10de", "0x030000")  # behind VMD
+    fake_pci(tmp_path, "0000:18:00.0", "0x15b3", "0x020000")  # a NIC where a GPU was expected
+    fake_pci(tmp_path, "0000:28:00.0", "0x10de", "0x040300")  # the GPU's audio function
+    check_gpu("00000000:3B:00.0", sysfs=str(tmp_path))
+    check_gpu("00010000:E1:00.0", sysfs=str(tmp_path))
+    with pytest.raises(SandboxError, match=r"PCI device 0000:18:00.0 is not an NVIDIA GPU \(vendor 0x15b3"):
+        check_gpu("00000000:18:00.0", sysfs=str(tmp_path))
+    with pytest.raises(SandboxError, match="0000:28:00.0 is not an NVIDIA GPU"):
+        check_gpu("0000:28:00.0", sysfs=str(tmp_path))
+    with pytest.raises(SandboxError, match="no PCI device 0000:99:00.0 on this host"):
+        check_gpu("0000:99:00.0", sysfs=str(tmp_path))
+
+
+def test_this_hosts_own_pci_devices_are_no_gpus():
+    """The real sysfs: a simulated GPU's default address on a real server is some other device."""
+    import os
+
+    from agents.sandbox.kvm_driver import check_gpu
+
+    name = sorted(os.listdir("/sys/bus/pci/devices"))[0]
+    with pytest.raises(SandboxError, match=f"PCI device {name} is not an NVIDIA GPU"):
+        check_gpu(name)
 
 
 def test_domain_xml_passes_only_the_allocated_gpus_and_no_nic():
