@@ -8,6 +8,8 @@ where they are members.
 """
 from django.db import models
 
+from .errors import NotFound
+
 ACTION_PERMS = {
     "view": "view_project",
     "submit": "submit_job",
@@ -54,6 +56,17 @@ class TenantQuerySet(models.QuerySet):
         if project_id is not None:
             qs = qs.filter(**{lookup: project_id})
         return qs
+
+
+def check_token_project(actor, project) -> None:
+    """A project-restricted token acts on its own project only; any other is not there for it.
+
+    Viewsets already hide other projects from such a token; services check again, so a new
+    view (or a serializer's choices, issue 12's H2) cannot open a way around the restriction.
+    """
+    restricted = actor.restricted_project_id
+    if restricted is not None and project.pk != restricted:
+        raise NotFound(f"No project named {project.slug!r}.", field="project")
 
 
 def user_can(user, action: str, project) -> bool:

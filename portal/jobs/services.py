@@ -8,7 +8,7 @@ from rest_framework import serializers
 
 from portal.core.context import Actor
 from portal.core.errors import Conflict, Forbidden, InvalidInput, Unprocessable
-from portal.core.querysets import user_can
+from portal.core.querysets import check_token_project, user_can
 from portal.core.services import audit_record
 from portal.core.text import check_plain_name
 from portal.tenancy.models import Project
@@ -157,6 +157,7 @@ def _dependencies(project: Project, ids: list[int]) -> list[Job]:
 
 def job_cancel(*, actor: Actor, job: Job, reason: str = "") -> Job:
     """Cancel a job (or every unfinished task of an array). Holders get a stop command."""
+    check_token_project(actor, job.project)
     own = job.user_id == getattr(actor.user, "pk", None) and user_can(actor.user, "submit", job.project)
     if not actor.is_system and not own and not user_can(actor.user, "manage", job.project):
         raise Forbidden("You can cancel your own jobs; project owners and admins can cancel any.")
@@ -217,6 +218,7 @@ def env_kept_on_resubmit(actor: Actor, job: Job) -> bool:
 
 def template_save(*, actor: Actor, project: Project, name: str, spec: dict, locked: list[str],
                   description: str = "", template: JobTemplate | None = None) -> JobTemplate:
+    check_token_project(actor, project)
     if not user_can(actor.user, "manage", project):
         raise Forbidden(f"You need the owner or admin role in {project.slug} to manage templates.")
     check_plain_name(name)
@@ -244,6 +246,7 @@ def template_save(*, actor: Actor, project: Project, name: str, spec: dict, lock
 
 
 def template_delete(*, actor: Actor, template: JobTemplate) -> None:
+    check_token_project(actor, template.project)
     if not user_can(actor.user, "manage", template.project):
         raise Forbidden(f"You need the owner or admin role in {template.project.slug} to manage templates.")
     with transaction.atomic():

@@ -9,7 +9,7 @@ from guardian.shortcuts import assign_perm, remove_perm
 
 from portal.core.context import Actor
 from portal.core.errors import Conflict, Forbidden, InvalidInput
-from portal.core.querysets import user_can
+from portal.core.querysets import check_token_project, user_can
 from portal.core.services import audit_record
 from portal.core.text import check_plain_name
 
@@ -34,6 +34,7 @@ def _require_staff(actor: Actor, what: str) -> None:
 
 
 def _require_manage(actor: Actor, project: Project) -> None:
+    check_token_project(actor, project)
     if not user_can(actor.user, "manage", project):
         raise Forbidden(f"You need the owner or admin role in project {project.slug} to do this.")
 
@@ -95,6 +96,7 @@ def project_update(*, actor: Actor, project: Project, **changes) -> Project:
 def quota_update(*, actor: Actor, project: Project, **changes) -> Quota:
     """Quotas are set by operators: a tenant never raises its own limits."""
     _require_staff(actor, "change quotas")
+    check_token_project(actor, project)
     with transaction.atomic():
         quota = Quota.objects.select_for_update().get(project=project)
         for key, value in changes.items():
@@ -157,6 +159,7 @@ def membership_change_role(*, actor: Actor, membership: Membership, role: str) -
 
 def membership_remove(*, actor: Actor, membership: Membership) -> None:
     project = membership.project
+    check_token_project(actor, project)
     leaving_self = actor.user is not None and membership.user_id == actor.user.pk
     if not leaving_self:
         _require_manage(actor, project)

@@ -117,3 +117,41 @@ def test_restricted_token_may_still_write_inside_its_project(demo, api, audio):
                        format="json").status_code == 201
     response = client.post("/api/v1/tokens/", {"name": "x", "scopes": ["read"], "project": "audio"}, format="json")
     assert response.status_code == 201, response.json()
+
+
+def test_services_refuse_a_token_restricted_to_another_project(demo, audio):
+    """Defence in depth: the services check the restriction themselves, whatever view calls them."""
+    from portal.accounts.models import ApiToken
+    from portal.core.errors import InvalidInput, NotFound
+    from portal.jobs.services import job_cancel, job_submit, template_delete, template_save
+    from portal.tenancy.models import Membership
+    from portal.tenancy.services import (membership_add, membership_change_role, membership_remove, project_update,
+                                         quota_update)
+
+    fixtures = _tenant_objects(demo)
+    from portal.jobs.models import Job, JobTemplate
+
+    job, template = Job.objects.get(pk=fixtures["vision_job"]), JobTemplate.objects.get(pk=fixtures["vision_template"])
+    make_token(demo.users["alice"], ["read", "submit", "admin"], project=audio)
+    alice = Actor(user=demo.users["alice"], token=ApiToken.objects.filter(user=demo.users["alice"]).latest("id"))
+    make_token(demo.users["admin"], ["read", "submit", "admin"], project=audio)
+    staff = Actor(user=demo.users["admin"], token=ApiToken.objects.filter(user=demo.users["admin"]).latest("id"))
+    dave = Membership.objects.get(project=demo.vision, user__username="dave")
+    calls = [
+        lambda: template_save(actor=alice, project=demo.vision, name="x", spec={}, locked=[]),
+        lambda: template_delete(actor=alice, template=template),
+        lambda: job_cancel(actor=alice, job=job),
+        lambda: project_update(actor=alice, project=demo.vision, description="x"),
+        lambda: membership_add(actor=alice, project=demo.vision, username="charlie", role="viewer"),
+        lambda: membership_change_role(actor=alice, membership=dave, role="member"),
+        lambda: membership_remove(actor=alice, membership=dave),
+        lambda: quota_update(actor=staff, project=demo.vision, max_running_jobs=1),
+    ]
+    before = AuditEvent.objects.count()
+    for call in calls:
+        with pytest.raises(NotFound):
+            call()
+    with pytest.raises(InvalidInput, match="No project named 'vision'"):
+        job_submit(actor=alice, data={"project": "vision", "name": "x", "image": "gpuportal/busybox:latest",
+                                      "command": ["true"]})
+    assert AuditEvent.objects.count() == before
