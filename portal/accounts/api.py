@@ -14,6 +14,9 @@ from .services import notification_preferences_update, token_issue, token_revoke
 class TokenSerializer(serializers.ModelSerializer):
     project = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     active = serializers.BooleanField(source="is_active", read_only=True)
+    parent = serializers.PrimaryKeyRelatedField(read_only=True, help_text=(
+        "The token this one was created with (null when created in a browser session): it never outlives "
+        "it and is revoked with it."))
 
     class Meta:
         model = ApiToken

@@ -137,6 +137,7 @@ def test_minted_token_cannot_outlive_its_parent(demo, api):
     assert r.status_code == 201
     child = ApiToken.objects.get(pk=r.json()["id"])
     assert child.expires_at == parent_row.expires_at and child.parent_id == parent_row.pk
+    assert r.json()["parent"] == parent_row.pk
     # A session (no parent token) still gets the full default.
     r = _mint(api("alice"))
     assert ApiToken.objects.get(pk=r.json()["id"]).expires_at > parent_row.expires_at + timedelta(days=10)
