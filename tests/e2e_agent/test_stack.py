@@ -196,9 +196,7 @@ def test_gpu_job_on_simulated_gpus_runs_with_the_gpu_environment(stack):
     assert first.startswith("[gpuportal] simulated GPUs: no NVIDIA runtime, the job sees the GPU environment only")
     assert second == "CUDA=0,1 NVIDIA=void"
     assert any("simulated GPUs" in w for w in job["warnings"]), job["warnings"]
-    (container,) = stack.containers(job_id)
-    host = container.attrs["HostConfig"]
-    assert not host.get("DeviceRequests") and host["NetworkMode"] == "none" and host["ReadonlyRootfs"]
+    # The container's hardening on simulated GPUs: tests/agents/test_docker_driver.py.
 
 
 def test_cancel_while_running_removes_the_container(stack):
