@@ -20,7 +20,7 @@ class TokenSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = ApiToken
-        fields = ["id", "name", "prefix", "scopes", "project", "created_at", "expires_at", "last_used_at",
+        fields = ["id", "name", "prefix", "scopes", "project", "parent", "created_at", "expires_at", "last_used_at",
                   "revoked_at", "active"]
         read_only_fields = fields
 
