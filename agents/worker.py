@@ -589,6 +589,10 @@ class Agent:
         with self._lock:
             jobs = [{"job_id": t.job_id, "attempt": t.attempt,
                      "state": t.terminal[0] if t.terminal else RUNNING} for t in self._jobs.values()]
+            # Launches still in progress (confirming, waiting for GPUs, pulling): held here too, so the
+            # portal neither re-places them nor takes them for lost (its reconciliation).
+            jobs += [{"job_id": j, "attempt": a, "state": "starting"} for j, a in sorted(self._launching)
+                     if (j, a) not in self._jobs]
         try:
             resp = self.client.heartbeat(samples=samples, jobs=jobs)
         except PortalError as exc:

@@ -352,6 +352,12 @@ SCHEDULER_PLACEMENT = env_str("SCHEDULER_PLACEMENT", "bestfit")
 SCHEDULER_MIN_RUNTIME_S = env_int("SCHEDULER_MIN_RUNTIME_S", 600, minimum=0)
 SCHEDULER_FAIRSHARE_HALF_LIFE_S = env_int("SCHEDULER_FAIRSHARE_HALF_LIFE_S", 7 * 86400, minimum=60)
 LAUNCH_RESEND_S = env_int("LAUNCH_RESEND_S", 60, minimum=1)
+# A job assigned or starting this long that its node's heartbeats do not list (neither launching
+# nor running there) was lost on the way: it is requeued (portal/nodes/services.py).
+LAUNCH_LOST_S = env_int("LAUNCH_LOST_S", 180, minimum=1)
+if LAUNCH_LOST_S <= LAUNCH_RESEND_S:
+    raise ImproperlyConfigured(f"LAUNCH_LOST_S: {LAUNCH_LOST_S} must be longer than LAUNCH_RESEND_S "
+                               f"({LAUNCH_RESEND_S}), so a lost launch is re-sent before its job is requeued")
 TESTING_CRASHPOINTS = env_bool("GPUPORTAL_CRASHPOINTS", False)
 # Nodes and agents (seconds; docs/configuration.md, "Node leases"). An agent that has not had a
 # heartbeat answered for AGENT_LEASE_S stops its sandboxes (SIGTERM, AGENT_FENCE_GRACE_S, SIGKILL);

@@ -313,12 +313,16 @@ def _write_reasons(plan: core.Plan, context) -> int:
 
 
 def _resend_stale_launches(now) -> list[tuple[str, int, int]]:
-    """Assigned jobs whose agent never confirmed: the launch may have been lost after commit.
+    """Jobs assigned or starting for LAUNCH_RESEND_S and not yet running: the launch may have been
+    lost after commit, or with an agent that died while it waited for GPUs.
 
-    Fencing makes a duplicate harmless: the agent confirms (job, attempt) before starting.
+    Fencing makes a duplicate harmless: the agent confirms (job, attempt) before starting, and
+    one it is already launching or running is a no-op there. A launch still lost after
+    LAUNCH_LOST_S is requeued from the node's heartbeat (portal/nodes/services.py).
     """
     cutoff = now - timedelta(seconds=settings.LAUNCH_RESEND_S)
-    stale = {row[0]: row for row in Job.objects.filter(state=JobState.ASSIGNED, state_changed_at__lt=cutoff)
+    stale = {row[0]: row for row in Job.objects.filter(state__in=[JobState.ASSIGNED, JobState.STARTING],
+                                                       state_changed_at__lt=cutoff)
              .values_list("id", "attempt", "node__name")}
     out = []
     gang_nodes = defaultdict(set)

@@ -283,9 +283,46 @@ def agent_heartbeat(*, node: Node, samples: list[dict], jobs: list[dict]) -> dic
         from portal.metrics.services import samples_ingest
 
         samples_ingest(node=node, samples=samples)
+    _requeue_lost_launches(node=node, reported=jobs)
     return {"drain": node.state in (NodeState.DRAINING, NodeState.DRAINED), "stop": stale_reports(node=node,
                                                                                               reported=jobs),
             "refused": refused}
+
+
+def _requeue_lost_launches(*, node: Node, reported: list[dict]) -> list[int]:
+    """Reconcile what the node holds with what the portal placed there: a job assigned or starting
+    on this node for LAUNCH_LOST_S that the heartbeat does not list (the agent lists what it runs
+    and what it is launching) never reached a sandbox, re-sent launches included: it is requeued
+    as a new attempt rather than held, and billed, with nothing running. The other direction, a
+    sandbox the portal does not know or of a stale attempt, is stopped by `stale_reports`.
+    Returns the requeued job ids."""
+    from datetime import timedelta
+
+    from django.conf import settings
+    from django.db.models import Q
+    from django.utils import timezone
+
+    from portal.jobs.models import Job, JobState
+    from portal.jobs.reports import job_requeue_after_node_fault
+
+    cutoff = timezone.now() - timedelta(seconds=settings.LAUNCH_LOST_S)
+    held = {(str(r.get("job_id")), int(r.get("attempt") or 0)) for r in reported}
+    late = Job.objects.filter(state__in=[JobState.ASSIGNED, JobState.STARTING], state_changed_at__lt=cutoff).filter(
+        Q(node=node) | Q(allocations__gpu__node=node, allocations__released_at__isnull=True)).distinct()
+    requeued = []
+    for job in late:
+        if (str(job.pk), job.attempt) in held:
+            continue
+        why = f"Node {node.name} never started it ({job.state} for over {settings.LAUNCH_LOST_S}s, not on the node)."
+        if job_requeue_after_node_fault(job, why):
+            requeued.append(job.pk)
+    if requeued:
+        import logging
+
+        logging.getLogger(__name__).warning("node %s: requeued %s, placed there but never started",
+                                            node.name, requeued)
+        _request_pass()
+    return requeued
 
 
 def gpu_unhealthy_handle(*, gpu: GPU, reason: str) -> dict:

@@ -1,0 +1,81 @@
+"""Reconciliation of what a node holds (its heartbeat) with what the portal placed there: a
+launch not yet running is re-sent, in `assigned` or `starting`; one the node still does not hold
+after LAUNCH_LOST_S is requeued instead of holding GPUs with nothing running."""
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from portal.core.context import Actor
+from portal.jobs.models import Allocation, Job
+from portal.jobs.services import job_submit
+from portal.nodes.services import node_add
+from scheduler.adapter import run_pass
+
+INVENTORY = [{"index": 0, "uuid": "GPU-rec-0", "model": "NVIDIA H100 80GB HBM3", "memory_mb": 81559}]
+
+
+@pytest.fixture
+def sent(monkeypatch):
+    out = []
+    monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args: out.append((task, node, args)))
+    return out
+
+
+@pytest.fixture
+def starting(demo, sent):
+    """A job the node confirmed (`starting`), whose agent then died before its sandbox ran."""
+    _, secret = node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="1xH100-80GB")
+    agent = APIClient()
+    agent.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    assert agent.post("/api/agent/v1/register", {"name": "gpu-01", "cpus": 8, "memory_mb": 1, "sandbox": "docker",
+                                                 "gpus": INVENTORY}, format="json").status_code == 200
+    job, _ = job_submit(actor=Actor(user=demo.users["alice"]), data={
+        "project": "vision", "name": "j", "image": "gpuportal/busybox:latest", "command": ["true"],
+        "resources": {"gpus": 1}})
+    run_pass()
+    assert agent.post(f"/api/agent/v1/jobs/{job.pk}/confirm", {"attempt": 1}, format="json").status_code == 200
+    assert Job.objects.get(pk=job.pk).state == "starting"
+    agent.job = job
+    return agent
+
+
+def age(job, seconds):
+    Job.objects.filter(pk=job.pk).update(state_changed_at=timezone.now() - timedelta(seconds=seconds))
+
+
+def heartbeat(agent, jobs):
+    r = agent.post("/api/agent/v1/heartbeat", {"samples": [], "jobs": jobs}, format="json")
+    assert r.status_code == 200
+    return r.json()
+
+
+def test_a_starting_job_not_yet_running_gets_its_launch_again(starting, sent, settings,
+                                                              django_capture_on_commit_callbacks):
+    job = starting.job
+    sent.clear()
+    with django_capture_on_commit_callbacks(execute=True):
+        run_pass()
+    assert not [a for t, _, a in sent if t == "agent.launch"]  # just confirmed: nothing to re-send
+    age(job, settings.LAUNCH_RESEND_S + 1)
+    with django_capture_on_commit_callbacks(execute=True):
+        run_pass()
+    assert [(n, a[:2]) for t, n, a in sent if t == "agent.launch"] == [("gpu-01", [str(job.pk), 1])]
+
+
+def test_a_job_the_node_does_not_hold_past_the_limit_is_requeued(starting, settings):
+    job = starting.job
+    age(job, settings.LAUNCH_LOST_S + 1)
+    heartbeat(starting, [{"job_id": str(job.pk), "attempt": 1, "state": "starting"}])  # still launching there
+    assert Job.objects.get(pk=job.pk).state == "starting"
+    heartbeat(starting, [])  # the agent restarted: it holds nothing
+    job.refresh_from_db()
+    assert job.state == "queued" and job.attempt == 2 and job.reason_code == "node_fail"
+    assert "never started it" in job.reason_message
+    assert not Allocation.objects.filter(job=job, released_at__isnull=True).exists()  # GPUs no longer held
+
+
+def test_a_recent_launch_the_node_does_not_list_yet_is_left_alone(starting):
+    heartbeat(starting, [])  # the launch may still be on its way
+    assert Job.objects.get(pk=starting.job.pk).state == "starting"
