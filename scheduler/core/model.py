@@ -139,7 +139,16 @@ class OrgQuota:
 class Config:
     """Knobs of one pass. Per-pool overrides win over the cluster-wide value."""
 
-    policy: str = "multifactor"  # fifo | multifactor | las
+    # fifo: strict head-of-line in submit order (the first job that is admitted but cannot
+    # start blocks every later one); fifo-backfill: first fit in submit order (every job that
+    # fits starts, no reservation); multifactor: Slurm-like priority with EASY backfill;
+    # las: Tiresias' two-dimensional least attained service (see ordering.py).
+    policy: str = "multifactor"
+    # Guaranteed quotas take part in the pass: a start above the guarantee is borrowed,
+    # multifactor considers jobs within their guarantee before borrowing ones, and a job
+    # within its guarantee may preempt borrowed work. False: none of that (nothing is
+    # borrowed); a quota's hard limits (max GPUs, max running jobs, ...) hold either way.
+    quotas: bool = True
     placement: str = "bestfit"  # bestfit | spread
     pool_placement: dict[str, str] = field(default_factory=dict)
     pool_policy: dict[str, str] = field(default_factory=dict)

@@ -1,6 +1,7 @@
 """Queue order: which job is considered first.
 
-`fifo` is submit order; `las` (least attained service) puts the project with
+`fifo` and `fifo-backfill` are submit order (they differ in what a blocked
+job does to later ones, see scheduling.py); `las` (least attained service) puts the project with
 the least decayed usage first; `multifactor` is Slurm-like: a weighted sum of
 QoS, fair share, age and size factors, each normalized to 0..1 first so the
 weights alone say what matters.
@@ -11,7 +12,8 @@ import math
 
 from .model import Config, Job, ProjectQuota, Snapshot
 
-POLICIES = ("fifo", "multifactor", "las")
+POLICIES = ("fifo", "fifo-backfill", "multifactor", "las")
+FIFO_POLICIES = ("fifo", "fifo-backfill")
 
 
 def decay_usage(prev: float, elapsed_s: float, half_life_s: float) -> float:
@@ -50,7 +52,7 @@ def size_factor(job: Job, cfg: Config) -> float:
 
 def _sorted(jobs: list[Job], policy: str, snap: Snapshot) -> list[Job]:
     cfg = snap.config
-    if policy == "fifo":
+    if policy in FIFO_POLICIES:
         return sorted(jobs, key=lambda j: (j.submit_time, j.id))
     if policy == "las":
         usage = snap.usage

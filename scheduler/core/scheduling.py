@@ -7,8 +7,8 @@ from .model import (
     REASON_FRAGMENTED, REASON_PREEMPTING, REASON_PRIORITY, REASON_RESERVATION, REASON_RESOURCES, REASON_SANDBOX, REASON_UNPLACEABLE,
     Allocation, Job, Plan, Preemption, ProjectQuota, Reason, Snapshot, Start, sandbox_hosts,
 )
-from .ordering import order_queue
-from .placement import ClassKey, ClusterState, Topology
+from .ordering import FIFO_POLICIES, order_queue
+from .placement import UNITS, ClassKey, ClusterState, Topology, frac_units
 from .preempt import VictimPool
 
 
@@ -34,6 +34,9 @@ class _Pass:
         self._classes: dict[tuple, list[ClassKey]] = {}
         self.failed = 0  # admitted jobs that could not be placed, for max_failed_placements
         self.blocked_head: Job | None = None
+        # Explain only: job id -> (ids of the reservations holding GPUs it would fit on, seconds
+        # until the first of them starts). Found by a trial placement, so the hint is true.
+        self.reserved_for: dict[str, tuple[list[str], float]] = {}
 
     # -- helpers -----------------------------------------------------------
     def classes_for(self, job: Job) -> list[ClassKey]:
@@ -64,9 +67,27 @@ class _Pass:
         got = self.state.place_fraction(job, classes, mode)
         return ([got[0]], {got[0]: job.gpus}) if got else None
 
+    def policy_of(self, job: Job) -> str:
+        pools = self.cfg.pool_policy
+        return pools.get(job.pool, self.cfg.policy) if pools and job.pool is not None else self.cfg.policy
+
+    def blocking(self, job: Job) -> str:
+        """What a job that cannot start does to later ones: `strict` (fifo, or backfill off)
+        blocks them all; `easy` (multifactor, las) gets a reservation they may not delay;
+        `firstfit` (fifo-backfill) nothing, every later job that fits starts."""
+        pol = self.policy_of(job)
+        if pol == "fifo" or not self.cfg.backfill:
+            return "strict"
+        return "firstfit" if pol == "fifo-backfill" else "easy"
+
+    def guarantee_first(self, job: Job) -> bool:
+        """Is this job, when it would borrow, deferred behind jobs within their guarantee?
+        Only under multifactor: fifo keeps submit order whatever the quota, las attained service."""
+        return self.cfg.quotas and self.policy_of(job) == "multifactor"
+
     def start(self, job: Job, ids: list[str], fractions: dict[str, float]) -> None:
         proj = self.snap.projects.get(job.project)
-        borrowed = self.tally.borrowed(job, proj)
+        borrowed = self.cfg.quotas and self.tally.borrowed(job, proj)
         self.plan.starts.append(Start(job.id, ids, fractions, borrowed))
         self.tally.add(job)
         self.started.append(Allocation(job, ids, self.now, fractions, borrowed))
@@ -75,9 +96,10 @@ class _Pass:
         """Cheap upper bound used only when nobody reads reasons: False when
         the job cannot start in this pass whatever its constraints, and its
         blocking would change nothing (the reservation is already taken)."""
-        if self.cfg.backfill and len(self.helds) < self.cfg.max_reservations:
+        mode = self.blocking(job)
+        if mode == "easy" and len(self.helds) < self.cfg.max_reservations:
             return True  # it may be the job that gets the reservation
-        if not self.cfg.backfill and self.blocked_head is None:
+        if mode == "strict" and self.blocked_head is None:
             return True  # it may be the job that blocks all later ones
         if job.gpus < 1:
             return self.state.has_shared_room() or any(self.helds)
@@ -96,8 +118,8 @@ class _Pass:
             and (self._victims is None or bool(self._victims))
 
     def try_preempt(self, job: Job, classes: list[ClassKey]) -> bool:
-        if not self.may_preempt():
-            return False
+        if not self.cfg.quotas or not self.may_preempt():
+            return False  # without quotas no job is within a guarantee to preempt for
         proj = self.snap.projects.get(job.project)
         if not self.tally.within_guarantee(job, proj):
             return False
@@ -128,7 +150,7 @@ class _Pass:
         return True
 
     def try_reserve(self, job: Job, classes: list[ClassKey], mode: str) -> bool:
-        if not self.cfg.backfill or len(self.helds) >= self.cfg.max_reservations:
+        if self.blocking(job) != "easy" or len(self.helds) >= self.cfg.max_reservations:
             return False
         if self.preempted:  # their GPUs come back after the grace period: count them as ending now
             gone = [a for a in self.snap.running if a.job.id in self.preempted]
@@ -166,56 +188,120 @@ class _Pass:
         return (f"fragmented: {free} GPUs free but fewer than {job.nodes} nodes have "
                 f"{job.gpus_per_node} each")
 
-    def blocked_reason(self, job: Job, classes: list[ClassKey]) -> tuple[str, str]:
+    def fits_with(self, job: Job, classes: list[ClassKey], helds: list[Held]) -> bool:
+        """Would `job` fit now were these reservations' GPUs free? Read-only (used only to
+        explain), so that explaining never changes what the pass decides: the same test
+        `place_whole`/`place_fraction` make, with the held GPUs counted as free."""
+        st = self.state
+        if job.gpus < 1:
+            return any(st.cls_of[gid] in classes and st.cls_of[gid][3]
+                       and st.free_units(gid) + u >= frac_units(job, st.cls_of[gid][2])
+                       for h in helds for gid, u in h.held.items())
+        extra: dict[tuple, int] = {}
+        for h in helds:
+            for gid, u in h.held.items():
+                if u == UNITS:
+                    key = (st.cls_of[gid], st.gpu[gid].node)
+                    extra[key] = extra.get(key, 0) + 1
+        per = job.gpus_per_node
+        return any(sum(1 for node, ids in st.free[cls].items() if len(ids) + extra.get((cls, node), 0) >= per)
+                   >= job.nodes for cls in classes)
+
+    def note_reserved(self, job: Job, classes: list[ClassKey]) -> None:
+        """After `job` failed to place: if it fits on GPUs reservations hold, remember which
+        and how soon the first starts, for a reason that names them. Its own time limit was
+        what kept it off them (a job that ends before a reservation may use its GPUs)."""
+        helds = [h for h in self.helds if could_use(h, self.state, job, classes)]
+        if helds and self.fits_with(job, classes, helds):
+            room = min(h.res.start_time for h in helds) - self.now
+            self.reserved_for[job.id] = ([h.res.job_id for h in helds], room)
+
+    def blocked_reason(self, job: Job, classes: list[ClassKey], placing: bool) -> tuple[str, str]:
         if job.id in self.plan.fragmented:
             return REASON_FRAGMENTED, self.fragmented_message(job)
-        for h in self.helds:
-            if could_use(h, self.state, job, classes):
-                room = h.res.start_time - self.now
-                return (REASON_RESERVATION,
-                        f"Waiting for {fmt_gpus(job.gpus)}: the free GPUs are reserved for higher-priority "
-                        f"job {h.res.job_id}; a time limit under {fmt_duration(max(room, 0.0))} would let it start now")
+        if not placing:
+            return self.not_examined()
+        found = self.reserved_for.get(job.id)
+        if found is not None:
+            ids, room = found
+            # The hint only where it is true: a limit under `room` makes every one of these
+            # reservations usable, and the trial placement showed the job then fits.
+            hint = (f"; a time limit under {fmt_duration(room)} would let it start now"
+                    if 0 < room < job.time_limit else "")
+            return (REASON_RESERVATION,
+                    f"Waiting for {fmt_gpus(job.gpus)}: the free GPUs it fits on are reserved for higher-priority "
+                    f"job {', '.join(ids)}{hint}")
         free = self.state.free_count(classes)
         return (REASON_RESOURCES, f"Waiting for {fmt_gpus(job.gpus)}: {free} whole GPU(s) of the kind "
                                   f"it asks for are free now")
 
+    def not_examined(self) -> tuple[str, str]:
+        return (REASON_PRIORITY,
+                f"Waiting behind higher-priority jobs; not examined in this pass (a pass stops placing after "
+                f"{self.cfg.max_failed_placements} jobs could not start)")
+
+    def behind_head(self) -> tuple[str, str]:
+        head = self.blocked_head
+        why = "strict FIFO: no job starts ahead of it" if self.policy_of(head) == "fifo" else "backfill is off"
+        return REASON_PRIORITY, f"Waiting behind higher-priority job {head.id}, which cannot start yet ({why})"
+
     # -- the pass ----------------------------------------------------------
-    def consider(self, job: Job, proj: ProjectQuota | None, borrowing: bool) -> None:
-        """Steps 3a, 3b and 3d-3g for one job (the caller did 3c)."""
-        snap, cfg, state = self.snap, self.cfg, self.state
+    def refused(self, job: Job, proj: ProjectQuota | None) -> tuple[str, str] | None:
+        """Steps 3a and the static checks: a reason the job cannot start in this pass
+        whatever else happens (admission, sandbox, too large for any node group), or None.
+        Changes nothing, so a job the pass skips is explained by the same rules."""
+        refusal = admit(job, proj, self.snap.orgs.get(job.org), self.tally, self.models)
+        if refusal is not None or job.gpus <= EPS:
+            return refusal
         gpus = job.gpus
-        placing = self.failed < cfg.max_failed_placements
-        refusal = admit(job, proj, snap.orgs.get(job.org), self.tally, self.models)
-        if refusal is not None:
-            if cfg.explain:
-                self.codes[job.id] = refusal
-            return
-        if gpus <= EPS:
-            self.start(job, [], {})
-            return
         classes = self.classes_for(job)
         need = int(gpus) if gpus >= 1 else 1
         per, nodes = (job.gpus_per_node, job.nodes) if gpus >= 1 else (1, 1)
         if not classes and self.state.classes and not any(c[4] in sandbox_hosts(job.sandbox)
                                                           for c in self.state.classes):
-            self.codes[job.id] = (REASON_SANDBOX, f"Asks for the {job.sandbox} sandbox, which no schedulable node "
-                                                  f"with GPUs offers now")
-            return
+            return (REASON_SANDBOX, f"Asks for the {job.sandbox} sandbox, which no schedulable node "
+                                    f"with GPUs offers now")
         topo = self.state.topo
         if not classes or not any(topo.fits(c, per, nodes) for c in classes):
             if classes and nodes == 1 and max(self.capacity[c] for c in classes) >= need:
                 biggest = max(topo.sizes[c][0] for c in classes)
-                self.codes[job.id] = (REASON_UNPLACEABLE,
-                                      f"Asks for {fmt_gpus(gpus)} on one node but the largest matching node has "
-                                      f"{biggest}; resubmit with nodes and gpus_per_node to span nodes")
-            else:
-                self.codes[job.id] = (REASON_UNPLACEABLE,
-                                      f"Asks for {fmt_gpus(gpus)} on {self.where(job)} but no schedulable group of "
-                                      f"matching GPUs is that large; resubmit with fewer GPUs or another type/pool")
+                return (REASON_UNPLACEABLE,
+                        f"Asks for {fmt_gpus(gpus)} on one node but the largest matching node has "
+                        f"{biggest}; resubmit with nodes and gpus_per_node to span nodes")
+            return (REASON_UNPLACEABLE,
+                    f"Asks for {fmt_gpus(gpus)} on {self.where(job)} but no schedulable group of "
+                    f"matching GPUs is that large; resubmit with fewer GPUs or another type/pool")
+        return None
+
+    def explain_skipped(self, job: Job, proj: ProjectQuota | None) -> None:
+        """The reason of a job the pass did not examine (explain only; decides nothing)."""
+        refusal = self.refused(job, proj)
+        if refusal is not None:
+            self.codes[job.id] = refusal
+        elif self.blocked_head is not None and self.blocking(job) == "strict":
+            self.codes[job.id] = self.behind_head()
+        elif self.failed >= self.cfg.max_failed_placements:
+            self.codes[job.id] = self.not_examined()
+        else:
+            free = self.state.free_whole_total()
+            self.codes[job.id] = (REASON_RESOURCES, f"Waiting for {fmt_gpus(job.gpus)}: {free} whole GPU(s) are "
+                                                    f"free now, of any kind, and the reserved ones cannot be used")
+
+    def consider(self, job: Job, proj: ProjectQuota | None, borrowing: bool) -> None:
+        """Steps 3a, 3b and 3d-3g for one job (the caller did 3c)."""
+        cfg, state = self.cfg, self.state
+        placing = self.failed < cfg.max_failed_placements
+        refusal = self.refused(job, proj)
+        if refusal is not None:
+            self.codes[job.id] = refusal
             return
-        if self.blocked_head is not None:
-            self.codes[job.id] = (REASON_PRIORITY,
-                                  f"Waiting behind higher-priority job {self.blocked_head.id} (backfill is off)")
+        if job.gpus <= EPS:
+            self.start(job, [], {})
+            return
+        classes = self.classes_for(job)
+        blocking = self.blocking(job)
+        if self.blocked_head is not None and blocking == "strict":
+            self.codes[job.id] = self.behind_head()
             return
         mode = self.mode_for(job, classes)
         got = None
@@ -234,58 +320,75 @@ class _Pass:
             free = state.fragmented_free(job, classes)
             if free:
                 self.plan.fragmented[job.id] = free
+            if cfg.explain and self.helds:
+                self.note_reserved(job, classes)
         if not borrowing and self.try_preempt(job, classes):
+            if blocking == "strict":
+                self.blocked_head = job  # head of line: nothing behind it starts, not even on other GPUs
             return
         if not placing or not self.try_reserve(job, classes, mode):
-            if not cfg.backfill:
+            if blocking == "strict":
                 self.blocked_head = job
             if cfg.explain:
-                self.codes[job.id] = self.blocked_reason(job, classes)
-        if borrowing and cfg.explain:
+                self.codes[job.id] = self.blocked_reason(job, classes, placing)
+        if borrowing and cfg.explain and self.guarantee_first(job):
             code, msg = self.codes[job.id]
             self.codes[job.id] = (code, msg + f"; above project {job.project}'s guarantee it only gets "
                                               f"GPUs that jobs within their guarantee leave idle")
 
     def run(self) -> Plan:
         """1. Index free capacity and tally usage (done in __init__).
-        2. Order the queue by the policy (fifo / multifactor / las).
+        2. Order the queue by the policy (fifo / fifo-backfill / multifactor / las).
         3. Walk the queue in that order, for each job:
            a. admission (quotas, budget, type, array throttle, dependencies); a
-              refusal becomes its reason;
+              refusal becomes its reason, and the job blocks no other;
            b. a CPU-only job starts at once;
-           c. a job that would take its project above its guarantee (borrow) is
-              deferred to step 4: borrowing only uses capacity that jobs within
-              their guarantee leave idle;
+           c. under multifactor with quotas on, a job that would take its project
+              above its guarantee (borrow) is deferred to step 4: borrowing only
+              uses capacity that jobs within their guarantee leave idle (fifo and
+              las keep their own order whatever the quota);
            d. place it on free GPUs (reserved GPUs excluded) and start it;
            e. else backfill: use reserved GPUs if it ends before that reservation;
            f. else pick victims to preempt (it starts in a later pass, once they
               are gone);
-           g. else, if reservations are left (EASY: one), reserve its earliest
-              start; with backfill off the first blocked job stops all later ones.
+           g. else by the policy's blocking mode: `easy` reserves its earliest start
+              if reservations are left (one), `strict` (fifo, or backfill off) makes
+              it the head of line that no later job passes, `firstfit`
+              (fifo-backfill) lets later jobs take whatever fits.
         4. Walk the deferred borrowing jobs in the same order: re-admit, place,
            backfill or reserve as above, never preempt; starts carry borrowed=True.
         5. After `max_failed_placements` jobs failed to place (Slurm's
-           bf_max_job_test), stop placing: later jobs are only admitted,
-           considered for preemption and explained (with explain off, a job
-           that could not preempt is not even admitted).
+           bf_max_job_test), stop placing: later jobs are only admitted and
+           considered for preemption. A job that can start neither way in this
+           pass (`might_fit`) is skipped; with `explain` it still gets a reason,
+           by read-only checks, so explain never changes a decision.
         6. Number the jobs still waiting in priority order (their position).
         """
         order = order_queue(self.snap)
         cfg, projects, used = self.cfg, self.snap.projects, self.tally.proj_gpus
         explain, depth = cfg.explain, cfg.max_failed_placements
+        quotas = cfg.quotas
+        uniform = not cfg.pool_policy
+        defer_all = uniform and self.guarantee_first(order[0]) if order else False
         deferred = []
         # The two loops below inline the cheap tests (borrowing, search depth)
         # because they run for every queued job in every pass.
         for job in order:
             proj = projects.get(job.project)
             g = job.gpus
-            if g > EPS and used.get(job.project, 0.0) + g > (proj.guaranteed_gpus if proj else 0.0) + EPS:
+            borrowing = quotas and g > EPS and \
+                used.get(job.project, 0.0) + g > (proj.guaranteed_gpus if proj else 0.0) + EPS
+            if borrowing and (defer_all if uniform else self.guarantee_first(job)):
                 deferred.append((job, proj))
-            elif explain or g <= EPS or self.may_preempt() or (self.failed < depth and self.might_fit(job)):
-                self.consider(job, proj, False)
+            elif g <= EPS or self.may_preempt() or (self.failed < depth and self.might_fit(job)):
+                self.consider(job, proj, borrowing)
+            elif explain:
+                self.explain_skipped(job, proj)
         for job, proj in deferred:
-            if explain or (self.failed < depth and self.might_fit(job)):
+            if self.failed < depth and self.might_fit(job):
                 self.consider(job, proj, self.tally.borrowed(job, proj))
+            elif explain:
+                self.explain_skipped(job, proj)
         if self.cfg.explain:
             started = {s.job_id for s in self.plan.starts}
             pos = 0
@@ -293,8 +396,7 @@ class _Pass:
                 if job.id in started:
                     continue
                 pos += 1
-                code, msg = self.codes.get(job.id) or (
-                    REASON_PRIORITY, "Waiting behind higher-priority jobs; not examined in this pass")
+                code, msg = self.codes.get(job.id) or self.not_examined()
                 self.plan.waiting[job.id] = Reason(code, msg, pos)
         return self.plan
 

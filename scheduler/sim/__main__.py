@@ -13,6 +13,8 @@ import json
 import os
 import sys
 
+from scheduler.core.ordering import POLICIES
+
 from .runner import ReplaySpec, replay
 
 
@@ -58,10 +60,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gpus", type=int, default=384, help="cluster size in GPUs (ignored with --nodes)")
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--nodes", help="node list CSV (sn,cpu_milli,memory_mib,gpu,model); GPUs are shared")
-    ap.add_argument("--policy", default="multifactor", choices=["fifo", "multifactor", "las"])
+    ap.add_argument("--policy", default="multifactor", choices=list(POLICIES),
+                    help="fifo: strict head of line; fifo-backfill: first fit in submit order")
     ap.add_argument("--placement", default="bestfit", choices=["bestfit", "spread"])
     ap.add_argument("--no-backfill", action="store_true")
     ap.add_argument("--no-preemption", action="store_true")
+    ap.add_argument("--no-quotas", action="store_true",
+                    help="guarantees take no part: nothing borrowed, no guarantee-first order or preemption")
     ap.add_argument("--quota", help="tenant quota CSV (vc,node num): guarantees scaled to the cluster")
     ap.add_argument("--load-scale", type=float, default=1.0, help="divide inter-arrival gaps by this")
     ap.add_argument("--no-fairness", action="store_true", help="skip the isolated per-tenant replays")
@@ -71,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     spec = ReplaySpec(trace=a.trace, start_day=a.start_day, days=a.days, gpus=a.gpus,
                       gpus_per_node=a.gpus_per_node, policy=a.policy, backfill=not a.no_backfill,
-                      preemption=not a.no_preemption, placement=a.placement, quota=a.quota, nodes=a.nodes,
+                      preemption=not a.no_preemption, quotas=not a.no_quotas, placement=a.placement, quota=a.quota, nodes=a.nodes,
                       load_scale=a.load_scale, fairness=not a.no_fairness, workers=a.workers)
     out = replay(spec)
     if a.json:

@@ -24,6 +24,7 @@ class ReplaySpec:
     policy: str = "multifactor"
     backfill: bool = True
     preemption: bool = True
+    quotas: bool = True
     placement: str = "bestfit"
     quota: str | None = None
     nodes: str | None = None
@@ -34,7 +35,7 @@ class ReplaySpec:
 
 def _config(spec: ReplaySpec) -> Config:
     # explain=False: the sim reads starts and preemptions only, never reasons.
-    return Config(policy=spec.policy, backfill=spec.backfill, preemption=spec.preemption,
+    return Config(policy=spec.policy, backfill=spec.backfill, preemption=spec.preemption, quotas=spec.quotas,
                   placement=spec.placement, explain=False)
 
 

@@ -29,11 +29,11 @@ def test_use_above_the_guarantee_is_borrowed():
 
 
 def test_jobs_within_guarantee_go_before_borrowers():
-    # bob is older but would borrow; alice is within her guarantee.
+    # bob is older but would borrow; alice is within her guarantee (multifactor only).
     q = [job("bob1", 8, project="bob", submit=1), job("alice1", 8, project="alice", submit=2)]
     busy = [running(job("bobr", 8, project="bob"), [f"n0-{i}" for i in range(8)])]
     projects = {"alice": quota("alice", 8, 16), "bob": quota("bob", 8, 16)}
-    plan = schedule(snapshot(nodes(2), q, busy, projects=projects, policy="fifo", preemption=False))
+    plan = schedule(snapshot(nodes(2), q, busy, projects=projects, policy="multifactor", preemption=False))
     assert list(started(plan)) == ["alice1"]
     assert "guarantee" in plan.waiting["bob1"].message
 

@@ -24,10 +24,10 @@ def test_toy_trace_runs_jobs_to_completion_and_measures_them():
     sim = Simulator(jobs, uniform_nodes(8, 8), make_projects(["t1", "t2"], 8, None), Config(policy="fifo"))
     res = sim.run()
     ends = {k: r.end for k, r in res.records.items()}
-    # a borrows the idle cluster; at 100 c and d, within their tenants'
-    # guarantees, go before b, which would borrow; d is killed at its walltime.
-    assert ends == {"a": 100, "b": 250, "c": 130, "d": 200}
-    assert res.records["d"].first_start == 100
+    # a borrows the idle cluster; strict FIFO: at 100 b goes first although it borrows and c and d
+    # are within their tenants' guarantees; at 150 c and d; d is killed at its walltime.
+    assert ends == {"a": 100, "b": 150, "c": 180, "d": 250}
+    assert res.records["d"].first_start == 150
 
 
 def test_philly_slice_json_has_the_metrics_and_sane_numbers(capsys):
