@@ -348,6 +348,9 @@ JOB_DEFAULT_TIME_LIMIT_S = env_int("JOB_DEFAULT_TIME_LIMIT_S", 3600, minimum=1)
 # Each attempt keeps at most this many bytes of log (the head, then a truncation notice).
 JOB_LOG_MAX_BYTES = env_int("JOB_LOG_MAX_BYTES", 10 * 1024 * 1024, minimum=4096)
 SCHEDULER_POLICY = env_str("SCHEDULER_POLICY", "multifactor")
+# Guaranteed quotas take part in scheduling (borrowing, guarantee-first order, preemption for a
+# guarantee); off, only a quota's hard limits hold (docs/scheduler.md).
+SCHEDULER_QUOTAS = env_bool("SCHEDULER_QUOTAS", True)
 SCHEDULER_PLACEMENT = env_str("SCHEDULER_PLACEMENT", "bestfit")
 SCHEDULER_MIN_RUNTIME_S = env_int("SCHEDULER_MIN_RUNTIME_S", 600, minimum=0)
 SCHEDULER_FAIRSHARE_HALF_LIFE_S = env_int("SCHEDULER_FAIRSHARE_HALF_LIFE_S", 7 * 86400, minimum=60)
@@ -394,8 +397,9 @@ if NODE_TIMEOUT_S < AGENT_LEASE_S + AGENT_FENCE_GRACE_S + NODE_FENCE_MARGIN_S:
         f"{NODE_FENCE_MARGIN_S:g}s = {AGENT_LEASE_S + AGENT_FENCE_GRACE_S + NODE_FENCE_MARGIN_S:g}, so a cut-off "
         f"agent has killed its sandboxes before the portal starts their jobs elsewhere")
 PREEMPT_GRACE_S = env_int("PREEMPT_GRACE_S", 30, minimum=0)
-if SCHEDULER_POLICY not in ("fifo", "multifactor", "las"):
-    raise ImproperlyConfigured(f"SCHEDULER_POLICY: use fifo, multifactor or las, got {SCHEDULER_POLICY!r}")
+if SCHEDULER_POLICY not in ("fifo", "fifo-backfill", "multifactor", "las"):
+    raise ImproperlyConfigured(
+        f"SCHEDULER_POLICY: use fifo, fifo-backfill, multifactor or las, got {SCHEDULER_POLICY!r}")
 if SCHEDULER_PLACEMENT not in ("bestfit", "spread"):
     raise ImproperlyConfigured(f"SCHEDULER_PLACEMENT: use bestfit or spread, got {SCHEDULER_PLACEMENT!r}")
 

@@ -54,6 +54,7 @@ def _epoch(dt) -> float:
 def config_from_settings() -> core.Config:
     return core.Config(
         policy=settings.SCHEDULER_POLICY,
+        quotas=settings.SCHEDULER_QUOTAS,
         placement=settings.SCHEDULER_PLACEMENT,
         min_runtime_s=settings.SCHEDULER_MIN_RUNTIME_S,
         fairshare_half_life_s=settings.SCHEDULER_FAIRSHARE_HALF_LIFE_S,
