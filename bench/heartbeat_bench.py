@@ -8,6 +8,14 @@ what the target needs (N / 5 s).
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/test REDIS_URL=redis://127.0.0.1:6379/14 \
         .venv/bin/python bench/heartbeat_bench.py --agents 1000 --duration 20
 Target (issue #4): 1,000 agents x 8 GPUs every 5 s = 200 heartbeats/s on this 2-core machine.
+
+With --paced, each agent heartbeats at the default interval (NODE_HEARTBEAT_INTERVAL_S, as a
+real agent does) instead of as fast as possible, and the reaper runs every NODE_REAP_INTERVAL_S
+beside them: it prints how many nodes were falsely marked down (the goal is 0), the longest
+silence the portal saw from one node against NODE_TIMEOUT_S, and the longest time an agent went
+without an answered heartbeat against its lease (AGENT_LEASE_S).
+
+    ... bench/heartbeat_bench.py --agents 1000 --duration 60 --paced
 """
 import argparse
 import os
@@ -61,6 +69,7 @@ def main():
     ap.add_argument("--threads", type=int, default=12)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--port", type=int, default=8799)
+    ap.add_argument("--paced", action="store_true", help="each agent every NODE_HEARTBEAT_INTERVAL_S, reaper running")
     args = ap.parse_args()
 
     server = None
@@ -112,6 +121,8 @@ def main():
                         else:
                             errors[0] += 1
 
+            if args.paced:
+                return paced(args, nodes, uuids, url)
             threads = [threading.Thread(target=worker, args=(k,)) for k in range(args.threads)]
             start = time.monotonic()
             for t in threads:
@@ -131,6 +142,102 @@ def main():
                 server.terminate()
                 server.wait(10)
 
+
+def paced(args, nodes, uuids, url) -> None:
+    """1,000 agents at the real interval with the reaper beside them: false downs, silences, leases.
+
+    Each agent is its own coroutine (one connection per heartbeat, as the agent's client after
+    an idle interval), so a slow answer delays only that agent, as in a real fleet."""
+    import asyncio
+    import json
+
+    from django.conf import settings
+
+    interval = settings.NODE_HEARTBEAT_INTERVAL_S
+    latencies: list[float] = []
+    errors = [0]
+    worst_lease_gap = [0.0]
+    stop = threading.Event()
+    reaper_out = {"downs": 0, "worst_silence": 0.0, "runs": 0}
+    path = url.split(str(args.port), 1)[1]
+
+    def reaper():
+        from django.db import connection as conn
+        from django.utils import timezone
+
+        from portal.nodes.models import Node
+        from portal.nodes.services import nodes_reap
+
+        stop.wait(settings.NODE_TIMEOUT_S)  # every node has had its first beats before the reaper judges
+        while not stop.is_set():
+            oldest = Node.objects.order_by("last_heartbeat_at").values_list("last_heartbeat_at", flat=True).first()
+            reaper_out["worst_silence"] = max(reaper_out["worst_silence"], (timezone.now() - oldest).total_seconds())
+            reaper_out["downs"] += nodes_reap().get("down", 0)
+            reaper_out["runs"] += 1
+            stop.wait(settings.NODE_REAP_INTERVAL_S)
+        conn.close()
+
+    async def post(token: str, body: bytes) -> int:
+        reader, writer = await asyncio.open_connection("127.0.0.1", args.port)
+        try:
+            writer.write((f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
+                          f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                          f"Connection: close\r\n\r\n").encode() + body)
+            await writer.drain()
+            status = int((await reader.readline()).split()[1])
+            await reader.read()
+            return status
+        finally:
+            writer.close()
+
+    async def agent(name: str, token: str, stop_at: float):
+        await asyncio.sleep(random.uniform(0, interval))  # agents started at different times
+        last_ok = time.monotonic()
+        i = 0
+        while time.monotonic() < stop_at:
+            i += 1
+            body = json.dumps({"samples": [sample(u, i) for u in uuids[name]], "jobs": []}).encode()
+            sent = time.monotonic()
+            try:
+                ok = await asyncio.wait_for(post(token, body), 30) == 200
+            except (OSError, asyncio.TimeoutError, ValueError, IndexError):
+                ok = False
+            done = time.monotonic()
+            # The agent's lease runs from the sending of its last answered heartbeat, renewed only
+            # when the next answer arrives: its age peaks just before that (or at a failure).
+            worst_lease_gap[0] = max(worst_lease_gap[0], done - last_ok)
+            if ok:
+                latencies.append(done - sent)
+                last_ok = sent
+            else:
+                errors[0] += 1
+            await asyncio.sleep(interval)  # an agent waits the interval after each heartbeat
+        worst_lease_gap[0] = max(worst_lease_gap[0], time.monotonic() - last_ok)
+
+    async def fleet():
+        stop_at = time.monotonic() + args.duration
+        await asyncio.gather(*(agent(name, token, stop_at) for name, token in nodes))
+
+    th = threading.Thread(target=reaper)
+    th.start()
+    start = time.monotonic()
+    try:
+        asyncio.run(fleet())
+    finally:
+        stop.set()
+        th.join()
+    elapsed = time.monotonic() - start
+    q = statistics.quantiles(latencies, n=100)
+    print(f"paced: {args.agents} agents every {interval:g}s for {elapsed:.0f}s: {len(latencies)} heartbeats "
+          f"({len(latencies) / elapsed:.0f}/s), errors {errors[0]}; latency p50 {q[49] * 1000:.0f} ms, "
+          f"p99 {q[98] * 1000:.0f} ms, max {max(latencies) * 1000:.0f} ms")
+    print(f"reaper: {reaper_out['runs']} runs every {settings.NODE_REAP_INTERVAL_S:g}s, nodes marked down: "
+          f"{reaper_out['downs']} (goal 0); longest silence it saw {reaper_out['worst_silence']:.1f}s "
+          f"(NODE_TIMEOUT_S {settings.NODE_TIMEOUT_S:g}s)")
+    gap = worst_lease_gap[0]
+    print(f"agents: longest lease age (since the last answered heartbeat was sent) {gap:.1f}s "
+          f"(AGENT_LEASE_S {settings.AGENT_LEASE_S:g}s) "
+          f"-> {'no false fence' if gap < settings.AGENT_LEASE_S else 'an agent would have FENCED'}")
 
 if __name__ == "__main__":
     main()
