@@ -57,7 +57,7 @@ def main() -> None:
     print(f"Philly days {a.start_day:g}-{a.start_day + a.days:g}, {a.gpus} GPUs, load x{a.load_scale:g}, "
           f"{results[0]['jobs']} jobs; quotas from {Path(a.quota).name}, scaled")
     head = f"{'policy':<22}{'jct_mean_h':>11}{'jct_p95_h':>10}{'wait_h':>8}{'bsld':>7}{'util':>7}" \
-           f"{'frag':>7}{'fair_max':>9}{'preempt':>8}{'wall_s':>8}"
+           f"{'frag':>7}{'frag_jobs':>10}{'fair_max':>9}{'preempt':>8}{'wall_s':>8}"
     print(head)
     print("-" * len(head))
     for (pol, bf), r in zip(RUNS, results):
@@ -65,7 +65,7 @@ def main() -> None:
         fair = f"{r['fairness_max']:.2f}" if r["fairness_max"] is not None else "-"
         print(f"{name:<22}{r['jct_mean'] / 3600:>11.2f}{r['jct_p95'] / 3600:>10.2f}{r['wait_mean'] / 3600:>8.2f}"
               f"{r['bounded_slowdown_mean']:>7.2f}{r['utilization']:>7.1%}{r['fragmentation']:>7.1%}"
-              f"{fair:>9}{r['preemptions']:>8}{r['wall_s']:>8.1f}")
+              f"{r['fragmented_jobs']:>10}{fair:>9}{r['preemptions']:>8}{r['wall_s']:>8.1f}")
     by = {(pol, bf): r for (pol, bf), r in zip(RUNS, results)}
     mf, fifo = by[("multifactor", True)], by[("fifo", False)]
     ratio = mf["jct_mean"] / fifo["jct_mean"]

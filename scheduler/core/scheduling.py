@@ -4,7 +4,8 @@ from __future__ import annotations
 from .admission import EPS, Tally, admit, fmt_duration, fmt_gpus
 from .backfill import Held, could_use, earliest_start, release_timeline, reserve, with_released
 from .model import (
-    REASON_FRAGMENTED, REASON_PREEMPTING, REASON_PRIORITY, REASON_RESERVATION, REASON_RESOURCES, REASON_SANDBOX, REASON_UNPLACEABLE,
+    REASON_FRAGMENTED, REASON_PREEMPTING, REASON_PRIORITY, REASON_RESERVATION, REASON_RESOURCES, REASON_SANDBOX,
+    REASON_UNPLACEABLE,
     Allocation, Job, Plan, Preemption, ProjectQuota, Reason, Snapshot, Start, sandbox_hosts,
 )
 from .ordering import FIFO_POLICIES, order_queue
