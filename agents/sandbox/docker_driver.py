@@ -37,6 +37,7 @@ from agents.sandbox import (
     EXITED, LABEL_ATTEMPT, LABEL_GPUS, LABEL_JOB, LABEL_NODE, LABEL_TIME_LIMIT, OOM, RUNNING,
     LaunchSpec, SandboxError, SandboxHandle, job_env, node_rank, sandbox_name,
 )
+from agents.sandbox.docker_logs import ContainerLog
 from agents.sandbox.egress import EgressError, Firewall, parse_allow
 
 log = logging.getLogger(__name__)
@@ -72,8 +73,13 @@ class DockerDriver:
     def __init__(self, *, node: str, client=None, job_network: str = JOB_NETWORK,
                  nofile: int | None = 4096, gang_network_driver: str = "auto",
                  gang_network_internal: bool = False, simulated_gpus: bool = False,
-                 egress_allow: str | list[str] | None = None):
+                 egress_allow: str | list[str] | None = None, log_max_size: str = "10m", log_max_files: int = 3):
         self.node = node
+        # The engine's json-file log of each job is rotated at this size and count: what the agent
+        # has not read when it rotates is lost, so it must hold several passes of a chatty job.
+        self.log_config = docker.types.LogConfig(type="json-file", config={
+            "max-size": log_max_size, "max-file": str(log_max_files)})
+        self._logs: dict[str, ContainerLog] = {}  # container id -> what was read of its log
         # Simulated GPUs (a laptop, CI, the demo): a GPU job runs without the NVIDIA runtime, with the
         # same environment, limits and isolation as on real GPUs, and its log says so first.
         self.simulated_gpus = simulated_gpus
@@ -215,6 +221,7 @@ class DockerDriver:
             # ignores it and every stop would wait out the whole grace period.
             init=True,
             stop_signal="SIGTERM",
+            log_config=self.log_config,
         )
         rank = gang_rank(spec)
         if rank is not None:
@@ -348,13 +355,15 @@ class DockerDriver:
         return (OOM if st.get("OOMKilled") else EXITED), st.get("ExitCode")
 
     def read_logs(self, handle: SandboxHandle, offset: int) -> bytes:
+        """Read incrementally: each call asks the engine only for what is new (docker_logs.py)."""
         c = self._get(handle)
         if c is None:
             return b""
-        # The engine has no byte-offset API, so read all and slice: fine for the
-        # log sizes jobs print; a log-shipping sidecar would be the next step.
-        notice = SIMULATED_NOTICE if c.labels.get(LABEL_SIMULATED) == "1" else b""
-        return (notice + c.logs(stdout=True, stderr=True))[offset:]
+        cursor = self._logs.get(c.id)
+        if cursor is None:
+            notice = SIMULATED_NOTICE if c.labels.get(LABEL_SIMULATED) == "1" else b""
+            cursor = self._logs.setdefault(c.id, ContainerLog(notice))
+        return cursor.read(c, offset)
 
     def stop(self, handle: SandboxHandle, grace_s: float) -> None:
         """SIGTERM, wait up to ``grace_s`` for the job to exit, then SIGKILL."""
@@ -406,6 +415,7 @@ class DockerDriver:
 
     def remove(self, handle: SandboxHandle) -> None:
         self._force_remove(handle.ref)
+        self._logs.pop(handle.ref, None)
         for net in self._networks_named(gang_network_name(handle.job_id, handle.attempt)):
             try:
                 net.reload()

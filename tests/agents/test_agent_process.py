@@ -2,6 +2,7 @@
 the portal's HTTP API (a stub on 127.0.0.1), a Celery broker (filesystem
 transport in a temp dir) and the real Docker engine."""
 
+import base64
 import subprocess
 import sys
 import time
@@ -74,7 +75,8 @@ def test_agent_runs_a_job_end_to_end(stack):
 
     wait_for(lambda: "succeeded" in states(), 30, f"e2e-1 to succeed; log:\n{s.log()}")
     assert states() == ["starting", "running", "succeeded"]
-    assert "".join(c["data"] for c in s.stub.calls("/jobs/e2e-1/logs")) == "hello from e2e-1\n"
+    assert b"".join(base64.b64decode(c["data_base64"]) for c in s.stub.calls("/jobs/e2e-1/logs")) \
+        == b"hello from e2e-1\n"
     assert s.stub.calls("/jobs/stale-1/events") == []  # confirm said 409: nothing started
 
     # A job past its time limit is stopped and reported as timeout.

@@ -227,3 +227,30 @@ def test_a_job_printing_nul_and_bad_utf8_ends_at_its_time_limit(live_agent, demo
         assert stored(job).startswith(b"a\x00b\xff\xfe\nx\x00\x80")
     else:  # the engine's json-file log keeps NUL but turns invalid UTF-8 into U+FFFD itself
         assert stored(job).startswith("a\x00b\ufffd\ufffd\nx\x00\ufffd".encode())
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("live_agent", ["process", "docker"], indirect=True)
+def test_a_job_printing_past_the_cap_is_stored_capped_and_the_agent_stops_reading(live_agent, demo, launches,
+                                                                                   settings, monkeypatch):
+    settings.JOB_LOG_MAX_BYTES = 64 * 1024
+    read = []
+    real_read = live_agent.driver.read_logs
+    monkeypatch.setattr(live_agent.driver, "read_logs", lambda h, offset: read.append(real_read(h, offset)) or read[-1])
+    job, _ = job_submit(actor=Actor(user=demo.users["alice"]), data={
+        "project": "vision", "name": "chatty", "image": IMAGE, "resources": {"gpus": 0, "cpus": 0.5, "memory_mb": 128},
+        "command": ["sh", "-c", "i=0; while [ $i -lt 40 ]; do head -c 100000 /dev/zero | tr '\\0' y; i=$((i+1)); done"]})
+    run_pass()
+    (_, _, (job_id, attempt, spec)), = [s for s in launches if s[0] == "agent.launch"]
+    live_agent.launch(job_id, attempt, spec)
+    deadline = time.monotonic() + 90
+    while Job.objects.get(pk=job.pk).state not in ("succeeded", "failed", "timeout", "cancelled"):
+        assert time.monotonic() < deadline, "the job did not end"
+        live_agent.supervise_once()
+        time.sleep(0.1)
+    job.refresh_from_db()
+    log = stored(job)
+    assert job.state == "succeeded" and len(log) <= 64 * 1024 and log.endswith(log_notice(64 * 1024))
+    assert log.startswith(b"y" * 1000)
+    # 4 MB printed; once the portal said full, the agent read no more of it.
+    assert sum(len(r) for r in read) < 4_000_000 - 1_000_000
