@@ -339,6 +339,9 @@ class Agent:
             if t is None:
                 if key in self._launching:  # stop overtook its launch: apply it on arrival
                     self._pending_stop[key] = (reason, grace)
+                    cancel = getattr(self.driver, "cancel_launch", None)
+                    if cancel:  # kvm: ends a slow image conversion instead of starting a VM to stop it
+                        cancel(*key)
                     return True
                 log.info("job %s attempt %s: stop for a sandbox this node does not have", *key)
                 return False

@@ -86,6 +86,9 @@ MiB = 2**20
 MAX_IMAGE_MB = 2048
 # Converted images kept in the cache beyond the ones still on the engine: the least recently used go first.
 IMAGE_CACHE_MB = 20480
+# Bounds of one image's conversion (files and folders; seconds, export included): a launch waits for it.
+MAX_IMAGE_ENTRIES = 500_000
+CONVERT_TIMEOUT_S = 900
 # Docker's PATH for an image that sets none.
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # Where the agent keeps its state (each driver a folder of its own in it), unless --state-dir says.
@@ -241,7 +244,8 @@ class KvmDriver:
                  state_dir: str | None = None, pci_bus_ids: dict[int, str] | None = None,
                  job_network: str | None = "user", docker_client=None, max_image_mb: int | None = None,
                  image_cache_mb: int | None = None, vm_uids: str | None = None,
-                 egress_allow: str | list[str] | None = None, installation: str | None = None):
+                 egress_allow: str | list[str] | None = None, installation: str | None = None,
+                 max_image_entries: int | None = None, convert_timeout_s: int | None = None):
         try:
             import libvirt
         except ImportError as exc:
@@ -270,6 +274,12 @@ class KvmDriver:
         self.image_cache = img_dir / "images"
         self.max_image_mb = max_image_mb or _env_mb("GPUPORTAL_KVM_MAX_IMAGE_MB", MAX_IMAGE_MB)
         self.image_cache_mb = image_cache_mb or _env_mb("GPUPORTAL_KVM_IMAGE_CACHE_MB", IMAGE_CACHE_MB)
+        self.max_image_entries = max_image_entries or _env_mb("GPUPORTAL_KVM_MAX_IMAGE_ENTRIES", MAX_IMAGE_ENTRIES,
+                                                              unit="entries")
+        self.convert_timeout_s = convert_timeout_s or _env_mb("GPUPORTAL_KVM_CONVERT_TIMEOUT_S", CONVERT_TIMEOUT_S,
+                                                              unit="seconds")
+        # Launches in progress, by (job, attempt): a stop sets the event and ends an image conversion.
+        self._cancels: dict[tuple[str, int], threading.Event] = {}
         self._docker = docker_client
         self.job_network = job_network
         # Per-launch files (the initrd with the job's environment, the kernel, the console) live in a folder
@@ -345,9 +355,12 @@ class KvmDriver:
         if spec.network and self.job_network == "user" and not self.conn.getURI().startswith("test:"):
             self._check_egress()
         console = self.state_dir / f"{name}.log"
+        cancel = self._cancels.setdefault((spec.job_id, spec.attempt), threading.Event())
         uid = self._claim_uid()
         try:
-            kernel, initrd, extra_mb = self._job_files(spec, name)
+            kernel, initrd, extra_mb = self._job_files(spec, name, cancel)
+            if cancel.is_set():
+                raise SandboxError("stopped while its VM was being prepared")
             started = time.time()
             # A stale console or exit record from an earlier VM of this name must not be read as this one's.
             _unlink(console)
@@ -362,11 +375,18 @@ class KvmDriver:
         finally:
             with self._uid_lock:  # the live domain's metadata holds it from now on
                 self._uids_starting.discard(uid)
+            self._cancels.pop((spec.job_id, spec.attempt), None)
         log.info("job %s attempt %s: VM %s started (domain type %s)", spec.job_id, spec.attempt, name,
                  self.domain_type)
         return SandboxHandle(driver=self.name, ref=name, job_id=spec.job_id, attempt=spec.attempt,
                              started_at=started, time_limit_s=spec.time_limit_s,
                              gpu_indexes=list(spec.gpu_indexes))
+
+    def cancel_launch(self, job_id: str, attempt: int) -> None:
+        """A stop that overtook this attempt's launch: end its image conversion, start no VM."""
+        ev = self._cancels.get((str(job_id), int(attempt)))
+        if ev is not None:
+            ev.set()
 
     def vm_name(self, spec: LaunchSpec) -> str:
         """The domain's name: unique per node and job attempt, so agents sharing one libvirtd never collide."""
@@ -432,7 +452,7 @@ class KvmDriver:
                     raise SandboxError(f"VM {name} already exists") from None
                 raise SandboxError(f"could not start the VM: {msg}") from None
 
-    def _job_files(self, spec: LaunchSpec, name: str) -> tuple[str, str, int]:
+    def _job_files(self, spec: LaunchSpec, name: str, cancel: threading.Event | None = None) -> tuple[str, str, int]:
         """This launch's own kernel and initrd (the initramfs, the job's image and its command and
         environment in one file), and the MiB the guest needs for them on top of the job's memory.
 
@@ -445,7 +465,7 @@ class KvmDriver:
         if self._stale or missing:
             raise SandboxError(f"{self._stale or f'the VM image file {missing[0]} is missing'}; build it with "
                                f"`python -m agents.sandbox.kvm_image --out var/kvm` (.ci/kvm.sh does)")
-        image = self._image(spec.image)
+        image = self._image(spec.image, cancel)
         env = dict(kv.split("=", 1) for kv in image.env if "=" in kv)  # the image's, under the job's
         env.setdefault("PATH", DEFAULT_PATH)
         job = job_env(spec, visible_devices=[str(i) for i in range(len(spec.gpu_uuids))])
@@ -474,7 +494,7 @@ class KvmDriver:
             raise SandboxError(f"could not prepare the VM's initrd on node {self.node}: {exc}") from None
         return str(kernel), str(path), math.ceil((image.size + size) / MiB)
 
-    def _image(self, ref: str) -> JobImage:
+    def _image(self, ref: str, cancel: threading.Event | None = None) -> JobImage:
         """``ref`` from the node's Docker engine, its root filesystem as a cpio (built on first use)."""
         try:
             if self._docker is None:
@@ -495,7 +515,7 @@ class KvmDriver:
         if cpio.is_file():
             os.utime(cpio)  # its mtime is its last use, for the eviction in prune_image_cache
         else:
-            self._export(img, ref, cpio)
+            self._export(img, ref, cpio, cancel)
             self.prune_image_cache(keep=cpio)
         cfg = img.attrs.get("Config") or {}
         return JobImage(cpio=cpio, size=size, env=cfg.get("Env") or [], entrypoint=cfg.get("Entrypoint") or [])
@@ -553,12 +573,14 @@ class KvmDriver:
             log.info("kvm sandbox: pruned the image cache: %s", ", ".join(gone))
         return gone
 
-    def _export(self, img, ref: str, dest: Path) -> None:
+    def _export(self, img, ref: str, dest: Path, cancel: threading.Event | None = None) -> None:
         """``docker create`` (never started) + ``export`` + remove, written to ``dest`` as a gzip'd cpio.
 
         The tar is spooled to disk first (``image_cpio`` reads it twice, for
         hard links). Temporary files and a rename: a concurrent launch of the
         same image builds its own copy, and either rename leaves a whole file.
+        Bounded in entries and time (``GPUPORTAL_KVM_MAX_IMAGE_ENTRIES``,
+        ``GPUPORTAL_KVM_CONVERT_TIMEOUT_S``), and ``cancel`` ends it.
         """
         t0 = time.monotonic()
         dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -569,13 +591,17 @@ class KvmDriver:
             try:
                 with tempfile.TemporaryFile(dir=dest.parent) as tar:
                     for chunk in c.export():
+                        if cancel is not None and cancel.is_set():
+                            raise kvm_image.ImageError("its conversion was cancelled: the job was stopped")
                         tar.write(chunk)
                     tar.seek(0)
                     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
                     # Level 3: built once per image, but the first launch waits for it.
                     with os.fdopen(fd, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=3,
                                                                    mtime=0) as gz:
-                        n = kvm_image.image_cpio(tar, gz, max_bytes=self.max_image_mb * MiB)
+                        n = kvm_image.image_cpio(
+                            tar, gz, max_bytes=self.max_image_mb * MiB, max_entries=self.max_image_entries,
+                            time_limit_s=max(0.0, self.convert_timeout_s - (time.monotonic() - t0)), cancel=cancel)
                 os.replace(tmp, dest)
                 tmp = None
             finally:
@@ -726,10 +752,10 @@ def _exit_record(path: Path):
         return None
 
 
-def _env_mb(name: str, default: int) -> int:
+def _env_mb(name: str, default: int, unit: str = "MiB") -> int:
     raw = os.environ.get(name) or str(default)
     if not raw.isdigit() or int(raw) < 1:
-        raise SandboxError(f"{name}: expected a positive number of MiB, got {raw!r}")
+        raise SandboxError(f"{name}: expected a positive number of {unit}, got {raw!r}")
     return int(raw)
 
 

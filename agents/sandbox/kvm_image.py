@@ -305,9 +305,49 @@ def _image_path(name: str) -> str | None:
     return None if ".." in parts else "/".join(parts)
 
 
-def image_cpio(tar_file, out, *, prefix: str = IMAGE_ROOT, max_bytes: int | None = None) -> dict:
+class _Links:
+    """The symlinks written so far, as a tree of path components. Whether a path goes through one then
+    costs a step per component; checking every joined prefix against a set cost the square of the depth
+    per entry (minutes for an image of a few thousand nested folders)."""
+
+    def __init__(self):
+        self.root: dict = {}  # component -> [is a symlink now, children]
+
+    def add(self, parts: list[str]) -> None:
+        node = self.root
+        for c in parts[:-1]:
+            node = node.setdefault(c, [False, {}])[1]
+        node.setdefault(parts[-1], [False, {}])[0] = True
+
+    def discard(self, parts: list[str]) -> None:
+        node, entry = self.root, None
+        for c in parts:
+            entry = node.get(c)
+            if entry is None:
+                return
+            node = entry[1]
+        entry[0] = False
+
+    def crosses(self, parents: list[str]) -> bool:
+        node = self.root
+        for c in parents:
+            entry = node.get(c)
+            if entry is None:
+                return False
+            if entry[0]:
+                return True
+            node = entry[1]
+        return False
+
+
+def image_cpio(tar_file, out, *, prefix: str = IMAGE_ROOT, max_bytes: int | None = None,
+               max_entries: int | None = None, time_limit_s: float | None = None, cancel=None) -> dict:
     """Write a container image's filesystem (the tar ``docker export`` streams) to ``out`` as newc cpio, every
     path under ``prefix``; returns counts of what was written and skipped.
+
+    Linear in the tar's size. ImageError when the tar holds more than
+    ``max_entries`` entries, when it takes longer than ``time_limit_s``, or
+    when ``cancel`` (a threading.Event) is set: a stop of the job ends it.
 
     Kept, with modes, owners and mtimes (Python checks .pyc files against their
     source's mtime): directories, regular files, symlinks, hard links. Skipped:
@@ -318,18 +358,33 @@ def image_cpio(tar_file, out, *, prefix: str = IMAGE_ROOT, max_bytes: int | None
     must be marked (nlink 2) before the link itself is read. ImageError when
     the files add up to more than ``max_bytes``.
     """
+    deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
+
+    def check(i: int) -> None:
+        if max_entries is not None and i > max_entries:
+            raise ImageError(f"it holds more than {max_entries} files and folders, the limit of this node")
+        if i % 256 == 0:
+            if cancel is not None and cancel.is_set():
+                raise ImageError("its conversion was cancelled: the job was stopped")
+            if deadline is not None and time.monotonic() > deadline:
+                raise ImageError(f"its conversion took longer than {time_limit_s:.0f} s, the limit of this node")
+
     c = Cpio(out)
     c.dir(prefix)
     n = {"files": 0, "bytes": 0, "links": 0, "skipped": 0}
     with tarfile.open(fileobj=tar_file, mode="r:") as tf:
-        members = tf.getmembers()
+        members = []
+        for m in tf:  # one pass over the headers first, bounded: a hard link's target is marked before it
+            members.append(m)
+            check(len(members))
         linked = {_image_path(m.linkname) for m in members if m.islnk()}
-        symlinks: set[str] = set()  # written so far: nothing may go through one
+        symlinks = _Links()  # written so far: nothing may go through one
         inodes: dict[str, int] = {}  # regular file -> its inode, for hard links to it
-        for m in members:
+        for i, m in enumerate(members):
+            check(i)
             path = _image_path(m.name)
-            parents = path.split("/")[:-1] if path else []
-            if path is None or any("/".join(parents[:i + 1]) in symlinks for i in range(len(parents))):
+            parts = path.split("/") if path else []
+            if path is None or symlinks.crosses(parts[:-1]):
                 log.debug("image: skipping unsafe path %r", m.name)
                 n["skipped"] += 1
                 continue
@@ -345,7 +400,7 @@ def image_cpio(tar_file, out, *, prefix: str = IMAGE_ROOT, max_bytes: int | None
                                       nlink=2 if path in linked else 1, **meta)
             elif m.issym():
                 c.symlink(name, m.linkname, **meta)
-                symlinks.add(path)
+                symlinks.add(parts)
                 continue
             elif m.islnk() and _image_path(m.linkname) in inodes:
                 # Same inode, nlink 2, no data: the unpacker links it to the first entry of that inode.
@@ -354,7 +409,8 @@ def image_cpio(tar_file, out, *, prefix: str = IMAGE_ROOT, max_bytes: int | None
             else:
                 n["skipped"] += 1  # not written: a symlink at this path stays one
                 continue
-            symlinks.discard(path)  # written: the unpacker replaced whatever was there
+            if parts:
+                symlinks.discard(parts)  # written: the unpacker replaced whatever was there
     c.finish()
     return n
 

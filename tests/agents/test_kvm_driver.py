@@ -445,3 +445,74 @@ def test_converting_an_image_with_volumes_leaves_no_volume_behind(qemu_driver, d
         assert {v.id for v in docker_client.volumes.list()} - before == set()
     finally:
         docker_client.images.remove(image.id, force=True)
+
+
+# -- bounded conversion ---------------------------------------------------------------
+
+def deep_tar(depth: int, files: int) -> io.BytesIO:
+    """``depth`` nested folders with ``files`` files at the bottom (the slow image of the issue)."""
+    path, entries = "", []
+    for _ in range(depth):
+        path += "d/"
+        entries.append((path, tarfile.DIRTYPE, None))
+    entries += [(f"{path}f{i}", tarfile.REGTYPE, b"x") for i in range(files)]
+    return tar_of(*entries)
+
+
+def test_a_deep_image_converts_in_linear_time_and_completely():
+    """1,900 nested folders and 2,000 files: this took about 50 s of CPU before (a quadratic path check);
+    the figure is in the report, not asserted."""
+    out = io.BytesIO()
+    n = image_cpio(deep_tar(1900, 2000), out)
+    assert n == {"files": 2000, "bytes": 2000, "links": 0, "skipped": 0}
+    e = read_cpio(out.getvalue())
+    assert len(e) == 1 + 1900 + 2000 and "image/" + "d/" * 1900 + "f1999" in e
+
+
+def test_an_image_over_the_entry_limit_or_the_time_limit_or_cancelled_is_refused():
+    import threading
+
+    with pytest.raises(ImageError, match="it holds more than 1000 files and folders, the limit of this node"):
+        image_cpio(deep_tar(10, 2000), io.BytesIO(), max_entries=1000)
+    with pytest.raises(ImageError, match="its conversion took longer than 0 s"):
+        image_cpio(deep_tar(10, 2000), io.BytesIO(), time_limit_s=0)
+    stopped = threading.Event()
+    stopped.set()
+    with pytest.raises(ImageError, match="its conversion was cancelled: the job was stopped"):
+        image_cpio(deep_tar(10, 10), io.BytesIO(), cancel=stopped)
+
+
+def test_a_stop_during_an_image_conversion_ends_it(qemu_driver, docker_client):
+    """The agent passes a stop that overtakes a launch on to the driver: the conversion ends at once,
+    no VM starts (the job's time limit has not even begun)."""
+    import threading
+    import time
+
+    buf = deep_tar(5, 8000)
+    docker_client.api.import_image_from_data(buf.getvalue(), repository="gpuportal/many-files", tag="1")
+    image = docker_client.images.get("gpuportal/many-files:1")
+    d = qemu_driver()
+    spec = make_spec(image="gpuportal/many-files:1")
+    result = {}
+
+    def launch():
+        t0 = time.monotonic()
+        try:
+            d.launch(spec)
+        except SandboxError as exc:
+            result["error"] = str(exc)
+        result["s"] = time.monotonic() - t0
+
+    t = threading.Thread(target=launch)
+    try:
+        t.start()
+        deadline = time.monotonic() + 30
+        while (spec.job_id, 1) not in d._cancels and time.monotonic() < deadline:
+            time.sleep(0.01)
+        d.cancel_launch(spec.job_id, 1)
+        t.join(timeout=60)
+        assert "its conversion was cancelled: the job was stopped" in result["error"], result
+        assert d.list_own() == [] and not (d.image_cache / f"{image.id.split(':')[-1]}.cpio.gz").exists()
+    finally:
+        t.join(timeout=60)
+        docker_client.images.remove(image.id, force=True)
