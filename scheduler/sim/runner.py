@@ -25,6 +25,7 @@ class ReplaySpec:
     backfill: bool = True
     preemption: bool = True
     quotas: bool = True
+    explain: bool = True  # as production; False decides the same (tests/scheduler/test_explain.py), faster
     placement: str = "bestfit"
     quota: str | None = None
     nodes: str | None = None
@@ -34,9 +35,10 @@ class ReplaySpec:
 
 
 def _config(spec: ReplaySpec) -> Config:
-    # explain=False: the sim reads starts and preemptions only, never reasons.
+    # Production's Config: the same caps and, by default, the same mode (reasons are written and
+    # thrown away). Explaining never changes a decision, so --no-explain only saves time.
     return Config(policy=spec.policy, backfill=spec.backfill, preemption=spec.preemption, quotas=spec.quotas,
-                  placement=spec.placement, explain=False)
+                  placement=spec.placement, explain=spec.explain)
 
 
 def _cluster(spec: ReplaySpec):

@@ -54,6 +54,16 @@ def test_policies_differ_on_a_busy_slice():
     assert mf["jct_mean"] < fifo["jct_mean"]
 
 
+def test_the_replay_is_the_same_with_and_without_production_reasons():
+    base = dict(trace=str(TRACES / "philly_dev.csv"), start_day=48.5, days=0.25, gpus=32, fairness=False)
+    for policy in ("fifo", "multifactor"):
+        on, off = (replay(ReplaySpec(policy=policy, explain=e, **base)) for e in (True, False))
+        for out in (on, off):
+            for k in ("wall_s", "wall_s_shared"):
+                out.pop(k)
+        assert on == off
+
+
 def test_alibaba_fractions_pack_on_shared_gpus():
     out = replay(ReplaySpec(trace=str(TRACES / "alibaba_shared_gpu.csv"), nodes=str(TRACES / "alibaba_nodes.csv"),
                             start_day=115, days=2, fairness=False))
