@@ -33,22 +33,23 @@ def _f(v, unit="") -> str:
 def print_table(out: dict, file=sys.stdout) -> None:
     cols = [("jobs", ""), ("jct_mean", "h"), ("jct_p50", "h"), ("jct_p95", "h"), ("jct_p99", "h"),
             ("wait_mean", "h"), ("bounded_slowdown_mean", ""), ("utilization", "%"),
-            ("fragmentation", "%"), ("fairness_max", ""), ("preemptions", "")]
+            ("fragmentation", "%"), ("fairness_max", ""), ("preemptions", ""), ("lost_gpu_hours", "")]
     heads = ["tenant", "jobs", "jct_mean_h", "jct_p50_h", "jct_p95_h", "jct_p99_h", "wait_h", "bsld",
-             "util_%", "frag_%", "fairness", "preempt"]
+             "util_%", "frag_%", "fairness", "preempt", "lost_gpu_h"]
     rows = [["ALL"] + [_f(out[k], u) for k, u in cols]]
     for t, m in out["tenants"].items():
         rows.append([t] + [_f(m[k], u) for k, u in cols])
     widths = [max(len(r[i]) for r in rows + [heads]) for i in range(len(heads))]
     for r in [heads] + rows:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)), file=file)
-    print(f"{out['gpus']:.0f} GPUs, policy {out['policy']}{' + backfill' if out['backfill'] else ''}, "
+    print(f"{out['gpus']:.0f} GPUs, policy {out['policy']}{' + backfill' if out['backfill'] and out['policy'] in ('multifactor', 'las') else ''}, "
           f"{out['passes']} passes ({out['passes_skipped']} skipped: nothing could change), {out['dropped']} jobs dropped (larger than the cluster), "
           f"{out['multi_node']} replayed on several nodes, {out['unsplittable']} skipped (GPUs not divisible "
           f"over nodes), {out['fragmented_jobs']} waited fragmented (mean {out['fragmented_wait_mean'] / 3600:.2f} h, "
           f"frag_% while one did {out['fragmentation_split'] * 100:.1f}), "
           f"wall {out['wall_s']:.1f} s (shared replay {out['wall_s_shared']:.1f} s). "
-          f"Tenant utilization is over its guarantee; fairness = mean JCT shared / isolated.", file=file)
+          f"Tenant utilization is over its guarantee; fairness = mean JCT shared / isolated (on its "
+          f"guarantee, or an equal share without one); wait counts every attempt's wait.", file=file)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,6 +30,9 @@ class JobRecord:
     first_start: float | None = None
     end: float | None = None
     preempted: int = 0
+    queued_at: float | None = None  # when it last entered the queue (submit, or its preemption)
+    wait_s: float = 0.0  # time queued over all its attempts
+    lost_gpu_s: float = 0.0  # GPU-seconds its preempted attempts ran and lost (restart from zero)
 
 
 @dataclass
@@ -42,6 +45,7 @@ class SimResult:
     tenant_alloc_gpu_s: dict[str, float] = field(default_factory=dict)
     tenant_frag_gpu_s: dict[str, float] = field(default_factory=dict)
     preemptions: int = 0
+    lost_gpu_s: float = 0.0  # GPU-seconds of work thrown away by preemption (all of the replay)
     passes: int = 0
     skipped: int = 0  # passes skipped because they could not change anything
     dropped: list[str] = field(default_factory=list)  # never fit this cluster
@@ -189,6 +193,7 @@ class Simulator:
                     rec = res.records[job.id]
                     if rec.first_start is None:
                         rec.first_start = now
+                    rec.wait_s += now - (rec.queued_at if rec.queued_at is not None else rec.trace.submit)
                     running[job.id] = Allocation(job, s.gpu_ids, now, s.fractions, s.borrowed)
                     allocated += job.gpus
                     victimable += s.borrowed or job.preemptible
@@ -207,7 +212,12 @@ class Simulator:
                     queue[a.job.id] = a.job
                     if a.job.gpus > 0:
                         wait_count[a.job.project] = wait_count.get(a.job.project, 0) + 1
-                    res.records[a.job.id].preempted += 1
+                    rec = res.records[a.job.id]
+                    rec.preempted += 1
+                    rec.queued_at = now
+                    lost = max(a.job.gpus, 0.0) * (now - a.start_time)
+                    rec.lost_gpu_s += lost
+                    res.lost_gpu_s += lost
                     res.preemptions += 1
                 if not plan.preemptions:
                     break

@@ -19,9 +19,12 @@ def _job_metrics(recs) -> dict:
     done = [r for r in recs if r.end is not None]
     if not done:
         return {"jobs": 0, "jct_mean": None, "jct_p50": None, "jct_p95": None, "jct_p99": None,
-                "wait_mean": None, "bounded_slowdown_mean": None, "preemptions": 0}
+                "wait_mean": None, "first_wait_mean": None, "bounded_slowdown_mean": None, "preemptions": 0,
+                "lost_gpu_hours": 0.0}
     jct = [r.end - r.trace.submit for r in done]
-    wait = [r.first_start - r.trace.submit for r in done]
+    # Every wait counts: a preempted job waits again, and that wait is part of its JCT too.
+    wait = [r.wait_s for r in done]
+    first = [r.first_start - r.trace.submit for r in done]
     bsld = [max(1.0, (r.end - r.trace.submit) / max(r.trace.runtime, TAU_S)) for r in done]
     return {
         "jobs": len(done),
@@ -30,9 +33,18 @@ def _job_metrics(recs) -> dict:
         "jct_p95": percentile(jct, 95),
         "jct_p99": percentile(jct, 99),
         "wait_mean": sum(wait) / len(wait),
+        "first_wait_mean": sum(first) / len(first),
         "bounded_slowdown_mean": sum(bsld) / len(bsld),
         "preemptions": sum(r.preempted for r in recs),
+        "lost_gpu_hours": sum(r.lost_gpu_s for r in recs) / 3600.0,
     }
+
+
+def isolated_gpus(guaranteed: float, capacity: float, tenants: int) -> float:
+    """The cluster a tenant is measured alone on, for fairness: its guarantee, or, for a tenant
+    without one, an equal share of the whole cluster (capacity / tenants in the replay), so
+    that every tenant counts in fairness_max."""
+    return guaranteed if guaranteed > 0 else capacity / max(tenants, 1)
 
 
 def summarize(res: SimResult, isolated_jct: dict[str, float] | None = None) -> dict:
@@ -41,13 +53,19 @@ def summarize(res: SimResult, isolated_jct: dict[str, float] | None = None) -> d
     above 1 means it borrowed); fragmentation is idle GPU-seconds while some
     job (per tenant: one of its jobs) waited, over capacity in the window.
     Fairness is the tenant's mean JCT here over its mean JCT alone on a cluster
-    the size of its guarantee (None where it has no guarantee or no isolated run).
+    of `isolated_gpus` (its guarantee, or an equal share without one; None only
+    where it has no isolated run). wait_mean counts every wait of a job (each
+    attempt's time queued), first_wait_mean only the first. lost_gpu_hours is
+    the work preempted attempts ran and lost (restart from zero); lost_capacity
+    the same over capacity x the submission window.
     Fragmented waits (enough GPUs free, but not on one node or not on the nodes a
     multi-node job asked for): how many jobs waited so, their mean time waiting so,
     and the part of `fragmentation` that passed while one did."""
     span = max(res.window[1] - res.window[0], 1e-9)
     out = _job_metrics(list(res.records.values()))
     out["preemptions"] = res.preemptions
+    out["lost_gpu_hours"] = res.lost_gpu_s / 3600.0
+    out["lost_capacity"] = res.lost_gpu_s / (res.capacity * span)
     out["utilization"] = res.alloc_gpu_s / (res.capacity * span)
     out["fragmentation"] = res.frag_gpu_s / (res.capacity * span)
     out["fragmented_jobs"] = len(res.frag_jobs)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from scheduler.core import Config, ProjectQuota
 
 from .engine import Simulator, make_projects
-from .metrics import summarize
+from .metrics import isolated_gpus, summarize
 from .trace import TraceJob, read_nodes, read_quota, read_trace, sample_nodes, uniform_nodes
 
 
@@ -48,7 +48,7 @@ def _cluster(spec: ReplaySpec):
 
 
 def _isolated(args) -> tuple[str, float | None]:
-    """Mean JCT of one tenant's jobs alone on a cluster of its guaranteed size."""
+    """Mean JCT of one tenant's jobs alone on a cluster of `isolated_gpus` (its guarantee or an equal share)."""
     spec, tenant, guar, jobs = args
     biggest = max((j.gpus for j in jobs), default=1.0)
     size = max(1, round(guar), math.ceil(biggest))
@@ -77,9 +77,9 @@ def replay(spec: ReplaySpec) -> dict:
     shared_s = time.perf_counter() - t0
     iso = {}
     if spec.fairness:
-        work = [(spec, t, projects[t].guaranteed_gpus,
+        work = [(spec, t, isolated_gpus(projects[t].guaranteed_gpus, capacity, len(tenants)),
                  [TraceJob(**vars(j)) for j in jobs if j.tenant == t])
-                for t in tenants if projects[t].guaranteed_gpus > 0]
+                for t in tenants]
         if spec.workers > 1 and len(work) > 1:
             with ProcessPoolExecutor(spec.workers) as ex:
                 iso = dict(ex.map(_isolated, work))

@@ -89,3 +89,27 @@ def test_jobs_larger_than_a_node_replay_on_several_nodes_and_fragmented_waits_ar
     out = summarize(res)
     assert out["fragmented_jobs"] == 1 and out["fragmented_wait_mean"] == 99
     assert math.isclose(out["fragmentation_split"], 14 * 99 / (16 * 200))  # 14 GPUs idle while c waited
+
+
+def test_every_wait_counts_and_preempted_work_is_reported_lost():
+    """a borrows the whole cluster; b, within t2's guarantee, preempts it at 1000 s and runs
+    100 s; a waits again 100 s and restarts from zero."""
+    jobs = [TraceJob("a", 0, 5000, 8, "t1", 90_000), TraceJob("b", 1000, 100, 4, "t2", 90_000)]
+    res = Simulator(jobs, uniform_nodes(8, 8), make_projects(["t1", "t2"], 8, None), Config(policy="multifactor")).run()
+    assert {k: (r.first_start, r.end, r.wait_s) for k, r in res.records.items()} == {
+        "a": (0, 6100, 100), "b": (1000, 1100, 0)}
+    out = summarize(res)
+    assert out["wait_mean"] == 50 and out["first_wait_mean"] == 0
+    assert out["preemptions"] == 1 and out["lost_gpu_hours"] == 8 * 1000 / 3600
+    assert out["tenants"]["t1"]["lost_gpu_hours"] == 8 * 1000 / 3600 and out["tenants"]["t2"]["lost_gpu_hours"] == 0
+
+
+def test_tenants_without_a_guarantee_count_in_fairness(tmp_path):
+    """Only 6c71a0 has a quota here; the others are measured alone on an equal share of the cluster."""
+    quota = tmp_path / "quota.csv"
+    quota.write_text("vc,node num\n6c71a0,4\n")
+    out = replay(ReplaySpec(trace=str(TRACES / "philly_dev.csv"), start_day=48.5, days=0.25, gpus=32, quota=str(quota)))
+    assert len(out["tenants"]) > 2
+    fair = {t: m["fairness"] for t, m in out["tenants"].items()}
+    assert all(f is not None and f > 0 for f in fair.values()), fair
+    assert out["fairness_max"] == max(fair.values())
