@@ -165,9 +165,17 @@ TEMPLATES = [
 # Database: embedded SQLite unless DATABASE_URL says otherwise.
 _database_url = env_str("DATABASE_URL") or f"sqlite:///{VAR_DIR / 'gpuportal.sqlite3'}"
 try:
-    DATABASES = {"default": dj_database_url.parse(_database_url, conn_max_age=env_int("DB_CONN_MAX_AGE", 60))}
+    # Health checks: a persistent connection that died with a database restart is replaced at the
+    # next request instead of failing it.
+    DATABASES = {"default": dj_database_url.parse(_database_url, conn_max_age=env_int("DB_CONN_MAX_AGE", 60),
+                                                  conn_health_checks=True)}
 except Exception as exc:  # dj_database_url raises several types for a bad URL
     raise ImproperlyConfigured(f"DATABASE_URL: cannot parse {_database_url!r}: {exc}") from None
+if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    # A database that does not answer fails a request within seconds (a 503, portal/core/middleware.py)
+    # instead of holding it for the system's TCP timeout.
+    DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
+        "connect_timeout", env_int("DB_CONNECT_TIMEOUT_S", 5, minimum=1))
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     VAR_DIR.mkdir(parents=True, exist_ok=True)
     # Several processes (web, worker, beat) share the file: wait for locks instead of failing.

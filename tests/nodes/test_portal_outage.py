@@ -180,3 +180,23 @@ def test_nodes_back_after_a_mass_silence_are_not_reaped_for_the_portals_fault(de
     silence(names[:3], 0)  # three are back; the fourth has not heartbeated yet
     assert nodes_reap()["down"] == 0
     assert not Node.objects.filter(state="down").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_database_restart_costs_no_failed_request(agent):
+    """The persistent connection dies with the server's restart (here: its backend is ended); the
+    next request's first query notices and reconnects instead of answering 503 or 500."""
+    import psycopg
+
+    assert heartbeat(agent).status_code == 200
+    pid = connection.connection.info.backend_pid
+    db = connection.settings_dict
+    with psycopg.connect(host=db["HOST"], port=db["PORT"] or 5432, user=db["USER"], dbname=db["NAME"],
+                         autocommit=True) as other:
+        assert other.execute("SELECT pg_terminate_backend(%s)", [pid]).fetchone()[0]
+    # What a WSGI server's request_started does before each request (the test client skips it).
+    from django.db import close_old_connections
+
+    close_old_connections()
+    assert heartbeat(agent).status_code == 200
+    assert connection.connection.info.backend_pid != pid
