@@ -33,6 +33,7 @@ LABEL_ATTEMPT = "gpuportal.attempt"
 LABEL_NODE = "gpuportal.node"
 LABEL_TIME_LIMIT = "gpuportal.time_limit_s"
 LABEL_GPUS = "gpuportal.gpus"  # host GPU indexes, comma-separated
+LABEL_INSTALLATION = "gpuportal.installation"  # set where agents of several installations share an engine
 
 # Env names a tenant may not set: they steer the GPU stack or the dynamic
 # loader (the NVIDIAScape escape used LD_PRELOAD). The portal refuses them at
@@ -65,6 +66,8 @@ class LaunchSpec:
     gpu_fraction: float | None = None
     gpu_memory_mb: int | None = None
     rendezvous: dict | None = None
+    # The job's project (portal id): the docker sandbox runs each project's jobs under a uid of its own.
+    project_id: int | None = None
 
     def __post_init__(self):
         if not self.command or not all(isinstance(a, str) for a in self.command):
@@ -187,6 +190,14 @@ def sandbox_name(job_id: str, attempt: int, rank: int | None = None, *, scope: s
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", job_id)[:100]
     prefix = "gpuportal-" + (re.sub(r"[^A-Za-z0-9_.-]", "_", scope)[:60] + "-" if scope else "")
     return f"{prefix}{safe}-{attempt}" + (f"-rank{rank}" if rank is not None else "")
+
+
+def uid_range(raw: str, setting: str) -> tuple[int, int]:
+    """``FIRST-LAST`` (a setting of uids the agent hands out) as two ints; SandboxError naming ``setting``."""
+    m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", raw)
+    if not m or not 1000 <= int(m.group(1)) <= int(m.group(2)) < 2**31:
+        raise SandboxError(f"{setting}: expected FIRST-LAST (uids of 1000 and up), got {raw!r}")
+    return int(m.group(1)), int(m.group(2))
 
 
 def node_rank(spec: LaunchSpec) -> int | None:

@@ -34,8 +34,8 @@ import docker.types
 import requests
 
 from agents.sandbox import (
-    EXITED, LABEL_ATTEMPT, LABEL_GPUS, LABEL_JOB, LABEL_NODE, LABEL_TIME_LIMIT, OOM, RUNNING,
-    LaunchSpec, SandboxError, SandboxHandle, job_env, node_rank, sandbox_name,
+    EXITED, LABEL_ATTEMPT, LABEL_GPUS, LABEL_INSTALLATION, LABEL_JOB, LABEL_NODE, LABEL_TIME_LIMIT, OOM, RUNNING,
+    LaunchSpec, SandboxError, SandboxHandle, job_env, node_rank, sandbox_name, uid_range,
 )
 from agents.sandbox.docker_logs import ContainerLog
 from agents.sandbox.egress import EgressError, Firewall, parse_allow
@@ -50,8 +50,11 @@ BRIDGE_PREFIX = "gpj"
 EGRESS_CHAIN = "GPUPORTAL-DOCKER"
 LABEL_SIMULATED = "gpuportal.simulated_gpus"  # "1" on a GPU job run on simulated GPUs
 
-# nobody:nogroup; exists in every image we build and owns nothing on the host.
+# nobody:nogroup, for a launch that names no project (an older portal); owns nothing on the host.
 JOB_USER = "65534:65534"
+# Each project's jobs run as uid = gid = first + project id: two tenants' jobs on one node never share a
+# uid (signals, /proc, files on a shared mount). Owns nothing on the host either.
+JOB_UIDS = "2000000-2999999"
 NO_GPU_MESSAGE = (
     "this node's Docker engine has no NVIDIA GPU support (no 'nvidia' runtime and no "
     "NVIDIA Container Toolkit hook); GPU jobs cannot run on this node, CPU jobs can"
@@ -73,8 +76,12 @@ class DockerDriver:
     def __init__(self, *, node: str, client=None, job_network: str = JOB_NETWORK,
                  nofile: int | None = 4096, gang_network_driver: str = "auto",
                  gang_network_internal: bool = False, simulated_gpus: bool = False,
-                 egress_allow: str | list[str] | None = None, log_max_size: str = "10m", log_max_files: int = 3):
+                 egress_allow: str | list[str] | None = None, log_max_size: str = "10m", log_max_files: int = 3,
+                 installation: str | None = None, job_uids: str | None = None):
         self.node = node
+        # Several installations may share one engine: names and adoption go by installation and node.
+        self.installation = installation if installation is not None else os.environ.get("GPUPORTAL_INSTALLATION", "")
+        self.job_uids = uid_range(job_uids or os.environ.get("GPUPORTAL_JOB_UIDS") or JOB_UIDS, "GPUPORTAL_JOB_UIDS")
         # The engine's json-file log of each job is rotated at this size and count: what the agent
         # has not read when it rotates is lost, so it must hold several passes of a chatty job.
         self.log_config = docker.types.LogConfig(type="json-file", config={
@@ -175,6 +182,16 @@ class DockerDriver:
                              started_at=time.time(), time_limit_s=spec.time_limit_s,
                              gpu_indexes=list(spec.gpu_indexes))
 
+    def job_uid(self, spec: LaunchSpec) -> int:
+        """The uid (and gid) the job runs as: its project's own, or nobody when the launch names none."""
+        if spec.project_id is None:
+            return int(JOB_USER.split(":")[0])
+        first, last = self.job_uids
+        if not 0 <= spec.project_id <= last - first:
+            raise SandboxError(f"project {spec.project_id} has no uid in node {self.node}'s range {first}-{last} "
+                               f"(GPUPORTAL_JOB_UIDS)")
+        return first + spec.project_id
+
     def _create_kwargs(self, spec: LaunchSpec) -> dict:
         n = len(spec.gpu_uuids)
         env = job_env(spec, visible_devices=[str(i) for i in range(n)])
@@ -185,10 +202,13 @@ class DockerDriver:
         env["NVIDIA_VISIBLE_DEVICES"] = ",".join(spec.gpu_uuids) if real else "void"
         env.setdefault("HOME", "/work")
         mem = f"{spec.memory_mb}m"
+        uid = self.job_uid(spec)
+        user = f"{uid}:{uid}"
         kwargs = dict(
             image=spec.image,
             command=list(spec.command),
-            name=sandbox_name(spec.job_id, spec.attempt, node_rank(spec)),
+            name=sandbox_name(spec.job_id, spec.attempt, node_rank(spec),
+                              scope="-".join(filter(None, (self.installation, self.node)))),
             detach=True,
             environment=env,
             labels={
@@ -196,18 +216,20 @@ class DockerDriver:
                 LABEL_ATTEMPT: str(spec.attempt),
                 LABEL_NODE: self.node,
                 LABEL_TIME_LIMIT: str(spec.time_limit_s),
+                **({LABEL_INSTALLATION: self.installation} if self.installation else {}),
                 LABEL_GPUS: ",".join(str(i) for i in spec.gpu_indexes),
             },
-            user=JOB_USER,
+            user=user,
             working_dir="/work",
             read_only=True,
             # tmpfs counts against the memory limit, so their size cannot add to it.
             # uid/gid, not mode: Docker 20.10 ignores mode on the working dir (moby#39466).
             tmpfs={
-                "/work": f"rw,exec,nosuid,nodev,size={mem},uid=65534,gid=65534,mode=0700",
+                "/work": f"rw,exec,nosuid,nodev,size={mem},uid={uid},gid={uid},mode=0700",
                 "/tmp": f"rw,noexec,nosuid,nodev,size={mem},mode=1777",
             },
             network_mode=self.job_network if spec.network else "none",
+            cgroupns="private",  # the job sees its own cgroup as /, not the host's hierarchy
             cap_drop=["ALL"],
             security_opt=["no-new-privileges"],
             privileged=False,
@@ -400,6 +422,8 @@ class DockerDriver:
         out = []
         for c in self.client.containers.list(all=True, filters={"label": [f"{LABEL_NODE}={self.node}"]}):
             lb = c.labels
+            if lb.get(LABEL_INSTALLATION, "") != self.installation:
+                continue  # another installation's agent with our node name, on the same engine
             try:
                 job_id, attempt = lb[LABEL_JOB], int(lb[LABEL_ATTEMPT])
                 limit = float(lb[LABEL_TIME_LIMIT]) if LABEL_TIME_LIMIT in lb else None

@@ -59,7 +59,7 @@ import docker.errors
 import requests
 
 from agents.sandbox import (
-    EXITED, OOM, RUNNING, LaunchSpec, SandboxError, SandboxHandle, job_env, sandbox_name,
+    EXITED, OOM, RUNNING, LaunchSpec, SandboxError, SandboxHandle, job_env, sandbox_name, uid_range,
 )
 from agents.sandbox import kvm_image
 from agents.sandbox.egress import EgressError, Firewall, parse_allow
@@ -293,7 +293,7 @@ class KvmDriver:
         if blocked and not uri.startswith("test:"):
             log.warning("kvm sandbox: %s is not searchable by other users: QEMU (it runs as a uid of its own) "
                         "cannot open the VM's kernel and initrd under %s", blocked[0], self.state_dir)
-        self.vm_uids = _uid_range(vm_uids or os.environ.get("GPUPORTAL_KVM_VM_UIDS") or VM_UIDS)
+        self.vm_uids = uid_range(vm_uids or os.environ.get("GPUPORTAL_KVM_VM_UIDS") or VM_UIDS, "GPUPORTAL_KVM_VM_UIDS")
         self._uid_lock = threading.Lock()
         self._uids_starting: set[int] = set()
         # The group that lets QEMU into libvirt's per-domain folders (libvirt's own qemu group).
@@ -757,13 +757,6 @@ def _env_mb(name: str, default: int, unit: str = "MiB") -> int:
     if not raw.isdigit() or int(raw) < 1:
         raise SandboxError(f"{name}: expected a positive number of {unit}, got {raw!r}")
     return int(raw)
-
-
-def _uid_range(raw: str) -> tuple[int, int]:
-    m = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", raw)
-    if not m or not 1000 <= int(m.group(1)) <= int(m.group(2)) < 2**32 - 1:
-        raise SandboxError(f"GPUPORTAL_KVM_VM_UIDS: expected FIRST-LAST (uids of 1000 and up), got {raw!r}")
-    return int(m.group(1)), int(m.group(2))
 
 
 def private_dir(path: Path) -> Path:

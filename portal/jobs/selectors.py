@@ -95,6 +95,7 @@ def launch_specs(pairs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
             "network": bool(job.network and job.project.quota.network_allowed), "sandbox": job.sandbox,
             "array_index": job.array_index, "gpu_fraction": fraction,
             "gpu_memory_mb": job.gpu_memory_mb or None, "rendezvous": rendezvous,
+            "project_id": job.project_id,  # the docker sandbox runs each project under a uid of its own
         }
     return out
 

@@ -91,7 +91,9 @@ def test_container_is_hardened(docker_driver, docker_client, node_name):
     assert "no-new-privileges" in hc["SecurityOpt"]
     assert not any("unconfined" in o for o in hc["SecurityOpt"])
     assert hc["ReadonlyRootfs"] is True and hc["Privileged"] is False
-    assert cfg["User"] == "65534:65534"
+    assert cfg["User"] == "65534:65534"  # the spec names no project
+    assert hc["CgroupnsMode"] == "private"
+    assert a["Name"] == f"/gpuportal-{node_name}-hard-1-3"  # the node in the name: engines may be shared
     assert hc["Memory"] == 96 * 1024 * 1024 and hc["MemorySwap"] == hc["Memory"]
     assert hc["PidsLimit"] == 77 and hc["NanoCpus"] == 1_500_000_000
     assert hc["RestartPolicy"]["Name"] in ("", "no")
@@ -369,3 +371,43 @@ def test_a_docker_job_with_network_is_refused_where_the_policy_cannot_be_enforce
                                            "cannot be enforced"):
         d.launch(make_spec(network=True))
     assert d.list_own() == []
+
+
+# -- per-project uids, private cgroups, names per installation ---------------------------
+
+def test_each_project_runs_under_a_uid_of_its_own(docker_client, node_name):
+    from agents.sandbox.docker_driver import DockerDriver
+
+    d = DockerDriver(node=node_name, client=docker_client, job_uids="2000000-2000099")
+    cmd = ["sh", "-c", "id -u; id -g; touch /work/f && stat -c %u /work/f; cat /proc/self/cgroup"]
+    outs = {}
+    for project in (1, 2, None):
+        h = d.launch(make_spec(project_id=project, command=cmd))
+        assert wait_done(d, h) == (EXITED, 0)
+        outs[project] = d.read_logs(h, 0).decode().split("\n")
+        d.remove(h)
+    assert outs[1][:3] == ["2000001"] * 3 and outs[2][:3] == ["2000002"] * 3
+    assert outs[None][:3] == ["65534"] * 3  # an older portal's launch, without its project
+    # A private cgroup namespace: the job sees its own cgroup as the root, not the host's tree.
+    cgroups = [line for line in outs[1][3:] if line]
+    assert cgroups and all(line.endswith(":/") for line in cgroups), cgroups
+    with pytest.raises(SandboxError, match=f"project 100 has no uid in node {node_name}'s range 2000000-2000099"):
+        d.launch(make_spec(project_id=100))
+
+
+def test_agents_of_two_installations_on_one_engine_keep_apart(docker_client, node_name):
+    """Same node name, same job attempt, two installations: both start, each adopts only its own."""
+    from agents.sandbox.docker_driver import DockerDriver
+
+    a = DockerDriver(node=node_name, client=docker_client, installation="prod")
+    b = DockerDriver(node=node_name, client=docker_client, installation="staging")
+    spec = make_spec(command=["sleep", "30"])
+    ha, hb = a.launch(spec), b.launch(spec)
+    try:
+        assert docker_client.containers.get(ha.ref).name == f"gpuportal-prod-{node_name}-{spec.job_id}-1"
+        assert [h.ref for _, _, h in a.list_own()] == [ha.ref]
+        assert [h.ref for _, _, h in b.list_own()] == [hb.ref]
+        assert DockerDriver(node=node_name, client=docker_client).list_own() == []  # no installation: neither
+    finally:
+        a.remove(ha)
+        b.remove(hb)
