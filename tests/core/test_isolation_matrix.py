@@ -122,7 +122,7 @@ MATRIX = {
     # The agent API takes node tokens only: people and their tokens are strangers there.
     **{f"agent:{name}": [e("POST", f"/api/agent/v1/{path}", NOBODY, body={"attempt": 1})] for name, path in [
         ("register", "register"), ("heartbeat", "heartbeat"), ("confirm", "jobs/{vision_job}/confirm"),
-        ("events", "jobs/{vision_job}/events"), ("logs", "jobs/{vision_job}/logs")]},
+        ("events", "jobs/{vision_job}/events"), ("logs", "jobs/{vision_job}/logs"), ("probe", "probe")]},
     "schema": [e("GET", "/api/schema/", roles(200, 200, 200, 200, 200, 200), api=False)],
     "api-docs": [e("GET", "/api/docs/", roles(200, 200, 200, 200, 200, 200), api=False)],
     "login": [e("GET", "/login/", roles(200, 302, 302, 302, 302, 302), api=False)],
