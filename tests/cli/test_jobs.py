@@ -88,6 +88,21 @@ def test_logs_without_follow_prints_what_is_there(portal, gpuctl, running):
     assert doc["data"] == "hello\n" and doc["next_offset"] == 6 and doc["complete"] is False
 
 
+def test_logs_longer_than_a_page_come_whole(portal, gpuctl, running):
+    """The API pages by 1 MiB; gpuctl logs (and -f) read on until they have it all, with a
+    character that straddles the page boundary intact."""
+    head = b"a" * (1024 * 1024 - 1)
+    JobLogChunk.objects.create(job=running, attempt=1, offset=0, data=head + "✓".encode()[:1])
+    JobLogChunk.objects.create(job=running, attempt=1, offset=len(head) + 1, data="✓".encode()[1:] + b" end\n")
+    expected = head.decode() + "✓ end\n"
+    assert gpuctl("logs", running.pk).stdout == expected
+    doc = json.loads(gpuctl("logs", running.pk, "-o", "json").stdout)
+    assert doc["next_offset"] == len(head) and doc["size"] == len(head) + 8  # one page, and how much more
+    transition(running.pk, to=JobState.SUCCEEDED, from_states={JobState.RUNNING}, exit_code=0)
+    result = gpuctl("logs", "-f", running.pk, "--interval", "0.05", "--timeout", "60")
+    assert result.exit_code == 0 and result.stdout == expected
+
+
 def test_cancel_then_again_is_a_conflict_exit_5(portal, gpuctl, running):
     queued = submit(portal, name="queued")
     result = gpuctl("cancel", running.pk, queued.pk)

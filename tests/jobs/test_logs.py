@@ -101,6 +101,8 @@ def test_a_log_past_the_cap_keeps_its_head_and_says_so(node, placed, api, settin
     assert log == (b"0" * 2000 + b"1" * 2000)[:4096 - len(notice)] + notice
     page = api("alice").get(f"/api/v1/jobs/{placed.pk}/logs/").json()
     assert page["truncated"] is True and page["data"].endswith(notice.decode()) and page["size"] == 4096
+    html = api("alice").get(f"/jobs/{placed.pk}/").content.decode()
+    assert "reached the portal's limit per attempt" in html
 
 
 def test_the_cap_never_cuts_a_character(node, placed, settings):
