@@ -1,3 +1,6 @@
-from .celery import app as celery_app
+"""The Django project.
 
-__all__ = ("celery_app",)
+Its Celery app (portal/celery.py) loads with Django, from portal.core's AppConfig.ready(), not
+on `import portal`: gpuctl lives in portal.cli and runs without Django, Celery or the portal's
+settings (`pip install .[cli]`). `celery -A portal` finds the app in portal.celery by itself.
+"""
