@@ -13,6 +13,19 @@ from . import tokens
 from .models import ApiToken, Scope
 
 
+# Each generation costs a query when a token authenticates (every ancestor must still be usable).
+MAX_TOKEN_GENERATIONS = 4
+
+
+def _generation(token: ApiToken) -> int:
+    """1 for a token created in a session, 2 for one created with such a token, and so on."""
+    depth, parent_id = 1, token.parent_id
+    while parent_id is not None and depth <= MAX_TOKEN_GENERATIONS:
+        parent_id = ApiToken.objects.filter(pk=parent_id).values_list("parent_id", flat=True).first()
+        depth += 1
+    return depth
+
+
 def token_issue(*, actor: Actor, user, name: str, scopes: list[str], project=None,
                 expires_days: int | None = None) -> tuple[ApiToken, str]:
     """Create a token for `user`; returns the row and the secret, which is never stored.
@@ -36,6 +49,9 @@ def token_issue(*, actor: Actor, user, name: str, scopes: list[str], project=Non
     expires_at = timezone.now() + timedelta(days=days)
     parent = actor.token
     if parent is not None:
+        if _generation(parent) >= MAX_TOKEN_GENERATIONS:
+            raise Forbidden(f"Tokens created with tokens go {MAX_TOKEN_GENERATIONS} generations deep at most; "
+                            "create this one in the browser.")
         wider = [s for s in scopes if not parent.has_scope(s)]
         if wider:
             raise Forbidden(f"This token cannot grant the {wider[0]!r} scope it does not hold itself.",

@@ -167,3 +167,17 @@ def test_child_dies_with_a_parent_made_unusable_outside_the_service(demo, api, k
     ApiToken.objects.filter(pk=parent_row.pk).update(**{"revoked_at" if kill == "revoked" else "expires_at": past})
     assert api(token=child).get("/api/v1/me/").status_code == 401
     assert api(token=grandchild).get("/api/v1/me/").status_code == 401
+
+
+def test_token_lineage_is_bounded(demo, api):
+    """Authentication checks every ancestor: a chain is kept short."""
+    from portal.accounts.services import MAX_TOKEN_GENERATIONS
+
+    secret = make_token(demo.users["alice"], ["read", "admin"])
+    for _ in range(MAX_TOKEN_GENERATIONS - 1):
+        r = _mint(api(token=secret), scopes=["read", "admin"])
+        assert r.status_code == 201
+        secret = r.json()["token"]
+    r = _mint(api(token=secret), scopes=["read", "admin"])
+    assert r.status_code == 403 and "generations" in r.json()["error"]["message"]
+    assert api(token=secret).get("/api/v1/me/").status_code == 200
