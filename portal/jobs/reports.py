@@ -169,7 +169,10 @@ def job_append_log(*, node, job_id, attempt: int, offset: int, data: bytes) -> d
     if len(data) > room:  # this chunk crosses the cap: keep what fits, whole characters only
         head = data[:utf8_whole_len(data[:max(0, room)])]
         rows = [JobLogChunk(job=job, attempt=attempt, offset=offset, data=head)] if head else []
-        rows.append(JobLogChunk(job=job, attempt=attempt, offset=offset + len(head), data=notice, marker=True))
+        # After a gap (bytes the agent could not ship) the chunk may start past the cap: the notice
+        # still goes where the cap puts it, so no log ever ends beyond JOB_LOG_MAX_BYTES.
+        at = min(offset + len(head), settings.JOB_LOG_MAX_BYTES - len(notice))
+        rows.append(JobLogChunk(job=job, attempt=attempt, offset=at, data=notice, marker=True))
         log.info("job %s attempt %s: log reached JOB_LOG_MAX_BYTES; truncated", job.pk, attempt)
     try:
         with transaction.atomic():

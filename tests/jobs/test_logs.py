@@ -105,6 +105,14 @@ def test_a_log_past_the_cap_keeps_its_head_and_says_so(node, placed, api, settin
     assert "reached the portal's limit per attempt" in html
 
 
+def test_a_chunk_far_past_the_cap_still_ends_the_log_at_the_cap(node, placed, settings):
+    settings.JOB_LOG_MAX_BYTES = 4096
+    ship(node, placed, 0, b"head\n")
+    assert ship(node, placed, 2**40, b"x" * 10).json() == {"stored": True, "size": 4096, "full": True}
+    log = stored(placed)
+    assert log.startswith(b"head\n") and log.endswith(log_notice(4096)) and len(log) < 4096  # the gap is no bytes
+
+
 def test_the_cap_never_cuts_a_character(node, placed, settings):
     settings.JOB_LOG_MAX_BYTES = 4096
     notice = log_notice(4096)
