@@ -15,6 +15,7 @@ from .models import GPU, GPUHealth, GPUMode, Node, NodeState, ReaperState
 GPU_SPEC = re.compile(r"^(?P<count>\d{1,3})x(?P<model>[A-Za-z0-9][A-Za-z0-9._-]*?)(?:-(?P<mem>\d{1,4})GB)?$")
 NODE_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 QUEUE_PROBE_RESEND_S = 30
+REAPED_REASON = "no heartbeat"  # state_reason of a node the reaper marked down
 MEMORY_BY_MODEL = {"H100": 80, "H200": 141, "A100": 80, "V100": 32, "P100": 16, "T4": 16, "L4": 24, "A10": 24}
 
 
@@ -445,16 +446,21 @@ def nodes_reap() -> dict:
                                                                     created_at__lt=cutoff)))
     if not silent:
         return {"down": 0}
-    if total >= 3 and len(silent) > total * settings.NODE_MASS_FAILURE_FRACTION:
+    # Nodes this reaper marked down lately count as silent too: a portal overloaded for a while
+    # loses nodes a few at a time, each batch under the threshold, but not all of them.
+    recent = Node.objects.filter(state=NodeState.DOWN, state_reason=REAPED_REASON,
+                                 last_heartbeat_at__gte=now - timedelta(seconds=3 * settings.NODE_TIMEOUT_S)).count()
+    if total + recent >= 3 and len(silent) + recent > (total + recent) * settings.NODE_MASS_FAILURE_FRACTION:
         logging.getLogger(__name__).error(
-            "%d of %d nodes silent at once: suspecting the portal side, not marking them down", len(silent), total)
+            "%d of %d nodes silent at once (%d of them already marked down lately): suspecting the portal "
+            "side, not marking them down", len(silent) + recent, total + recent, recent)
         ReaperState.objects.filter(pk=1).update(leases_fresh_since=now)
-        return {"down": 0, "suspected_portal_failure": len(silent)}
+        return {"down": 0, "suspected_portal_failure": len(silent) + recent}
     requeued = failed = 0
     for node in silent:
         with transaction.atomic():
             if not Node.objects.filter(pk=node.pk, last_heartbeat_at=node.last_heartbeat_at).exclude(
-                    state=NodeState.DOWN).update(state=NodeState.DOWN, state_reason="no heartbeat"):
+                    state=NodeState.DOWN).update(state=NodeState.DOWN, state_reason=REAPED_REASON):
                 continue  # it spoke meanwhile
             audit_record(actor=Actor(user=None, label="reaper"), action="node.down", obj=node)
             job_ids = set(Job.objects.filter(state__in=HOLDING, node=node).values_list("pk", flat=True))

@@ -200,3 +200,20 @@ def test_a_database_restart_costs_no_failed_request(agent):
     close_old_connections()
     assert heartbeat(agent).status_code == 200
     assert connection.connection.info.backend_pid != pid
+
+
+def test_nodes_lost_a_few_at_a_time_count_towards_a_mass_silence(demo, settings):
+    """An overloaded portal loses nodes in batches, each under the threshold: those marked down
+    lately count as silent, so the reaper stops before it has marked most of the fleet down."""
+    admin = Actor(user=demo.users["admin"])
+    names = [f"s{i}" for i in range(10)]
+    for name in names:
+        node_add(actor=admin, name=name, gpus="1xH100-80GB")
+    nodes_reap()
+    silence(names, 0)
+    silence(names[:4], settings.NODE_TIMEOUT_S + 5)
+    assert nodes_reap()["down"] == 4  # 4 of 10: a real failure, as far as anyone can tell
+    silence(names[4:6], settings.NODE_TIMEOUT_S + 5)
+    result = nodes_reap()  # 2 of the 6 left, but 6 of the 10 within a minute
+    assert result["down"] == 0 and result["suspected_portal_failure"] == 6
+    assert Node.objects.filter(state="down").count() == 4
