@@ -1,6 +1,7 @@
 """pyproject.toml's extras: what `pip install .[cli]`, `.[agent]` and `.[portal]` give."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -40,9 +41,16 @@ def test_the_cli_loads_no_settings_and_needs_no_debug():
 
 def test_pip_install_cli_extra_gives_a_working_gpuctl(tmp_path):
     """A fresh virtualenv with only `.[cli]`: gpuctl starts and explains what to do first."""
+    # From a copy of what a source distribution holds: setuptools writes build/ into the tree it builds.
+    src = tmp_path / "src"
+    src.mkdir()
+    for part in ("pyproject.toml", "README.md", "portal", "scheduler", "agents"):
+        copy = shutil.copytree if (REPO / part).is_dir() else shutil.copy
+        copy(REPO / part, src / part, **({"ignore": shutil.ignore_patterns("__pycache__")}
+                                         if (REPO / part).is_dir() else {}))
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", f"{REPO}[cli]"],
+    pip = subprocess.run([str(venv / "bin" / "pip"), "install", "--quiet", f"{src}[cli]"],
                          capture_output=True, text=True, timeout=600)
     assert pip.returncode == 0, pip.stderr[-3000:]
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "GPUCTL_CONFIG": str(tmp_path / "gpuctl.json")}
