@@ -50,6 +50,15 @@ if ! redis-cli -h 127.0.0.1 -p 6379 ping 2>/dev/null | grep -q PONG; then
 fi
 wait_for 30 "Redis on 127.0.0.1:6379" sh -c 'redis-cli -h 127.0.0.1 -p 6379 ping | grep -q PONG'
 
+say "deployment kit tools"
+# tests/deploy: systemd-analyze verifies deploy/systemd/*, and Debian's nginx (never started as a
+# service here: the test runs its own on loopback) fronts gunicorn; openssl makes its certificate.
+command -v systemd-analyze >/dev/null || apt_install systemd
+command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || apt_install nginx
+command -v openssl >/dev/null || apt_install openssl
+command -v systemd-analyze >/dev/null || die "systemd-analyze is still missing after installing systemd"
+[ -x /usr/sbin/nginx ] || die "nginx is still missing after installing nginx"
+
 # Real sandboxes and the browser the suite drives: each script is idempotent and fails loudly.
 for extra in .ci/docker.sh .ci/kvm.sh .ci/browser.sh; do
   say "$extra"
