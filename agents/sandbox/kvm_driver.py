@@ -63,6 +63,7 @@ from agents.sandbox import (
 )
 from agents.sandbox import kvm_image
 from agents.sandbox.egress import EgressError, Firewall, parse_allow
+from agents.sandbox.kvm_console import console_files, read_console
 from agents.sandbox.kvm_image import EXIT_MARKER, START_MARKER
 
 log = logging.getLogger(__name__)
@@ -363,10 +364,12 @@ class KvmDriver:
                 raise SandboxError("stopped while its VM was being prepared")
             started = time.time()
             # A stale console or exit record from an earlier VM of this name must not be read as this one's.
-            _unlink(console)
-            _unlink(console.with_suffix(".exit"))
+            self._remove_console(name)
             try:
                 self._create(spec, name, buses, kernel, initrd, console, started, extra_mb, uid)
+            except SandboxError:
+                self._remove_console(name)  # a failed start's console and exit files are litter too
+                raise
             finally:
                 # QEMU has read them into guest memory by now (or the start failed): they are litter.
                 for f in (kernel, initrd):
@@ -632,10 +635,7 @@ class KvmDriver:
             return False
 
     def _console(self, handle: SandboxHandle) -> bytes:
-        try:
-            return (self.state_dir / f"{handle.ref}.log").read_bytes()
-        except FileNotFoundError:
-            return b""
+        return read_console(self.state_dir / f"{handle.ref}.log")
 
     def poll(self, handle: SandboxHandle) -> tuple[str, int | None]:
         """The exit code from the second serial port (never the console, which the job writes too);
@@ -723,8 +723,16 @@ class KvmDriver:
                     dom.undefine()
             except self._libvirt.libvirtError as exc:
                 log.warning("could not remove VM %s: %s", handle.ref, exc)
-        for suffix in (".log", ".exit", ".initrd", ".kernel"):
-            _unlink(self.state_dir / f"{handle.ref}{suffix}")
+        self._remove_files(handle.ref)
+
+    def _remove_files(self, name: str) -> None:
+        self._remove_console(name)
+        for suffix in (".initrd", ".kernel"):
+            _unlink(self.state_dir / f"{name}{suffix}")
+
+    def _remove_console(self, name: str) -> None:
+        for f in [*console_files(self.state_dir / f"{name}.log"), self.state_dir / f"{name}.exit"]:
+            _unlink(f)
 
 
 def _job_output(raw: bytes, final: bool) -> bytes:

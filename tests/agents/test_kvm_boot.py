@@ -176,6 +176,21 @@ def test_cpus_are_capped_on_the_host_and_more_than_the_node_has_are_refused(vm_d
     d.remove(h)
 
 
+def test_output_over_virtlogds_rotation_size_comes_back_whole_and_the_files_go(vm_driver):
+    """virtlogd rotates a console at 2 MiB: the job's first bytes (its start marker with them) moved to
+    <console>.0 and the agent read only the rest. About 2.2 MiB of output, at the guest serial port's
+    speed under TCG (about 70 KiB/s here): this test takes some 40 s."""
+    d = vm_driver
+    h = d.launch(make_spec(command=["seq", "1", "330000"], time_limit_s=600))
+    assert wait_exit(d, h, timeout=300) == (EXITED, 0)
+    out = d.read_logs(h, 0)
+    assert len(out) > 2 * 2**20 and out == "".join(f"{i}\n" for i in range(1, 330001)).encode()
+    assert sorted(p.name.removeprefix(h.ref) for p in d.state_dir.iterdir() if p.name.startswith(h.ref)) == [
+        ".exit", ".log", ".log.0", ".log.archive", ".log.archived"]
+    d.remove(h)
+    assert [p.name for p in d.state_dir.iterdir() if p.name.startswith(h.ref)] == []
+
+
 @pytest.fixture(scope="module")
 def marker_image(vm_driver, docker_client):
     """A second image, imported as .ci/docker.sh imports the job image (busybox-static), with a marker file, an

@@ -516,3 +516,43 @@ def test_a_stop_during_an_image_conversion_ends_it(qemu_driver, docker_client):
     finally:
         t.join(timeout=60)
         docker_client.images.remove(image.id, force=True)
+
+
+# -- the console across virtlogd's rotation --------------------------------------------
+
+def test_the_console_reads_whole_across_rotations_and_offsets_never_move(tmp_path):
+    """virtlogd's scheme: the live file moves to .0, older ones shift up, the oldest beyond its backups
+    is deleted. Read between rotations (the agent reads every second), nothing is lost."""
+    import os
+
+    from agents.sandbox.kvm_console import console_files, read_console
+
+    live, written, reads = tmp_path / "vm.log", b"", []
+
+    def write(data):
+        nonlocal written
+        with open(live, "ab") as f:
+            f.write(data)
+        written += data
+
+    def rotate(backups=3):
+        gone = live.with_name(f"vm.log.{backups - 1}")
+        if gone.exists():
+            gone.unlink()
+        for i in range(backups - 2, -1, -1):
+            if live.with_name(f"vm.log.{i}").exists():
+                os.rename(live.with_name(f"vm.log.{i}"), live.with_name(f"vm.log.{i + 1}"))
+        os.rename(live, live.with_name("vm.log.0"))
+
+    for i in range(7):  # more rotations than backups: the first files are deleted along the way
+        write(f"chunk {i}: ".encode() + b"x" * 1000 + b"\n")
+        reads.append(read_console(live))
+        rotate()
+        reads.append(read_console(live))
+    write(b"tail\n")
+    assert read_console(live) == written
+    assert all(written.startswith(r) for r in reads)  # every earlier read is a prefix: offsets hold
+    assert not live.with_name("vm.log.3").exists() and live.with_name("vm.log.2").exists()
+    for f in console_files(live):
+        f.unlink(missing_ok=True)
+    assert list(tmp_path.iterdir()) == []
