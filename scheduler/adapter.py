@@ -21,7 +21,7 @@ from decimal import Decimal
 
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Count, Sum
+from django.db.models import Count, F, Sum
 from django.utils import timezone
 
 from portal.core.crashpoints import crashpoint
@@ -74,6 +74,17 @@ def _cancel_failed_dependents() -> int:
     return ended
 
 
+def _attained_gpu_s() -> dict[int, float]:
+    """GPU-seconds each queued or running job got from its earlier attempts (the las policy
+    orders and preempts by it; the core adds a running attempt's own service)."""
+    out: dict[int, float] = defaultdict(float)
+    for job_id, started, released, fraction in Allocation.objects.filter(
+            released_at__isnull=False, attempt__lt=F("job__attempt"),
+            job__state__in=[JobState.QUEUED, *HOLDING]).values_list("job_id", "started_at", "released_at", "fraction"):
+        out[job_id] += max((released - started).total_seconds(), 0.0) * float(fraction)
+    return out
+
+
 def build_snapshot(now=None):
     """Returns (snapshot, context) where context maps core ids back to rows."""
     now = now or timezone.now()
@@ -105,8 +116,11 @@ def build_snapshot(now=None):
             gpu_memory_mb=row["gpu_memory_mb"], qos=QOS_VALUE[row["priority"]], preemptible=row["preemptible"],
             array_parent=str(row["array_parent_id"]) if row["array_parent_id"] else None,
             array_limit=row["array_limit"], deps_satisfied=deps_ok, sandbox=row["sandbox"], nodes=row["nodes"],
+            attained_gpu_s=attained.get(row["id"], 0.0),
         )
 
+    config = config_from_settings()
+    attained = _attained_gpu_s() if config.policy == "las" else {}  # only las reads it
     holding = {row["id"]: row for row in Job.objects.filter(state__in=HOLDING, is_array_parent=False).values(*fields)}
     allocs: dict[int, list] = defaultdict(list)
     for job_id, gpu_id, fraction, shared, borrowed, started in Allocation.objects.filter(
@@ -127,6 +141,8 @@ def build_snapshot(now=None):
                        .order_by("submitted_at", "id").values(*fields, "reason_code", "reason_message",
                                                              "queue_position"))
     queued = [to_core(row, deps_ok=row["id"] not in blocked) for row in queued_rows]
+    for job, row in zip(queued, queued_rows):
+        job.queued_since = _epoch(row["state_changed_at"])  # submit, or its requeue after preemption
 
     project_slugs = {j.project for j in queued} | {a.job.project for a in running}
     quotas = Quota.objects.filter(project__slug__in=project_slugs).select_related("project__organization")
@@ -149,7 +165,7 @@ def build_snapshot(now=None):
             for o in Organization.objects.filter(projects__slug__in=project_slugs).distinct()}
     snapshot = core.Snapshot(
         now=_epoch(now), nodes=list(nodes.values()), running=running, queued=queued, projects=projects, orgs=orgs,
-        usage={slug: usage.get(pid, 0.0) for slug, pid in project_ids.items()}, config=config_from_settings(),
+        usage={slug: usage.get(pid, 0.0) for slug, pid in project_ids.items()}, config=config,
     )
     context = {"gpu_node": gpu_node, "queued": {str(r["id"]): r for r in queued_rows}, "holding": holding}
     return snapshot, context

@@ -88,6 +88,11 @@ class Job:
     pool: str | None = None
     sandbox: str = "docker"
     nodes: int = 1
+    # GPU-seconds of service its earlier attempts got (GPUs x time run; a running job's current
+    # attempt is added by the core from its allocation), and when it last entered the queue
+    # (None: at submit). The `las` policy orders and preempts by them.
+    attained_gpu_s: float = 0.0
+    queued_since: float | None = None
 
     @property
     def gpus_per_node(self) -> int:
@@ -166,6 +171,13 @@ class Config:
     # finishing first is what lowers mean JCT; fair share keeps big users honest.
     size_scale_gpu_s: float = 8 * 3600.0  # GPU-seconds at which the size factor is 0.5
     max_reservations: int = 1  # EASY backfill: one reservation for the head job
+    # las (Tiresias' discretized two-dimensional LAS): a job's queue is how many of these
+    # attained GPU-service thresholds (GPU-seconds, ascending) it has passed; lower queues go
+    # first, FIFO within a queue, and a queued job may preempt running work of a higher queue.
+    # A job waiting longer than las_starvation_factor x the time it has run (attained / GPUs)
+    # is promoted to the first queue, so long jobs are not starved.
+    las_thresholds_gpu_s: tuple[float, ...] = (3600.0,)
+    las_starvation_factor: float = 8.0
     max_preempt_attempts: int = 64  # per pass; bounds the cost of a long guaranteed queue
     # Search depth, like Slurm's bf_max_job_test: after this many admitted jobs
     # failed to place, later jobs are only admission-checked and explained.

@@ -1,16 +1,19 @@
 """Queue order: which job is considered first.
 
 `fifo` and `fifo-backfill` are submit order (they differ in what a blocked
-job does to later ones, see scheduling.py); `las` (least attained service) puts the project with
-the least decayed usage first; `multifactor` is Slurm-like: a weighted sum of
+job does to later ones, see scheduling.py); `las` is Tiresias' discretized
+two-dimensional least attained service: the job with the least GPU-service
+(GPUs x time run, over all its attempts) first, in queues split at configured
+thresholds, FIFO within a queue, with a starvation guard; `multifactor` is Slurm-like: a weighted sum of
 QoS, fair share, age and size factors, each normalized to 0..1 first so the
 weights alone say what matters.
 """
 from __future__ import annotations
 
+import bisect
 import math
 
-from .model import Config, Job, ProjectQuota, Snapshot
+from .model import Allocation, Config, Job, ProjectQuota, Snapshot
 
 POLICIES = ("fifo", "fifo-backfill", "multifactor", "las")
 FIFO_POLICIES = ("fifo", "fifo-backfill")
@@ -44,6 +47,27 @@ def fairshare_factors(projects: dict[str, ProjectQuota], usage: dict[str, float]
     return out
 
 
+def las_queue(attained_gpu_s: float, cfg: Config) -> int:
+    """0 for the least served; one more for each threshold the job's service has reached."""
+    return bisect.bisect_right(cfg.las_thresholds_gpu_s, attained_gpu_s)
+
+
+def las_queue_waiting(job: Job, now: float, cfg: Config) -> int:
+    """A queued job's LAS queue, after the starvation guard: one that has run before and has
+    waited longer than `las_starvation_factor` x its time run is promoted to queue 0."""
+    att = job.attained_gpu_s
+    if att > 0 and job.gpus > 0:
+        waited = now - (job.queued_since if job.queued_since is not None else job.submit_time)
+        if waited >= cfg.las_starvation_factor * att / job.gpus:
+            return 0
+    return las_queue(att, cfg)
+
+
+def las_queue_running(a: Allocation, now: float, cfg: Config) -> int:
+    """A running job's LAS queue: its earlier attempts' service plus this one's so far."""
+    return las_queue(a.job.attained_gpu_s + max(a.job.gpus, 0.0) * max(now - a.start_time, 0.0), cfg)
+
+
 def size_factor(job: Job, cfg: Config) -> float:
     """1 for a tiny job, 0.5 at `size_scale_gpu_s` GPU-seconds asked for, -> 0."""
     gpu_s = max(job.gpus, 0.0) * max(job.time_limit, 0.0)
@@ -55,8 +79,8 @@ def _sorted(jobs: list[Job], policy: str, snap: Snapshot) -> list[Job]:
     if policy in FIFO_POLICIES:
         return sorted(jobs, key=lambda j: (j.submit_time, j.id))
     if policy == "las":
-        usage = snap.usage
-        return sorted(jobs, key=lambda j: (usage.get(j.project, 0.0), j.submit_time, j.id))
+        now = snap.now
+        return sorted(jobs, key=lambda j: (las_queue_waiting(j, now, cfg), j.submit_time, j.id))
     if policy != "multifactor":
         raise ValueError(f"policy: unknown value {policy!r}; use one of {', '.join(POLICIES)}")
     fs = fairshare_factors(snap.projects, snap.usage)

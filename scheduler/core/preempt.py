@@ -7,6 +7,10 @@ is another project) or marked preemptible with a lower QoS than the job. The
 guarantee its remaining jobs are its own, whatever they started as. Among the victims that make the job fit we pick
 the fewest, then the cheapest (GPU-seconds of work lost), all on one node for a
 single-node job, on exactly as many nodes as a multi-node job asks for.
+
+Under `las` a second pool (`queue_of` given) applies Tiresias' rule instead: any running job
+past its minimum runtime whose LAS queue is higher (more attained GPU-service) than the
+queued job's may be preempted for it, whatever its quota.
 """
 from __future__ import annotations
 
@@ -17,16 +21,21 @@ from .placement import UNITS, ClassKey, ClusterState, alloc_units, frac_units
 
 class VictimPool:
     def __init__(self, running: list[Allocation], now: float, min_runtime_s: float, state: ClusterState,
-                 tally: Tally, projects: dict[str, ProjectQuota]):
+                 tally: Tally, projects: dict[str, ProjectQuota], queue_of: dict[str, int] | None = None,
+                 taken: set[str] | None = None):
         self.now = now
+        self.queue_of = queue_of  # job id -> LAS queue, running and queued jobs: the las rule
         self.state = state
         self.tally = tally
         self.projects = projects
         self.lost: dict[str, float] = {}  # GPUs per project already chosen as victims
         self.cands = [a for a in running
-                      if now - a.start_time >= min_runtime_s and (a.borrowed or a.job.preemptible)
+                      if now - a.start_time >= min_runtime_s
+                      and (queue_of is not None or a.borrowed or a.job.preemptible)
                       and any(gid in state.gpu for gid in a.gpu_ids)]
-        self.taken: set[str] = set()  # job ids already chosen this pass
+        # Job ids already chosen this pass; shared between the pools of one pass.
+        self.taken: set[str] = taken if taken is not None else set()
+        self.left = len(self.cands)
         # (class, node) -> candidates with whole GPUs there; gpu -> candidates on a shared GPU
         self.on_node: dict[tuple[ClassKey, str], list[Allocation]] = {}
         self.on_gpu: dict[str, list[Allocation]] = {}
@@ -43,12 +52,16 @@ class VictimPool:
                         lst.append(a)
 
     def __bool__(self) -> bool:
-        return len(self.taken) < len(self.cands)
+        # Candidates this pool has not chosen yet (an overestimate when the other pool of the
+        # pass chose some of them: that costs a search, never a wrong victim).
+        return self.left > 0
 
     def cost(self, a: Allocation) -> float:
         return max(a.job.gpus, 0.01) * max(self.now - a.start_time, 0.0)
 
     def eligible(self, a: Allocation, job: Job) -> bool:
+        if self.queue_of is not None:
+            return self.queue_of[a.job.id] > self.queue_of[job.id]
         if a.job.preemptible and a.job.qos < job.qos:
             return True
         if not a.borrowed or a.job.project == job.project:
@@ -88,6 +101,7 @@ class VictimPool:
         """Victims that would let `job` fit, or None. Marks them taken."""
         best = self._find_fraction(job, classes) if job.gpus < 1 else self._find_whole(job, classes)
         if best:
+            self.left -= len(best)
             for a in best:
                 self.taken.add(a.job.id)
                 self.lost[a.job.project] = self.lost.get(a.job.project, 0.0) + max(a.job.gpus, 0.0)

@@ -8,7 +8,7 @@ from .model import (
     REASON_UNPLACEABLE,
     Allocation, Job, Plan, Preemption, ProjectQuota, Reason, Snapshot, Start, sandbox_hosts,
 )
-from .ordering import FIFO_POLICIES, order_queue
+from .ordering import las_queue_running, las_queue_waiting, order_queue
 from .placement import UNITS, ClassKey, ClusterState, Topology, frac_units
 from .preempt import VictimPool
 
@@ -29,6 +29,8 @@ class _Pass:
         self.started: list[Allocation] = []
         self.helds: list[Held] = []
         self._victims: VictimPool | None = None  # built on the first preemption attempt
+        self._las_victims: VictimPool | None = None  # the las rule's pool, likewise
+        self.las_used = self.cfg.policy == "las" or "las" in self.cfg.pool_policy.values()
         self.preempted: set[str] = set()
         self.preempt_attempts = 0
         self.preempt_failed: dict[tuple, tuple[float, int]] = {}  # (project, classes) -> (min gpus, max qos)
@@ -111,15 +113,60 @@ class _Pass:
     def victims(self) -> VictimPool | None:
         if self._victims is None and self.cfg.preemption:
             self._victims = VictimPool(self.snap.running, self.now, self.cfg.min_runtime_s, self.state,
-                                       self.tally, self.snap.projects)
+                                       self.tally, self.snap.projects, taken=self.preempted)
         return self._victims
 
+    @property
+    def las_victims(self) -> VictimPool:
+        if self._las_victims is None:
+            now, cfg = self.now, self.cfg
+            queue_of = {a.job.id: las_queue_running(a, now, cfg) for a in self.snap.running}
+            queue_of.update((j.id, las_queue_waiting(j, now, cfg)) for j in self.snap.queued)
+            self._las_victims = VictimPool(self.snap.running, now, cfg.min_runtime_s, self.state, self.tally,
+                                           self.snap.projects, queue_of=queue_of, taken=self.preempted)
+        return self._las_victims
+
     def may_preempt(self) -> bool:
-        return self.cfg.preemption and self.preempt_attempts < self.cfg.max_preempt_attempts \
-            and (self._victims is None or bool(self._victims))
+        """Might some job still preempt in this pass (for a guarantee, or by the las rule)?"""
+        if not self.cfg.preemption or self.preempt_attempts >= self.cfg.max_preempt_attempts:
+            return False
+        if self.cfg.quotas and (self._victims is None or bool(self._victims)):
+            return True
+        return self.las_used and (self._las_victims is None or bool(self._las_victims))
+
+    def try_preempt_las(self, job: Job, classes: list[ClassKey]) -> bool:
+        """Tiresias' rule: preempt running work of a higher LAS queue (more attained service)."""
+        cfg = self.cfg
+        if not cfg.preemption or self.preempt_attempts >= cfg.max_preempt_attempts \
+                or self.policy_of(job) != "las" or not self.las_victims:
+            return False
+        pool = self.las_victims
+        q = pool.queue_of[job.id]
+        # As for guarantees: if a job found none, a larger one of no lower queue finds none.
+        key = ("las", id(classes), job.nodes)
+        prev = self.preempt_failed.get(key)
+        if prev is not None and job.gpus >= prev[0] and q >= prev[1]:
+            return False
+        self.preempt_attempts += 1
+        victims = pool.find(job, classes)
+        if not victims:
+            if prev is None or (job.gpus <= prev[0] and q <= prev[1]):
+                self.preempt_failed[key] = (job.gpus, q)
+            return False
+        mine = job.attained_gpu_s / 3600
+        for a in victims:
+            had = (a.job.attained_gpu_s + max(a.job.gpus, 0.0) * (self.now - a.start_time)) / 3600
+            self.plan.preemptions.append(Preemption(
+                a.job.id, f"least attained service first: it has had {had:.2f} GPU-hours, job {job.id} "
+                          f"{mine:.2f}", job.id))
+        self.codes[job.id] = (REASON_PREEMPTING,
+                              f"Preempting {len(victims)} job(s) that have had more GPU-service than it "
+                              f"({mine:.2f} GPU-hours; least attained service first); starts in the next pass")
+        return True
 
     def try_preempt(self, job: Job, classes: list[ClassKey]) -> bool:
-        if not self.cfg.quotas or not self.may_preempt():
+        if not self.cfg.quotas or not self.cfg.preemption or self.preempt_attempts >= self.cfg.max_preempt_attempts \
+                or (self._victims is not None and not self._victims):
             return False  # without quotas no job is within a guarantee to preempt for
         proj = self.snap.projects.get(job.project)
         if not self.tally.within_guarantee(job, proj):
@@ -323,7 +370,7 @@ class _Pass:
                 self.plan.fragmented[job.id] = free
             if cfg.explain and self.helds:
                 self.note_reserved(job, classes)
-        if not borrowing and self.try_preempt(job, classes):
+        if (not borrowing and self.try_preempt(job, classes)) or (self.las_used and self.try_preempt_las(job, classes)):
             if blocking == "strict":
                 self.blocked_head = job  # head of line: nothing behind it starts, not even on other GPUs
             return

@@ -5,7 +5,11 @@ the same second are batched into one pass). Jobs run for their trace duration,
 killed at their walltime if longer. A preempted job goes back to the queue and
 restarts from zero (no checkpoint is assumed), keeping its submit time, so its
 lost work shows in its JCT. Preemption takes effect at once (grace period 0)
-and another pass follows straight away so the preemptor starts.
+and another pass follows straight away so the preemptor starts. A job's
+attained GPU-service (GPUs x time run, over its attempts) and when it last
+entered the queue travel with it, for `las`; passes run only at submissions
+and ends, so a running job's crossing of a las threshold takes effect at the
+next of those.
 
 A trace gives only a job's GPU count. A job never spans nodes unless it asks
 (`Job.nodes`), so one larger than the biggest node of the cluster is replayed as
@@ -126,6 +130,7 @@ class Simulator:
         fragmented: set[str] = set()  # queued jobs the last pass found fragmented
         victimable = 0  # running jobs that are borrowed or preemptible
         hl = cfg.fairshare_half_life_s
+        las = cfg.policy == "las" or "las" in cfg.pool_policy.values()  # any running job may be a victim
         w0, w1 = res.window
         now = self.jobs[0].submit if self.jobs else 0.0
         i, n = 0, len(self.jobs)
@@ -177,7 +182,7 @@ class Simulator:
                 # at once when it needs no GPU; with none of these the pass
                 # would return an empty plan, so it is skipped (same outcome).
                 changed = changed or t.gpus <= 0 or allocated < self.capacity - 1e-9 \
-                    or (cfg.preemption and victimable > 0)
+                    or (cfg.preemption and (victimable > 0 or (las and bool(running))))
             for _ in range(100):  # a pass, and again at once after preemptions
                 if not queue or not changed:
                     res.skipped += not changed
@@ -209,6 +214,9 @@ class Simulator:
                     allocated -= a.job.gpus
                     run_gpus[a.job.project] -= a.job.gpus
                     victimable -= a.borrowed or a.job.preemptible
+                    # Its service so far counts for las (across attempts), and it waits anew.
+                    a.job.attained_gpu_s += max(a.job.gpus, 0.0) * (now - a.start_time)
+                    a.job.queued_since = now
                     queue[a.job.id] = a.job
                     if a.job.gpus > 0:
                         wait_count[a.job.project] = wait_count.get(a.job.project, 0) + 1

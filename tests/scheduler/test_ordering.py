@@ -23,9 +23,9 @@ def test_fifo_is_submit_order():
     assert plan.waiting["late"].position == 1
 
 
-def test_las_prefers_the_project_with_least_usage():
-    jobs = [job("a", 1, submit=NOW - 50), job("b", 1, project="bob", submit=NOW - 10)]
-    plan = one_gpu_at_a_time(jobs, policy="las", usage={"alice": 1e6, "bob": 10.0})
+def test_las_prefers_the_job_with_least_attained_service_not_the_project_with_least_usage():
+    jobs = [job("a", 1, submit=NOW - 50, attained_gpu_s=2 * 3600), job("b", 1, project="bob", submit=NOW - 10)]
+    plan = one_gpu_at_a_time(jobs, policy="las", usage={"alice": 0.0, "bob": 1e6})
     assert order_of(plan) == ["b"]
 
 

@@ -113,3 +113,15 @@ def test_tenants_without_a_guarantee_count_in_fairness(tmp_path):
     fair = {t: m["fairness"] for t, m in out["tenants"].items()}
     assert all(f is not None and f > 0 for f in fair.values()), fair
     assert out["fairness_max"] == max(fair.values())
+
+
+def test_las_in_the_simulator_preempts_the_longest_served_job_and_remembers_its_service():
+    """long has had 8 GPU-hours by 3600 s (queue 1), so short (queue 0) preempts it; long
+    restarts from zero with its earlier service counted, and runs to the end after short."""
+    jobs = [TraceJob("long", 0, 5000, 8, "t1", 90_000), TraceJob("short", 3600, 100, 8, "t2", 90_000)]
+    cfg = Config(policy="las", las_thresholds_gpu_s=(3600.0,), min_runtime_s=600)
+    sim = Simulator(jobs, uniform_nodes(8, 8), make_projects(["t1", "t2"], 8, None), cfg)
+    res = sim.run()
+    assert {k: (r.first_start, r.end, r.preempted) for k, r in res.records.items()} == {
+        "long": (0, 3700 + 5000, 1), "short": (3600, 3700, 0)}
+    assert res.lost_gpu_s == 8 * 3600
