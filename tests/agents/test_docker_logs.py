@@ -57,22 +57,28 @@ def test_job_logs_are_json_file_with_rotation(docker_driver, docker_client):
 
 
 def test_reads_ask_the_engine_only_for_what_is_new(docker_driver, docker_client, engine_reads):
-    # ~390 KB at once, a mark, then one more line when the test says so.
+    # ~390 KB at once; then, each when the test says so, a mark and one more line.
+    wait = "while [ ! -e /tmp/{0} ]; do sleep 0.05; done"
     h = docker_driver.launch(make_spec(command=[
-        "sh", "-c", "seq 1 60000; sleep 0.5; echo mark; while [ ! -e /tmp/go ]; do sleep 0.05; done; echo tail"]))
-    expected = "".join(f"{i}\n" for i in range(1, 60001)).encode() + b"mark\n"
+        "sh", "-c", f"seq 1 60000; {wait.format('go1')}; echo mark; {wait.format('go2')}; echo tail"]))
+    container = docker_client.containers.get(h.ref)
+    expected = "".join(f"{i}\n" for i in range(1, 60001)).encode()
     deadline = time.monotonic() + 60
     got = b""
     while got != expected:
         assert time.monotonic() < deadline and len(got) <= len(expected), f"{len(got)} bytes read: {got[-50:]!r}"
         got += read_all(docker_driver, h, len(got))
     first = sum(engine_reads)
+    container.exec_run(["touch", "/tmp/go1"], user="65534")
+    while not got.endswith(b"mark\n"):
+        assert time.monotonic() < deadline
+        got += read_all(docker_driver, h, len(got))
     engine_reads.clear()
-    docker_client.containers.get(h.ref).exec_run(["touch", "/tmp/go"], user="65534")
+    container.exec_run(["touch", "/tmp/go2"], user="65534")
     wait_done(docker_driver, h)
     assert read_all(docker_driver, h, len(got)) == b"tail\n"
     # The 390 KB already read were not sent again: each request began after them.
-    assert sum(engine_reads) < 2000 and first >= len(got)
+    assert sum(engine_reads) < 2000 and first >= len(expected)
 
 
 def test_a_read_is_bounded_and_the_agent_reads_on(docker_driver):
