@@ -15,6 +15,8 @@ say() { echo "docker.sh: $*"; }
 need_pkgs=()
 command -v dockerd >/dev/null 2>&1 || need_pkgs+=(docker.io)
 [ -x /bin/busybox ] || need_pkgs+=(busybox-static)
+# The egress policy of jobs with network (agents/sandbox/egress.py) is iptables rules.
+command -v iptables >/dev/null 2>&1 || need_pkgs+=(iptables)
 if [ ${#need_pkgs[@]} -gt 0 ]; then
   say "installing ${need_pkgs[*]}"
   export DEBIAN_FRONTEND=noninteractive

@@ -11,7 +11,7 @@ URI=qemu:///system
 
 need=()
 for pkg in libvirt-dev pkg-config libvirt-clients libxml2-utils gcc \
-           qemu-system-x86 libvirt-daemon-system busybox-static; do
+           qemu-system-x86 libvirt-daemon-system busybox-static iptables; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then

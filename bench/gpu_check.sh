@@ -25,7 +25,7 @@ fi
 echo "== kvm passthrough: each GPU's PCI address is an NVIDIA GPU in sysfs" >&2
 "$PY" - <<'EOF'
 import pynvml as n
-from agents.sandbox.kvm_driver import check_gpu, pci_address
+from agents.sandbox.kvm_domain import check_gpu, pci_address
 n.nvmlInit()
 for i in range(n.nvmlDeviceGetCount()):
     bus = n.nvmlDeviceGetPciInfo(n.nvmlDeviceGetHandleByIndex(i)).busId

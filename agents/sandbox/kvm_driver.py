@@ -13,17 +13,27 @@ concatenates the initramfs, that cpio and the job's command and environment
 guest's init prints ``GPUPORTAL-JOB-START``, runs the command chrooted into the
 image as uid/gid 65534 with its output on the serial console, prints
 ``GPUPORTAL-JOB-EXIT rc=N`` and powers off, which ends the domain. libvirt
-writes the serial console to ``<state_dir>/<name>.log``; ``read_logs`` returns
-only what lies between the two markers (no kernel noise) and ``poll`` reads the
-exit code once the domain is gone.
+writes the serial console to ``<state_dir>/<name>.log`` (``kvm_console``
+joins virtlogd's rotations); ``read_logs`` returns only what lies between the
+two markers (no kernel noise). ``poll`` reads the exit code once the domain is
+gone, from the second serial port (``<name>.exit``), which only init can
+write: the job writes the console, so a marker there proves nothing.
+
+Each VM's QEMU runs under a uid of its own (``GPUPORTAL_KVM_VM_UIDS``);
+per-launch files (a copy of the kernel, the initrd with the job's
+environment, the console) live in a folder only the agent controls
+(``kvm_domain.private_dir``). A job with network reaches the public internet
+only: QEMU's user-mode network makes the guest's connections the VM uid's
+sockets on the node, and the egress policy (``egress.py``) matches that uid.
 
 As in Docker, the image's ``Entrypoint`` goes before the command and its
 ``Env`` under the job's (``PATH`` is the image's); its ``User`` and
 ``WorkingDir`` are not used (65534 in a tmpfs ``/work``, as in the docker
 sandbox). The guest holds the whole image in RAM (a ramfs root: the kernel's
 default tmpfs root would take at most half of it), so the domain gets the
-image's size and the initrd's on top of the job's memory, and images over
-``GPUPORTAL_KVM_MAX_IMAGE_MB`` (2 GiB) are refused.
+image's size and the initrd's on top of the job's memory; the job itself is
+held to its memory in a guest cgroup. Images over ``GPUPORTAL_KVM_MAX_IMAGE_MB``
+(2 GiB) are refused.
 
 Domain type: ``kvm`` only when KVM really works here (a hardware-virtualisation
 module, not PVM, and libvirt agrees); otherwise libvirt's ``qemu`` type (TCG,
@@ -45,7 +55,6 @@ import math
 import os
 import re
 import shutil
-import stat
 import tarfile
 import tempfile
 import threading
@@ -64,24 +73,16 @@ from agents.sandbox import (
 from agents.sandbox import kvm_image
 from agents.sandbox.egress import EgressError, Firewall, parse_allow
 from agents.sandbox.kvm_console import console_files, read_console
+from agents.sandbox.kvm_domain import (
+    METADATA_NS, check_gpu, create_private, domain_xml, kvm_works, private_dir,
+)
 from agents.sandbox.kvm_image import EXIT_MARKER, START_MARKER
 
 log = logging.getLogger(__name__)
 
-METADATA_NS = "https://gpuportal.dev/xmlns/agent/1"
 EXIT_RE = re.compile(re.escape(EXIT_MARKER) + rb"(\d+)")
-ET.register_namespace("gpuportal", METADATA_NS)
-_PCI_RE = re.compile(r"^(?:([0-9a-fA-F]{4,8}):)?([0-9a-fA-F]{2}):([0-9a-fA-F]{2})\.([0-7])$")
-# The guest's own share on top of the job's memory (which its cgroup caps) and the image: kernel, init, caches.
-GUEST_MEMORY_MB = 96
-# Kernel command line: serial console, no boot chatter, power off (not reboot) on panic, two serial ports
-# (the console and the exit code's), and a ramfs root (a tmpfs one holds at most half the memory; the image
-# lives there).
-CMDLINE = "console=ttyS0 quiet panic=-1 8250.nr_uarts=2 rootfstype=ramfs"
 # What init writes on the second serial port, which the job cannot open.
 EXIT_RECORD_RE = re.compile(rb"GPUPORTAL-JOB-EXIT rc=(\d+) oom_kill=(\d+)")
-# CFS period for the domain's CPU cap (libvirt <cputune>).
-CPU_PERIOD_US = 100_000
 MiB = 2**20
 # The largest job image (uncompressed, as `docker image inspect` says) a VM may unpack into its memory.
 MAX_IMAGE_MB = 2048
@@ -98,135 +99,6 @@ DEFAULT_STATE_DIR = "/var/lib/gpuportal-agent"
 # cannot touch another's memory or files, and the egress policy matches a VM's traffic by its uid. Two
 # agents on one host need disjoint ranges.
 VM_UIDS = "3900000-3999999"
-
-
-def pci_address(bus_id: str) -> dict[str, str]:
-    """NVML's "00000000:3B:00.0" -> libvirt's domain/bus/slot/function attributes (the whole domain:
-    hosts with VMD or many root complexes use domains above 0xffff)."""
-    m = _PCI_RE.match(bus_id.strip())
-    if not m:
-        raise SandboxError(f"not a PCI bus id: {bus_id!r}")
-    dom, bus, slot, fn = m.groups()
-    return {"domain": f"0x{int(dom or '0', 16):04x}", "bus": f"0x{int(bus, 16):02x}",
-            "slot": f"0x{int(slot, 16):02x}", "function": f"0x{int(fn, 16):x}"}
-
-
-def check_gpu(bus_id: str, sysfs: str = "/sys/bus/pci/devices") -> None:
-    """SandboxError unless the device at ``bus_id`` is an NVIDIA display controller (vendor 0x10de, class
-    0x03xx): never hand a VM whatever else sits at an address (a NIC, a disk controller)."""
-    a = pci_address(bus_id)
-    name = f"{int(a['domain'], 16):04x}:{a['bus'][2:]}:{a['slot'][2:]}.{a['function'][2:]}"
-    try:
-        vendor = (Path(sysfs) / name / "vendor").read_text().strip().lower()
-        klass = (Path(sysfs) / name / "class").read_text().strip().lower()
-    except OSError:
-        raise SandboxError(f"no PCI device {name} on this host (GPU bus id {bus_id!r})") from None
-    if vendor != "0x10de" or not klass.startswith("0x03"):
-        raise SandboxError(f"PCI device {name} is not an NVIDIA GPU (vendor {vendor}, class {klass}): "
-                           f"refusing to pass it through")
-
-
-def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: str, initrd: str,
-               console_log: str, domain_type: str = "kvm", started_at: float | None = None,
-               job_network: str | None = None, extra_memory_mb: int = 0, name: str | None = None,
-               qemu_user: tuple[int, int] | None = None, exit_log: str | None = None, installation: str = "") -> str:
-    """The libvirt domain for one job attempt.
-
-    ``qemu_user`` (uid, gid): QEMU runs as this user instead of libvirt's
-    shared one (libvirt hands it the kernel, initrd and its own files).
-
-    ``extra_memory_mb`` goes on top of the job's memory: the guest holds its
-    image (unpacked) and, while booting, the initrd in RAM. The job itself
-    gets no more than its ``memory_mb`` (a cgroup in the guest), and its
-    CPU time is capped on the host at ``cpus`` (``<cputune>``), on
-    ``ceil(cpus)`` vCPUs. ``exit_log`` is the second serial port's file.
-
-    No NIC unless the job may use the network; then one virtio NIC on
-    ``job_network`` (a libvirt network name; ``"user"`` is QEMU's user-mode
-    NAT), or still none when the node has no job network. Memory is locked
-    when GPUs are passed through, because VFIO DMA needs pinned guest memory.
-    """
-    d = ET.Element("domain", type=domain_type)
-    ET.SubElement(d, "name").text = name or sandbox_name(spec.job_id, spec.attempt)
-    md = ET.SubElement(ET.SubElement(d, "metadata"), f"{{{METADATA_NS}}}job", {
-        "job": spec.job_id, "attempt": str(spec.attempt), "node": node,
-        "time_limit_s": str(spec.time_limit_s), "gpus": ",".join(map(str, spec.gpu_indexes)),
-        "started_at": f"{time.time() if started_at is None else started_at:.3f}"})
-    if qemu_user:
-        md.set("qemu_uid", str(qemu_user[0]))
-    if installation:
-        md.set("installation", installation)
-    # For reconcile and people reading `virsh dumpxml`; the guest gets its command from the initrd.
-    md.text = json.dumps({"command": spec.command, "image": spec.image})
-    ET.SubElement(d, "memory", unit="MiB").text = str(spec.memory_mb + GUEST_MEMORY_MB + extra_memory_mb)
-    ET.SubElement(d, "vcpu").text = str(max(1, math.ceil(spec.cpus)))
-    tune = ET.SubElement(d, "cputune")  # the whole domain (every vCPU and QEMU's own threads) together
-    ET.SubElement(tune, "global_period").text = str(CPU_PERIOD_US)
-    ET.SubElement(tune, "global_quota").text = str(max(1000, int(spec.cpus * CPU_PERIOD_US)))
-    os_ = ET.SubElement(d, "os")
-    ET.SubElement(os_, "type", arch="x86_64", machine="q35").text = "hvm"
-    ET.SubElement(os_, "kernel").text = kernel
-    ET.SubElement(os_, "initrd").text = initrd
-    ET.SubElement(os_, "cmdline").text = f"{CMDLINE} gpuportal.job={spec.job_id}"
-    feats = ET.SubElement(d, "features")
-    ET.SubElement(feats, "acpi")  # without it poweroff never ends the domain (docs/sandboxes.md section 2)
-    if spec.gpu_uuids:
-        # Older NVIDIA drivers refuse to start when they see a hypervisor.
-        ET.SubElement(ET.SubElement(feats, "kvm"), "hidden", state="on")
-        ET.SubElement(ET.SubElement(d, "memoryBacking"), "locked")
-    if domain_type == "kvm":
-        ET.SubElement(d, "cpu", mode="host-passthrough")
-    for ev in ("on_poweroff", "on_reboot", "on_crash"):
-        ET.SubElement(d, ev).text = "destroy"
-    dev = ET.SubElement(d, "devices")
-    # The console goes to a plain file that libvirt opens: it holds every byte from the first one
-    # (a pty drops what nobody reads), and the agent reads it without a libvirt stream.
-    serial = ET.SubElement(dev, "serial", type="file")
-    ET.SubElement(serial, "source", path=console_log, append="off")
-    ET.SubElement(serial, "target", port="0")
-    ET.SubElement(ET.SubElement(dev, "console", type="file"), "target", type="serial", port="0")
-    if exit_log:
-        exit_port = ET.SubElement(dev, "serial", type="file")
-        ET.SubElement(exit_port, "source", path=exit_log, append="off")
-        ET.SubElement(exit_port, "target", port="1")
-    if spec.network and job_network:
-        if job_network == "user":
-            nic = ET.SubElement(dev, "interface", type="user")
-        else:
-            nic = ET.SubElement(dev, "interface", type="network")
-            ET.SubElement(nic, "source", network=job_network)
-        ET.SubElement(nic, "model", type="virtio")
-    for bus_id in pci_bus_ids:
-        hd = ET.SubElement(dev, "hostdev", mode="subsystem", type="pci", managed="yes")
-        ET.SubElement(hd, "driver", name="vfio")
-        ET.SubElement(ET.SubElement(hd, "source"), "address", pci_address(bus_id))
-        ET.SubElement(hd, "rom", bar="off")
-    ET.SubElement(dev, "controller", type="usb", model="none")
-    ET.SubElement(dev, "memballoon", model="none")
-    if qemu_user:
-        sec = ET.SubElement(d, "seclabel", type="static", model="dac", relabel="yes")
-        ET.SubElement(sec, "label").text = f"+{qemu_user[0]}:+{qemu_user[1]}"
-    return ET.tostring(d, encoding="unicode")
-
-
-def kvm_works(conn=None) -> tuple[bool, str]:
-    """Whether libvirt domains of type 'kvm' can run a stock kernel here, and why (not)."""
-    if not os.path.exists("/dev/kvm"):
-        return False, "/dev/kvm does not exist"
-    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
-        return False, "/dev/kvm is not readable and writable"
-    if os.path.isdir("/sys/module/kvm_pvm"):
-        return False, ("/dev/kvm is PVM (module kvm_pvm), which runs only PVM-built guest kernels: "
-                       "a stock kernel hangs or hits 'KVM internal error ... emulation failure'")
-    hw = [m for m in ("kvm_intel", "kvm_amd") if os.path.isdir(f"/sys/module/{m}")]
-    if not hw:
-        return False, "neither kvm_intel nor kvm_amd is loaded"
-    if conn is not None:
-        try:
-            conn.getDomainCapabilities(None, "x86_64", None, "kvm", 0)
-        except Exception as exc:  # libvirtError
-            return False, f"libvirt cannot run kvm domains: {exc}"
-    return True, f"{hw[0]} is loaded and libvirt offers kvm domains"
 
 
 @dataclass
@@ -478,9 +350,9 @@ class KvmDriver:
         # 0600, created anew (never through a link): it holds the job's environment; libvirt gives it to the
         # VM's QEMU uid for the start.
         try:
-            with _create_private(kernel) as f, open(self.kernel, "rb") as src:
+            with create_private(kernel) as f, open(self.kernel, "rb") as src:
                 shutil.copyfileobj(src, f, 1 << 20)
-            with _create_private(path) as f:
+            with create_private(path) as f:
                 # The kernel unpacks the archives in this order, a later entry replacing an earlier one: the
                 # image (all under /image) cannot touch /init, and job.sh comes last. All gzip: an uncompressed
                 # cpio after a compressed one would have to start 4-byte aligned.
@@ -765,59 +637,6 @@ def _env_mb(name: str, default: int, unit: str = "MiB") -> int:
     if not raw.isdigit() or int(raw) < 1:
         raise SandboxError(f"{name}: expected a positive number of {unit}, got {raw!r}")
     return int(raw)
-
-
-def private_dir(path: Path) -> Path:
-    """``path`` as a folder only this agent controls, made if missing; SandboxError if it cannot be.
-
-    Like OpenSSH's StrictModes: every folder on the way is root's or ours and
-    writable by nobody else (or sticky, as /tmp), a symlink on the way is
-    root's or ours, and ``path`` itself is a real folder (never followed)
-    of ours with mode 0700 or 0711: nobody else can list it, put a file or a
-    link in it, or swap it. 0711, not 0700: QEMU, under a uid of its own,
-    opens the files libvirt gives it there.
-    """
-    path = Path(os.path.abspath(path))
-    me = os.geteuid()
-    cur = Path("/")
-    for part in path.parts[1:-1]:
-        cur = cur / part
-        try:
-            os.mkdir(cur, 0o755)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise SandboxError(f"cannot make the agent's state folder {cur}: {exc}") from None
-        st = os.lstat(cur)
-        if stat.S_ISLNK(st.st_mode):
-            if st.st_uid not in (0, me):
-                raise SandboxError(f"refusing state folder {path}: {cur} is a symlink of uid {st.st_uid}")
-            cur = Path(os.path.realpath(cur))
-            st = os.lstat(cur)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid not in (0, me) or (
-                st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
-            raise SandboxError(f"refusing state folder {path}: {cur} is not a folder that only root or this "
-                               f"agent can change (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
-    target = cur / path.name
-    try:
-        os.mkdir(target, 0o711)
-        os.chmod(target, 0o711)  # whatever the umask
-    except FileExistsError:
-        pass
-    st = os.lstat(target)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != me or stat.S_IMODE(st.st_mode) not in (0o700, 0o711):
-        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a folder" if not stat.S_ISDIR(st.st_mode) \
-            else f"uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}"
-        raise SandboxError(f"refusing state folder {target}: it is {kind}; it must be a folder of uid {me} "
-                           f"with mode 0700 or 0711 (remove it, the agent makes it)")
-    return target
-
-
-def _create_private(path: Path):
-    """A new file of ours, mode 0600: whatever lay at ``path`` goes first, and a link is never followed."""
-    _unlink(path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    return os.fdopen(fd, "wb")
 
 
 def _unlink(path) -> None:

@@ -106,7 +106,7 @@ def wait_output(d, h, want: bytes, timeout=60):
 
 
 def test_a_real_vm_runs_echo_hello(vm_driver):
-    from agents.sandbox.kvm_driver import kvm_works
+    from agents.sandbox.kvm_domain import kvm_works
 
     d = vm_driver
     assert d.domain_type == ("kvm" if kvm_works(d.conn)[0] else "qemu")
@@ -321,7 +321,7 @@ def test_stop_presses_the_power_button_and_the_job_gets_sigterm(vm_driver):
 def test_domain_xml_validates_against_libvirts_schema(tmp_path, domain_type, gpus, network):
     import subprocess
 
-    from agents.sandbox.kvm_driver import domain_xml
+    from agents.sandbox.kvm_domain import domain_xml
 
     if not shutil.which("virt-xml-validate") or not shutil.which("xmllint"):
         pytest.fail(f"virt-xml-validate or xmllint is missing; {SETUP}", pytrace=False)

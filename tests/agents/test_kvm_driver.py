@@ -11,7 +11,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from agents.sandbox import EXITED, OOM, RUNNING, SandboxError
-from agents.sandbox.kvm_driver import METADATA_NS, domain_xml, pci_address
+from agents.sandbox.kvm_domain import METADATA_NS, domain_xml, pci_address
 from agents.sandbox.kvm_image import BUILD_VERSION, ImageError, image_cpio
 from tests.agents.conftest import make_spec
 
@@ -32,7 +32,7 @@ def fake_pci(root, name, vendor, klass):
 
 
 def test_only_an_nvidia_display_controller_is_passed_through(tmp_path):
-    from agents.sandbox.kvm_driver import check_gpu
+    from agents.sandbox.kvm_domain import check_gpu
 
     fake_pci(tmp_path, "0000:3b:00.0", "0x10de", "0x030200")  # a data-centre GPU (3D controller)
     fake_pci(tmp_path, "10000:e1:00.0", "0x10de", "0x030000")  # behind VMD
@@ -52,7 +52,7 @@ def test_this_hosts_own_pci_devices_are_no_gpus():
     """The real sysfs: a simulated GPU's default address on a real server is some other device."""
     import os
 
-    from agents.sandbox.kvm_driver import check_gpu
+    from agents.sandbox.kvm_domain import check_gpu
 
     name = sorted(os.listdir("/sys/bus/pci/devices"))[0]
     with pytest.raises(SandboxError, match=f"PCI device {name} is not an NVIDIA GPU"):
@@ -374,7 +374,7 @@ def test_a_bad_egress_allow_entry_is_named(tmp_path):
 def test_the_state_folder_is_made_private(tmp_path):
     import os
 
-    from agents.sandbox.kvm_driver import private_dir
+    from agents.sandbox.kvm_domain import private_dir
 
     d = private_dir(tmp_path / "agent" / "kvm-n1")
     st = os.lstat(d)
@@ -388,7 +388,7 @@ def test_a_state_folder_someone_else_could_touch_is_refused(tmp_path, plant):
     initrds, with their secret environment, nor make root write through a link."""
     import os
 
-    from agents.sandbox.kvm_driver import private_dir
+    from agents.sandbox.kvm_domain import private_dir
 
     agent = tmp_path / "agent"
     agent.mkdir()
