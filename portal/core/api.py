@@ -71,8 +71,26 @@ def exception_handler(exc, context):
     return response
 
 
+def holds_nul(value) -> bool:
+    """A NUL character anywhere in a parsed JSON value (strings and keys, any depth)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                return True
+        elif isinstance(item, Mapping):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
 class StrictSerializerMixin:
-    """Refuse unknown and read-only keys instead of silently dropping them (mass assignment)."""
+    """Refuse unknown and read-only keys instead of silently dropping them (mass assignment),
+    and NUL characters in any field but a text field that opted out of DRF's own check (a
+    slug lookup, a JSON column or a list would carry one into PostgreSQL: a 500)."""
 
     def to_internal_value(self, data):
         if isinstance(data, Mapping):
@@ -86,6 +104,8 @@ class StrictSerializerMixin:
                         isinstance(value, str) or (value is None and self.fields[key].allow_null)
                     ):
                         errors[key] = ["Expected a string."]
+                    elif not isinstance(self.fields[key], serializers.CharField) and holds_nul(value):
+                        errors[key] = ["Null characters are not allowed."]
                     continue
                 errors[key] = ["This field is read-only."] if key in readonly else ["Unknown field."]
             if errors:

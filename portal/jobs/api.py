@@ -8,6 +8,8 @@ from rest_framework.response import Response
 
 from portal.core.api import StrictModelSerializer, TenantViewSet
 from portal.core.context import actor_from_request
+from portal.core.filters import UtcDateTimeFilter
+from portal.core.numbers import count_or_fraction
 from portal.tenancy.models import Project
 
 from .models import TERMINAL, Job, JobEvent, JobTemplate
@@ -86,8 +88,8 @@ class JobFilter(django_filters.FilterSet):
     state = django_filters.BaseInFilter(field_name="state")
     user = django_filters.CharFilter(field_name="user__username")
     array_parent = django_filters.NumberFilter(field_name="array_parent_id")
-    submitted_after = django_filters.IsoDateTimeFilter(field_name="submitted_at", lookup_expr="gte")
-    submitted_before = django_filters.IsoDateTimeFilter(field_name="submitted_at", lookup_expr="lt")
+    submitted_after = UtcDateTimeFilter(field_name="submitted_at", lookup_expr="gte")
+    submitted_before = UtcDateTimeFilter(field_name="submitted_at", lookup_expr="lt")
     active = django_filters.BooleanFilter(method="filter_active")
     tasks = django_filters.BooleanFilter(method="filter_tasks", help_text="false: hide array tasks (default shows all)")
 

@@ -27,6 +27,8 @@ SPEC_FIELDS = ("name", "image", "command", "env", "resources", "time_limit", "pr
 def _submit_project(actor: Actor, slug) -> Project:
     if not isinstance(slug, str) or not slug:
         raise InvalidInput("This field is required.", field="project")
+    if "\x00" in slug:  # PostgreSQL cannot compare one: refused before the lookup
+        raise InvalidInput("Null characters are not allowed.", field="project")
     project = Project.objects.for_user(actor.user, "view", project_id=actor.restricted_project_id) \
         .select_related("quota").filter(slug=slug).first()
     if project is None:

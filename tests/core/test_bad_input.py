@@ -311,3 +311,35 @@ def test_odd_digits_in_page_ids_are_refused_not_500(demo, api, raw):
     r = client.post("/jobs/new/", {"project": "vision", "name": "j", "image": "gpuportal/busybox:latest",
                                    "command": "true", "depends_on": raw.strip()})
     assert r.status_code in (200, 400) and (b"is not a job id" in r.content or raw == " 7")
+
+
+@pytest.mark.parametrize("when,status", [
+    ("1850-07-06T19:52:59%2B23:27", 200),  # Python takes this offset, PostgreSQL does not: applied first
+    ("2026-01-01T00:00:00-23:59", 200),
+    ("0001-01-01T00:00:00%2B01:00", 400),  # before the year 1 once in UTC
+    ("9999-12-31T23:59:59-01:00", 400),
+])
+def test_times_in_query_filters_are_taken_as_utc(admin, when, status):
+    r = admin.get(f"/api/v1/jobs/?submitted_before={when}")
+    assert r.status_code == status, r.content[:300]
+    if status == 400:
+        assert "submitted_before" in error(r)["fields"]
+
+
+@pytest.mark.parametrize("url,body,field", [
+    ("/api/v1/jobs/", {"project": "vis\x00ion", "name": "j", "image": "gpuportal/busybox:latest",
+                       "command": ["true"]}, "project"),
+    ("/api/v1/jobs/", {"project": "vision", "name": "j", "image": "gpuportal/busybox:latest",
+                       "command": ["true"], "env": {"A": "x\x00y"}}, "env"),
+    ("/api/v1/job-templates/", {"project": "\x00", "name": "t", "spec": {}}, "project"),
+    ("/api/v1/job-templates/", {"project": "vision", "name": "t", "spec": {"env": {"\x00": "1"}}}, "spec"),
+    ("/api/v1/projects/vision/members/", {"username": "char\x00lie", "role": "member"}, "username"),
+])
+def test_nul_in_a_lookup_or_json_value_is_400(demo, api, url, body, field):
+    from portal.jobs.models import Job, JobTemplate
+
+    before = (counts(), Job.objects.count(), JobTemplate.objects.count())
+    r = api("alice").post(url, data=body, format="json")
+    assert r.status_code == 400, r.content[:300]
+    assert field in error(r)["fields"], error(r)
+    assert (counts(), Job.objects.count(), JobTemplate.objects.count()) == before
