@@ -12,6 +12,9 @@ import os
 # A Unix socket only nginx (group www-data) can reach; GUNICORN_BIND=127.0.0.1:8000 for TCP.
 bind = os.getenv("GUNICORN_BIND", "unix:/run/gpuportal/gunicorn.sock")
 umask = 0o007
+# gunicornc's control socket beside the main one (not in the service user's home), owner only.
+control_socket = os.getenv("GUNICORN_CONTROL_SOCKET") or (
+    bind[len("unix:"):].rsplit("/", 1)[0] + "/gunicorn.ctl" if bind.startswith("unix:") else "/run/gpuportal/gunicorn.ctl")
 workers = int(os.getenv("GUNICORN_WORKERS", str(min(2 * multiprocessing.cpu_count() + 1, 9))))
 threads = int(os.getenv("GUNICORN_THREADS", "2"))
 # Above the agent client's 10 s and the portal's database timeouts, below nginx's proxy timeout.
