@@ -182,7 +182,7 @@ def test_agent_reports_no_mps_for_simulated_gpus():
     from agents.probe import make_probe
     from agents.worker import capabilities
 
-    assert capabilities(make_probe("sim:2xH100-80GB")) == {"mps": False}
+    assert capabilities(make_probe("sim:2xH100-80GB")) == {"mps": False, "simulated_gpus": True}
 
 
 def test_a_gpu_the_agent_could_not_scrub_is_taken_out_of_service(node, placed, demo, settings):
