@@ -20,12 +20,13 @@ def node_address() -> str:
 
 @pytest.fixture
 def node_services():
-    """Two TCP servers standing for the node's own services: one on loopback (as PostgreSQL and Redis
-    listen) and one on the node's own address. Each answers "secret-<port>" to whoever connects."""
+    """TCP servers standing for the node's own services: on IPv4 loopback (as PostgreSQL and Redis
+    listen), on the node's own address and on IPv6 loopback. Each answers "secret-<port>" to whoever
+    connects. Yields the node's address and the three ports."""
     node_ip = node_address()
     servers, stop = [], threading.Event()
-    for addr in ("127.0.0.1", node_ip):
-        srv = socket.create_server((addr, 0))
+    for addr in ("127.0.0.1", node_ip, "::1"):
+        srv = socket.create_server((addr, 0), family=socket.AF_INET6 if ":" in addr else socket.AF_INET)
         srv.settimeout(0.2)
         servers.append(srv)
 

@@ -344,7 +344,7 @@ def test_a_job_with_network_cannot_reach_the_nodes_own_services(egress_driver, d
     node's addresses (a database on 0.0.0.0). Its own 127.0.0.1 is the container's, not the node's."""
     from agents.sandbox.docker_driver import bridge_name
 
-    d, (node_ip, (lo_port, ip_port)) = egress_driver(), node_services
+    d, (node_ip, (lo_port, ip_port, _)) = egress_driver(), node_services
     h = d.launch(make_spec(network=True, command=probe_command([("127.0.0.1", lo_port), (node_ip, ip_port)])))
     assert wait_done(d, h, timeout=60) == (EXITED, 0)
     out = d.read_logs(h, 0).decode()
@@ -356,7 +356,7 @@ def test_a_job_with_network_cannot_reach_the_nodes_own_services(egress_driver, d
 
 
 def test_an_operator_can_allow_a_destination_to_docker_jobs(egress_driver, node_services):
-    node_ip, (lo_port, ip_port) = node_services
+    node_ip, (lo_port, ip_port, _) = node_services
     d = egress_driver(egress_allow=node_ip)
     h = d.launch(make_spec(network=True, command=probe_command([("127.0.0.1", lo_port), (node_ip, ip_port)])))
     assert wait_done(d, h, timeout=60) == (EXITED, 0)

@@ -246,17 +246,20 @@ def test_a_job_with_network_cannot_reach_the_nodes_own_services(vm_driver, node_
     """QEMU's user-mode network makes the guest's 10.0.2.2 the node's 127.0.0.1: without the egress
     policy the job reads from the node's loopback services and its own address (issue: a job logged
     into the node's PostgreSQL). Nothing here leaves the node: every target is one of its addresses."""
-    d, (node_ip, (lo_port, ip_port)) = vm_driver, node_services
-    h = d.launch(make_spec(network=True, command=probe_command([("10.0.2.2", lo_port), (node_ip, ip_port)])))
+    d, (node_ip, (lo_port, ip_port, v6_port)) = vm_driver, node_services
+    # fec0::2 is the node's ::1 the same way (the guest has its IPv6 address a few seconds after boot).
+    cmd = probe_command([("10.0.2.2", lo_port), (node_ip, ip_port), ("fec0::2", v6_port)])
+    cmd[-1] = "sleep 4; " + cmd[-1]
+    h = d.launch(make_spec(network=True, command=cmd))
     assert wait_exit(d, h) == (EXITED, 0)
     out = d.read_logs(h, 0).decode()
-    assert probe_lines(out) == [f"10.0.2.2:{lo_port}=", f"{node_ip}:{ip_port}="], out
+    assert probe_lines(out) == [f"10.0.2.2:{lo_port}=", f"{node_ip}:{ip_port}=", f"fec0::2:{v6_port}="], out
     d.remove(h)
 
 
 def test_an_operator_can_allow_a_destination(kvm_image, docker_client, node_services):
     """--egress-allow opens one destination: the node's address answers, its loopback still does not."""
-    node_ip, (lo_port, ip_port) = node_services
+    node_ip, (lo_port, ip_port, _) = node_services
     d = make_vm_driver(kvm_image, egress_allow=f"{node_ip}/32")
     try:
         h = d.launch(make_spec(network=True, command=probe_command([("10.0.2.2", lo_port), (node_ip, ip_port)])))
