@@ -9,44 +9,40 @@ from django.utils import timezone
 from django.utils.html import escape
 from django.utils.safestring import mark_safe
 
-from portal.metrics.models import FleetRollup, GpuRollup, Resolution
+from portal.metrics.models import GpuRollup, Resolution
+from portal.metrics.selectors import TimeRange, fleet_range, gpu_util_range
 
 
-def fleet_series(*, now=None, days: int = 7) -> list[dict]:
-    """Hourly fleet rows for the last `days` days; minute rows for the last 6 hours when the
-    fleet is younger than two hours of history."""
-    now = now or timezone.now()
-    rows = list(FleetRollup.objects.filter(resolution=Resolution.HOUR, bucket__gte=now - timedelta(days=days))
-                .order_by("bucket").values())
-    if len(rows) < 2:
-        rows = list(FleetRollup.objects.filter(resolution=Resolution.MINUTE, bucket__gte=now - timedelta(hours=6))
-                    .order_by("bucket").values())
-    for r in rows:
-        r["label"] = r["bucket"].astimezone(dt_timezone.utc).strftime("%m-%d %H:%M")
-    return rows
+def fleet_series(*, time_range: TimeRange, now=None) -> list[dict]:
+    """Fleet rows over the range (minute rows for 1 h and 24 h, hourly ones for 7 d and 30 d with
+    the current hour's minutes after them: a job started a minute ago shows at once)."""
+    return fleet_range(time_range=time_range, now=now)
 
 
-def gpu_heat() -> dict:
-    """Per-GPU mean utilization over the latest hour rolled up: {nodes: [(name, [util|None])], hour}."""
+def gpu_heat(*, time_range: TimeRange, now=None) -> dict:
+    """Per-GPU mean utilization over the range: {rows: [(node, [util|None per GPU index])], columns}."""
     from portal.nodes.models import GPU
 
-    latest = GpuRollup.objects.filter(resolution=Resolution.HOUR).aggregate(b=Max("bucket"))["b"]
-    util = {}
-    if latest is not None:
-        util = dict(GpuRollup.objects.filter(resolution=Resolution.HOUR, bucket=latest)
-                    .values_list("gpu_id", "util_avg"))
+    util = gpu_util_range(time_range=time_range, now=now)
     nodes: dict[str, list] = defaultdict(list)
     for pk, node, index in GPU.objects.order_by("node__name", "index").values_list("pk", "node__name", "index"):
         nodes[node].append(util.get(pk))
-    return {"rows": list(nodes.items()), "hour": latest}
+    rows = list(nodes.items())
+    return {"rows": rows, "columns": max((len(v) for _, v in rows), default=0)}
+
+
+def heat_level(value: float) -> int:
+    """The colour step (0..10) of a utilization in percent: CSS classes heat-0 .. heat-10."""
+    return max(0, min(10, round(value / 10)))
 
 
 def heat_table(rows) -> str:
-    """The heat map's numbers as table rows, built in one pass (thousands of rows; a template
-    loop would cost more than the rest of the page)."""
+    """The heat map as table rows, built in one pass (thousands of rows; a template loop would
+    cost more than the rest of the page). Each cell carries its number and a colour step."""
     out = []
     for name, values in rows:
-        cells = "".join("<td>-</td>" if v is None else f"<td>{v:.0f}</td>" for v in values)
+        cells = "".join('<td class="heat-none">–</td>' if v is None else
+                        f'<td class="heat-{heat_level(v)}">{v:.0f}</td>' for v in values)
         out.append(f'<tr><th scope="row">{escape(name)}</th>{cells}</tr>')
     return mark_safe("".join(out))  # names escaped, the rest numbers
 
@@ -112,7 +108,11 @@ def revenue_this_month(*, now=None) -> dict:
                   .order_by("-a", "organization__slug"))
     by_project = list(month.values("organization__slug", "project__slug").annotate(
         s=Sum("gpu_seconds"), a=Sum("amount")).order_by("-a", "project__slug"))
-    for r in by_org + by_project:
+    by_day = list(month.values("day").annotate(a=Sum("amount"), s=Sum("gpu_seconds")).order_by("day"))
+    for r in by_org + by_project + by_day:
         r["hours"] = float(r["s"] or 0) / 3600
         r["a"] = float(r["a"] or 0)
-    return {"month": start, "organizations": by_org, "projects": by_project}
+    # Amounts are summed across rate cards; cards are written in BILLING_CURRENCY (billing.services).
+    return {"month": start, "organizations": by_org, "projects": by_project, "days": by_day,
+            "currency": settings.BILLING_CURRENCY,
+            "total": sum(r["a"] for r in by_org), "hours": sum(r["hours"] for r in by_org)}

@@ -1,8 +1,19 @@
-"""The admin console (staff only): fleet utilization, heat map, queue, health, revenue."""
+"""The admin console (staff only): fleet utilization, heat map, queue, health, revenue.
+
+Charts are drawn in the browser by static/js/console_charts.js with the vendored uPlot; the page
+hands it the numbers as JSON (json_script: data, never executed, so the CSP's script-src 'self'
+holds). Every figure is also in a table, for readers without JavaScript.
+"""
+from datetime import datetime, timezone as dt_timezone
+
 from django.contrib.auth.mixins import LoginRequiredMixin, UserPassesTestMixin
+from django.http import HttpResponseBadRequest
+from django.utils import timezone
 from django.views.generic import TemplateView
 
-from . import charts, selectors
+from portal.metrics.selectors import DEFAULT_RANGE, RANGES
+
+from . import selectors
 
 
 class StaffRequiredMixin(LoginRequiredMixin, UserPassesTestMixin):
@@ -12,36 +23,61 @@ class StaffRequiredMixin(LoginRequiredMixin, UserPassesTestMixin):
         return self.request.user.is_staff
 
 
+def _epoch(dt) -> int:
+    return int(dt.timestamp())
+
+
+def chart_data(*, fleet: list[dict], revenue: dict, start, end) -> dict:
+    """What console_charts.js draws: columns of numbers, times in epoch seconds (UTC)."""
+    return {
+        "start": _epoch(start), "end": _epoch(end),
+        "fleet": {
+            "t": [_epoch(r["bucket"]) for r in fleet],
+            "gpus": [r["gpus"] for r in fleet],
+            "allocated": [round(r["allocated_gpus"], 3) for r in fleet],
+            "used": [round(r["used_gpus"], 3) for r in fleet],
+            "queued": [r["queued_jobs"] for r in fleet],
+            "wait_min": [None if r["wait_avg_s"] is None else round(r["wait_avg_s"] / 60, 2) for r in fleet],
+        },
+        "revenue": {
+            "t": [_epoch(datetime.combine(d["day"], datetime.min.time(), dt_timezone.utc)) for d in revenue["days"]],
+            "amount": [round(d["a"], 2) for d in revenue["days"]],
+        },
+        "currency": revenue["currency"],
+    }
+
+
 class ConsoleView(StaffRequiredMixin, TemplateView):
     template_name = "console/index.html"
 
+    def get(self, request, *args, **kwargs):
+        key = request.GET.get("range", DEFAULT_RANGE)
+        if key not in RANGES:
+            return HttpResponseBadRequest(f"range: use one of {', '.join(RANGES)}.", content_type="text/plain")
+        self.time_range = RANGES[key]
+        return super().get(request, *args, **kwargs)
+
     def get_context_data(self, **kwargs):
-        fleet = selectors.fleet_series()
-        labels = [r["label"] for r in fleet]
-        heat = selectors.gpu_heat()
-        idle = selectors.idle_allocated_gpus()
-        revenue = selectors.revenue_this_month()
+        now = timezone.now()
+        fleet = selectors.fleet_series(time_range=self.time_range, now=now)
+        heat = selectors.gpu_heat(time_range=self.time_range, now=now)
+        idle = selectors.idle_allocated_gpus(now=now)
+        revenue = selectors.revenue_this_month(now=now)
         return {
             **super().get_context_data(**kwargs),
+            "ranges": RANGES.values(),
+            "time_range": self.time_range,
+            "range_start": now - self.time_range.span,
+            "now": now,
             "fleet": fleet,
-            "fleet_chart": charts.line_chart(
-                [("GPUs", [r["gpus"] for r in fleet]), ("allocated", [r["allocated_gpus"] for r in fleet]),
-                 ("used", [r["used_gpus"] for r in fleet])], labels, title="Fleet: GPUs allocated vs used"),
-            "queue_chart": charts.line_chart(
-                [("queued jobs", [r["queued_jobs"] for r in fleet]),
-                 ("mean wait (min)", [(r["wait_avg_s"] or 0) / 60 for r in fleet])], labels,
-                title="Queue depth and wait"),
+            "latest": fleet[-1] if fleet else None,
+            "chart_data": chart_data(fleet=fleet, revenue=revenue, start=now - self.time_range.span, end=now),
             "heat": heat,
-            "heat_chart": charts.heat_map(heat["rows"], title="GPU utilization by node and GPU index"),
             "heat_table": selectors.heat_table(heat["rows"]),
-            "heat_columns": range(max((len(v) for _, v in heat["rows"]), default=0)),
+            "heat_columns": range(heat["columns"]),
             "unhealthy": selectors.unhealthy_gpus(),
             "idle": idle,
             "idle_table": selectors.idle_table(idle),
             "queue": selectors.queue_now(),
             "revenue": revenue,
-            "org_chart": charts.bar_chart([(r["organization__slug"], r["a"]) for r in revenue["organizations"]],
-                                          title="Revenue by organization this month"),
-            "project_chart": charts.bar_chart([(r["project__slug"], r["a"]) for r in revenue["projects"][:30]],
-                                              title="Revenue by project this month"),
         }

@@ -1,3 +1,4 @@
+from datetime import date
 from decimal import Decimal
 
 from django.conf import settings
@@ -10,6 +11,10 @@ from portal.tenancy.models import Membership, Organization, Project, Role
 from portal.tenancy.services import membership_add, membership_change_role, organization_create, project_create
 
 DEMO_IMAGES = ["gpuportal/busybox:latest", "gpuportal/python:3.11"]
+# The demo's price list, so the console and invoices show amounts: any GPU model ("*"), in
+# BILLING_CURRENCY, preemptible work at half price. Written only where no card exists yet.
+DEMO_RATE = {"gpu_model": "*", "price_per_gpu_hour": Decimal("2.50"), "effective_from": date(2020, 1, 1),
+             "qos_multipliers": {"preemptible": 0.5, "low": 0.8, "high": 1.5}}
 
 # (organization, project, name, quota, members)
 DEMO = [
@@ -28,6 +33,10 @@ class Command(BaseCommand):
     help = "Create (or bring back to) the demo tenants and users. Safe to run again."
 
     def handle(self, *args, **options):
+        # Billing sits above tenancy; only this demo command reaches up to it, for the price list.
+        from portal.billing.models import RateCard
+        from portal.billing.services import ratecard_set
+
         User = get_user_model()
         password = settings.DEMO_PASSWORD
         with transaction.atomic():
@@ -51,6 +60,9 @@ class Command(BaseCommand):
                         membership_add(actor=actor, project=project, username=username, role=role)
                     elif membership.role != role:
                         membership_change_role(actor=actor, membership=membership, role=role)
+            if not RateCard.objects.exists():
+                ratecard_set(actor=actor, **DEMO_RATE)
         self.stdout.write(self.style.SUCCESS(
             "Demo ready: admin (staff), alice/bob/dave in acme/vision (owner/member/viewer), "
-            "charlie in globex/nlp (owner)."))
+            "charlie in globex/nlp (owner); GPUs priced at "
+            f"{DEMO_RATE['price_per_gpu_hour']} {settings.BILLING_CURRENCY}/GPU-hour unless a rate card existed."))
