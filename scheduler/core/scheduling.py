@@ -165,7 +165,8 @@ class _Pass:
         return True
 
     def try_preempt(self, job: Job, classes: list[ClassKey]) -> bool:
-        if not self.cfg.quotas or not self.cfg.preemption or self.preempt_attempts >= self.cfg.max_preempt_attempts \
+        # Under las only attained service decides who preempts whom: a guarantee would fight it.
+        if not self.cfg.quotas or self.policy_of(job) == "las" or not self.cfg.preemption or self.preempt_attempts >= self.cfg.max_preempt_attempts \
                 or (self._victims is not None and not self._victims):
             return False  # without quotas no job is within a guarantee to preempt for
         proj = self.snap.projects.get(job.project)

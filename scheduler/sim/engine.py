@@ -134,8 +134,10 @@ class Simulator:
         w0, w1 = res.window
         now = self.jobs[0].submit if self.jobs else 0.0
         i, n = 0, len(self.jobs)
+        wakes: list[float] = []  # las: instants a job's queue changes (a threshold, a promotion)
         while i < n or ends:
-            t_next = min(self.jobs[i].submit if i < n else math.inf, ends[0][0] if ends else math.inf)
+            t_next = min(self.jobs[i].submit if i < n else math.inf, ends[0][0] if ends else math.inf,
+                         wakes[0] if wakes else math.inf)
             dt = t_next - now
             if dt > 0:
                 # Integrate over [now, t_next): nothing changes in between.
@@ -162,6 +164,9 @@ class Simulator:
                     usage[p] = usage.get(p, 0.0) * keep + run_gpus.get(p, 0.0) * gain
                 now = t_next
             changed = False  # did anything happen that could let a queued job start?
+            while wakes and wakes[0] <= now:
+                heapq.heappop(wakes)
+                changed = changed or bool(queue)  # production's next pass (every few seconds) would see it
             while ends and ends[0][0] <= now:
                 _, att, jid = heapq.heappop(ends)
                 if attempt.get(jid) != att or jid not in running:
@@ -207,6 +212,10 @@ class Simulator:
                         wait_count[job.project] -= 1
                     att = attempt[job.id] = attempt.get(job.id, 0) + 1
                     heapq.heappush(ends, (now + trace[job.id].runtime, att, job.id))
+                    if las and job.gpus > 0:  # when it passes its next threshold
+                        nxt = [x for x in cfg.las_thresholds_gpu_s if x > job.attained_gpu_s]
+                        if nxt:
+                            heapq.heappush(wakes, now + (nxt[0] - job.attained_gpu_s) / job.gpus)
                 for p in plan.preemptions:
                     a = running.pop(p.job_id, None)
                     if a is None:
@@ -218,6 +227,8 @@ class Simulator:
                     a.job.attained_gpu_s += max(a.job.gpus, 0.0) * (now - a.start_time)
                     a.job.queued_since = now
                     queue[a.job.id] = a.job
+                    if las and a.job.gpus > 0:  # when the starvation guard promotes it
+                        heapq.heappush(wakes, now + cfg.las_starvation_factor * a.job.attained_gpu_s / a.job.gpus)
                     if a.job.gpus > 0:
                         wait_count[a.job.project] = wait_count.get(a.job.project, 0) + 1
                     rec = res.records[a.job.id]

@@ -26,6 +26,8 @@ class ReplaySpec:
     preemption: bool = True
     quotas: bool = True
     explain: bool = True  # as production; False decides the same (tests/scheduler/test_explain.py), faster
+    las_thresholds_gpu_s: tuple[float, ...] = Config.las_thresholds_gpu_s
+    las_starvation_factor: float = Config.las_starvation_factor
     placement: str = "bestfit"
     quota: str | None = None
     nodes: str | None = None
@@ -38,7 +40,8 @@ def _config(spec: ReplaySpec) -> Config:
     # Production's Config: the same caps and, by default, the same mode (reasons are written and
     # thrown away). Explaining never changes a decision, so --no-explain only saves time.
     return Config(policy=spec.policy, backfill=spec.backfill, preemption=spec.preemption, quotas=spec.quotas,
-                  placement=spec.placement, explain=spec.explain)
+                  placement=spec.placement, explain=spec.explain, las_thresholds_gpu_s=tuple(spec.las_thresholds_gpu_s),
+                  las_starvation_factor=spec.las_starvation_factor)
 
 
 def _cluster(spec: ReplaySpec):

@@ -125,3 +125,12 @@ def test_las_in_the_simulator_preempts_the_longest_served_job_and_remembers_its_
     assert {k: (r.first_start, r.end, r.preempted) for k, r in res.records.items()} == {
         "long": (0, 3700 + 5000, 1), "short": (3600, 3700, 0)}
     assert res.lost_gpu_s == 8 * 3600
+
+
+def test_las_in_the_simulator_acts_when_a_running_job_passes_a_threshold():
+    """At 100 s both jobs are in the first queue, so short waits; long passes 1 GPU-hour at 450 s
+    (8 GPUs): the replay runs a pass then, as production's periodic pass would, and short preempts it."""
+    jobs = [TraceJob("long", 0, 5000, 8, "t1", 90_000), TraceJob("short", 100, 100, 8, "t2", 90_000)]
+    cfg = Config(policy="las", las_thresholds_gpu_s=(3600.0,), min_runtime_s=300)
+    res = Simulator(jobs, uniform_nodes(8, 8), make_projects(["t1", "t2"], 8, None), cfg).run()
+    assert (res.records["short"].first_start, res.records["long"].preempted) == (450, 1)
