@@ -47,6 +47,14 @@ def _try_lock() -> bool:
         return bool(cursor.fetchone()[0])
 
 
+def pass_lock_wait() -> None:
+    """Inside a transaction: wait for a running pass to end and keep the next one out until
+    commit (a hold or update of a queued job takes it, so no pass plans with the old job)."""
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [LOCK_KEY])
+
+
 def _epoch(dt) -> float:
     return dt.timestamp()
 
@@ -137,7 +145,8 @@ def build_snapshot(now=None):
     through = Job.depends_on.through
     blocked = set(through.objects.filter(from_job__state=JobState.QUEUED).exclude(
         to_job__state=JobState.SUCCEEDED).values_list("from_job_id", flat=True))
-    queued_rows = list(Job.objects.filter(state=JobState.QUEUED, is_array_parent=False)
+    # A held job (jobs.services.job_hold) is not in the snapshot: it keeps its `held` reason.
+    queued_rows = list(Job.objects.filter(state=JobState.QUEUED, is_array_parent=False, held=False)
                        .order_by("submitted_at", "id").values(*fields, "reason_code", "reason_message",
                                                              "queue_position"))
     queued = [to_core(row, deps_ok=row["id"] not in blocked) for row in queued_rows]

@@ -38,6 +38,10 @@ WatchOpt = Annotated[bool, typer.Option("--watch", "-w",
                                              "waits; exit 0 only if it succeeded.")]
 
 
+JobRefArg = Annotated[str, typer.Argument(metavar="ID", help="A job id, or an array task as 3_0.")]
+JobRefsArg = Annotated[list[str], typer.Argument(metavar="ID...", help="Job ids, or array tasks as 3_0.")]
+
+
 class SpecError(Exception):
     """A spec file or flag gpuctl cannot turn into a spec (exit 2, like an API 400)."""
 
@@ -395,7 +399,7 @@ def list_jobs(
 
 @command()
 def show(
-    job_id: Annotated[int, typer.Argument(metavar="ID")],
+    job_ref: JobRefArg,
     watch: WatchOpt = False,
     interval: IntervalOpt = 2.0,
     timeout: TimeoutOpt = None,
@@ -403,6 +407,7 @@ def show(
 ):
     """A job: its state, why it waits (and its place in the queue), and its timeline."""
     client = _client()
+    job_id = client.resolve(job_ref)
     job = client.job(job_id)
     if watch:
         job = _watch(client, job, interval=interval, timeout=timeout, json_output=output is Format.json)
@@ -424,7 +429,7 @@ def _write(text: str) -> None:
 
 @command()
 def logs(
-    job_id: Annotated[int, typer.Argument(metavar="ID")],
+    job_ref: JobRefArg,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job has ended "
                                                                 "and its log is complete.")] = False,
     attempt: Annotated[int | None, typer.Option(min=1, help="An earlier attempt (default: the latest).")] = None,
@@ -436,6 +441,7 @@ def logs(
     if follow and output is Format.json:
         raise SpecError("-f streams text; use -o json without -f for one JSON document")
     client = _client()
+    job_id = client.resolve(job_ref)
     if not follow:
         doc = client.logs(job_id, attempt=attempt)
         if output is Format.json:
@@ -474,26 +480,64 @@ def logs(
 
 
 @command()
-def cancel(
-    job_ids: Annotated[list[int], typer.Argument(metavar="ID...", help="One or more job ids.")],
-    output: OutputOpt = Format.table,
-):
+def cancel(job_ids: JobRefsArg, output: OutputOpt = Format.table):
     """Cancel jobs (an array job: all its unfinished tasks). Running jobs are stopped on their node."""
+    _each_job(job_ids, lambda client, job_id: client.cancel(job_id), output)
+
+
+def _each_job(job_ids: list[str], act, output: Format) -> None:
+    """Run `act(client, id)` on every job; report each, and exit with the first failure's status."""
     client, done, failed = _client(), [], None
-    for job_id in job_ids:
+    for ref in job_ids:
         try:
-            job = client.cancel(job_id)
+            job = act(client, client.resolve(ref))
         except ApiError as exc:
             _print_api_error(exc)
             failed = failed or exc
             continue
         done.append(job)
         if output is Format.table:
-            say(f"job {job_id}: {job['state']}")
+            say(f"job {ref}: {job['state']}" + (f" ({job_note(job)})" if job_note(job) else ""))
     if output is Format.json:
         emit_json(done)
     if failed:
         raise typer.Exit(failed.exit_code)
+
+
+@command()
+def hold(job_ids: JobRefsArg, output: OutputOpt = Format.table):
+    """Hold queued jobs (like scontrol hold): they stay queued and are not started until released."""
+    _each_job(job_ids, lambda client, job_id: client.hold(job_id), output)
+
+
+@command()
+def release(job_ids: JobRefsArg, output: OutputOpt = Format.table):
+    """Release held jobs (like scontrol release): they queue again by their submit time."""
+    _each_job(job_ids, lambda client, job_id: client.release(job_id), output)
+
+
+@command()
+def update(
+    job_ids: JobRefsArg,
+    time_limit: Annotated[str | None, typer.Option("--time-limit", "-t", help="New time limit: seconds, "
+                                                   "'90m', '2h' or '1-00:00:00' (raising it takes the "
+                                                   "project's owner or admin role).")] = None,
+    priority: Annotated[str | None, typer.Option(help="low, normal or high (raising it takes the owner or "
+                                                      "admin role).")] = None,
+    gpus: Annotated[float | None, typer.Option(min=0, help="New GPU count, within the project's limit.")] = None,
+    output: OutputOpt = Format.table,
+):
+    """Change queued jobs (like scontrol update): time limit, priority, GPU count."""
+    changes: dict = {}
+    if time_limit is not None:
+        changes["time_limit"] = time_limit
+    if priority is not None:
+        changes["priority"] = priority
+    if gpus is not None:
+        changes["resources"] = {"gpus": _num(gpus)}
+    if not changes:
+        raise SpecError("give --time-limit, --priority or --gpus")
+    _each_job(job_ids, lambda client, job_id: client.update(job_id, changes), output)
 
 
 @command()

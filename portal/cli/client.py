@@ -162,6 +162,27 @@ class Client:
         job = self.post("jobs/", spec, headers=headers)
         return job, self.last_status == 201
 
+    def resolve(self, ref: str) -> int:
+        """A job id from '12' or an array task's '3_0' (Slurm's <array job>_<index>)."""
+        parent, sep, index = str(ref).partition("_")
+        if not parent.isascii() or not parent.isdigit() or (sep and not (index.isascii() and index.isdigit())):
+            raise ApiError(400, "invalid", f"{ref!r} is not a job id like 12 or an array task like 3_0.")
+        if not sep:
+            return int(parent)
+        page = self.get("jobs/", what=f"job {parent}", array_parent=parent, array_index=index, page_size=1)
+        if not page["results"]:
+            raise ApiError(404, "not_found", f"job {ref} not found (no such array task, or you may not see it).")
+        return page["results"][0]["id"]
+
+    def hold(self, job_id: int) -> dict:
+        return self.post(f"jobs/{job_id}/hold/", what=f"job {job_id}")
+
+    def release(self, job_id: int) -> dict:
+        return self.post(f"jobs/{job_id}/release/", what=f"job {job_id}")
+
+    def update(self, job_id: int, changes: dict) -> dict:
+        return self.request("PATCH", f"jobs/{job_id}/", body=changes, what=f"job {job_id}")
+
     def cancel(self, job_id: int) -> dict:
         return self.post(f"jobs/{job_id}/cancel/", what=f"job {job_id}")
 

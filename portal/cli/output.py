@@ -109,17 +109,26 @@ def job_note(job: dict) -> str:
     return f"on {job['node']}" if job.get("node") else reason
 
 
+def job_ref(job: dict) -> str:
+    """An array task as Slurm names it, 3_0; any other job by its id."""
+    if job.get("array_parent"):
+        return f"{job['array_parent']}_{job.get('array_index')}"
+    return str(job["id"])
+
+
 def job_table(jobs: list[dict]) -> str:
-    rows = [[j["id"], j["project"], j["user"], j["name"], j["state"], number(j["resources"]["gpus"]),
-             when(j["submitted_at"], short=True), job_note(j)] for j in jobs]
-    return table(rows, ["ID", "PROJECT", "USER", "NAME", "STATE", "GPUS", "SUBMITTED", "NOTE"],
-                 max_width={3: 32, 7: 80})
+    rows = [[job_ref(j), j["project"], j["user"], j["name"],
+             j["state"] + (" (held)" if j.get("held") and j["state"] == "queued" else ""),
+             number(j["resources"]["gpus"]), when(j["submitted_at"], short=True),
+             "0s" if j.get("elapsed") == 0 else duration(j.get("elapsed")), job_note(j)] for j in jobs]
+    return table(rows, ["ID", "PROJECT", "USER", "NAME", "STATE", "GPUS", "SUBMITTED", "ELAPSED", "NOTE"],
+                 max_width={3: 32, 8: 80})
 
 
 def job_detail(job: dict) -> str:
     """`gpuctl show`: the job, why it waits (or how it ended), and its timeline."""
     flags = [job["priority"]] + [f for f in ("preemptible", "network") if job.get(f)]
-    lines = [f"Job {job['id']}  {job['name']}"]
+    lines = [f"Job {job_ref(job)}  {job['name']}"]
     fields: list[tuple[str, str]] = [
         ("state", f"{job['state']} [{job.get('slurm_code') or '-'}]" + (
             f", attempt {job['attempt']}" if job.get("attempt", 1) > 1 else "")),

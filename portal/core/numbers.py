@@ -7,6 +7,9 @@ report goes through `parse_int` instead.
 """
 import re
 
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+
 # 18 digits: every value fits PostgreSQL's bigint, so a lookup can never overflow a column.
 _DIGITS = re.compile(r"[0-9]{1,18}")
 
@@ -40,3 +43,18 @@ def parse_ints(values, *, limit: int) -> list[int]:
             if len(out) >= limit:
                 break
     return out
+
+
+def count_or_fraction(value):
+    """A GPU count for JSON: whole counts as integers (2, not 2.0 or "2.000"), a share as a float."""
+    if value is None:
+        return None
+    return int(value) if value == int(value) else float(value)
+
+
+@extend_schema_field({"type": "number"})
+class GPUCountField(serializers.DecimalField):
+    """A decimal GPU figure (a quota, a job's GPUs) that reads as a JSON number: 4, or 0.5."""
+
+    def to_representation(self, value):
+        return count_or_fraction(value)

@@ -1,4 +1,5 @@
 from collections import Counter, defaultdict
+from decimal import Decimal
 
 import django_filters
 from drf_spectacular.utils import OpenApiParameter, extend_schema
@@ -6,16 +7,17 @@ from rest_framework import mixins, serializers, status
 from rest_framework.decorators import action
 from rest_framework.response import Response
 
-from portal.core.api import StrictModelSerializer, TenantViewSet
+from portal.core.api import StrictModelSerializer, StrictSerializer, TenantViewSet
 from portal.core.context import actor_from_request
 from portal.core.filters import UtcDateTimeFilter
 from portal.core.numbers import count_or_fraction
 from portal.tenancy.models import Project
 
-from .models import TERMINAL, Job, JobEvent, JobTemplate
+from .models import TERMINAL, Job, JobEvent, JobTemplate, Priority
 from .selectors import LOG_PAGE_MAX_BYTES, env_reader_project_ids, env_visible, log_read
-from .services import job_cancel, job_resubmit, job_submit, template_delete, template_save
-from .spec import JobSpecSerializer
+from .services import (job_cancel, job_hold, job_release, job_resubmit, job_submit, job_update, template_delete,
+                       template_save)
+from .spec import DurationField, JobSpecSerializer
 
 
 class JobEventSerializer(serializers.ModelSerializer):
@@ -37,6 +39,11 @@ class JobSerializer(serializers.ModelSerializer):
     depends_on = serializers.PrimaryKeyRelatedField(many=True, read_only=True)
     time_limit = serializers.IntegerField(source="time_limit_s", read_only=True)
     slurm_code = serializers.CharField(read_only=True)
+    slurm_id = serializers.CharField(read_only=True, help_text="Slurm's name for it: an array task as "
+                                                                "<array job>_<index> (\"3_0\"), else the id.")
+    elapsed = serializers.IntegerField(source="elapsed_s", read_only=True, allow_null=True,
+                                       help_text="Seconds from its first start to its end (or now); null if it "
+                                                 "never started.")
     tasks = serializers.SerializerMethodField(help_text="Array parents: count of tasks per state.")
     warnings = serializers.ListField(child=serializers.CharField(), read_only=True,
                                      help_text="What the node could not enforce (e.g. a GPU share without CUDA MPS).")
@@ -45,14 +52,17 @@ class JobSerializer(serializers.ModelSerializer):
         model = Job
         fields = ["id", "project", "user", "name", "image", "command", "env", "resources", "time_limit", "priority",
                   "preemptible", "sandbox", "network", "array", "is_array_parent", "array_parent", "array_index",
-                  "array_limit", "depends_on", "template", "resubmit_of", "state", "slurm_code", "attempt", "reason",
-                  "queue_position", "node", "exit_code", "submitted_at", "started_at", "ended_at", "tasks",
+                  "array_limit", "depends_on", "template", "resubmit_of", "state", "held", "slurm_code", "slurm_id", "attempt", "reason",
+                  "queue_position", "node", "exit_code", "submitted_at", "started_at", "ended_at", "elapsed", "tasks",
                   "idle_since", "warnings"]
-        extra_kwargs = {"idle_since": {"help_text": "Set while every GPU of the running job has stayed under "
+        extra_kwargs = {"held": {"help_text": "Held (POST .../hold/): stays queued with reason `held` and is not "
+                                              "scheduled until released (POST .../release/)."},
+                        "idle_since": {"help_text": "Set while every GPU of the running job has stayed under "
                                                     "the idle threshold (GPU_IDLE_UTIL_PCT, GPU_IDLE_MINUTES)."}}
 
     def get_resources(self, job) -> dict:
-        return {"gpus": float(job.gpus), "nodes": job.nodes, "gpus_per_node": float(job.gpus_per_node),
+        return {"gpus": count_or_fraction(job.gpus), "nodes": job.nodes,
+                "gpus_per_node": count_or_fraction(job.gpus_per_node),
                 "gpu_type": job.gpu_type, "gpu_memory_mb": job.gpu_memory_mb,
                 "cpus": float(job.cpus), "memory_mb": job.memory_mb}
 
@@ -88,6 +98,8 @@ class JobFilter(django_filters.FilterSet):
     state = django_filters.BaseInFilter(field_name="state")
     user = django_filters.CharFilter(field_name="user__username")
     array_parent = django_filters.NumberFilter(field_name="array_parent_id")
+    array_index = django_filters.NumberFilter(field_name="array_index", help_text="With array_parent: task 3_0 is "
+                                                                                  "array_parent=3&array_index=0.")
     submitted_after = UtcDateTimeFilter(field_name="submitted_at", lookup_expr="gte")
     submitted_before = UtcDateTimeFilter(field_name="submitted_at", lookup_expr="lt")
     active = django_filters.BooleanFilter(method="filter_active")
@@ -102,6 +114,21 @@ class JobFilter(django_filters.FilterSet):
 
     def filter_tasks(self, queryset, name, value):
         return queryset if value else queryset.filter(array_parent__isnull=True)
+
+
+class JobUpdateResourcesSerializer(StrictSerializer):
+    gpus = serializers.DecimalField(max_digits=6, decimal_places=3, min_value=Decimal(0), help_text="All GPUs of the job.")
+
+
+class JobUpdateSerializer(StrictSerializer):
+    """What `scontrol update` changes on a queued job; give any of them."""
+
+    time_limit = DurationField(required=False, help_text="Seconds or a duration ('2h', '1-00:00:00'). Its "
+                                                         "submitter may lower it; project owners and admins "
+                                                         "may raise it up to the project maximum.")
+    priority = serializers.ChoiceField(choices=Priority.choices, required=False,
+                                       help_text="Lower it freely; raising it takes the owner or admin role.")
+    resources = JobUpdateResourcesSerializer(required=False, help_text="The GPU count, within the project limit.")
 
 
 class LogsSerializer(serializers.Serializer):
@@ -128,7 +155,8 @@ class JobViewSet(mixins.ListModelMixin, TenantViewSet):
     scoped_model = Job
     serializer_class = JobSerializer
     filterset_class = JobFilter
-    scope_for_action = {"create": "submit", "cancel": "submit", "resubmit": "submit"}
+    scope_for_action = {"create": "submit", "cancel": "submit", "resubmit": "submit", "hold": "submit",
+                        "release": "submit", "partial_update": "submit"}
 
     def get_queryset(self):
         qs = super().get_queryset().select_related("project", "user", "node", "template")
@@ -180,6 +208,31 @@ class JobViewSet(mixins.ListModelMixin, TenantViewSet):
         job = job_cancel(actor=self.actor, job=self.get_object())
         return Response(JobSerializer(job, context=self.get_serializer_context()).data,
                         status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=None, responses={200: JobSerializer})
+    @action(detail=True, methods=["post"])
+    def hold(self, request, pk=None):
+        """Hold a queued job (an array: its queued tasks): it stays queued, reason `held`, until released."""
+        job = job_hold(actor=self.actor, job=self.get_object())
+        return Response(JobSerializer(job, context=self.get_serializer_context()).data)
+
+    @extend_schema(request=None, responses={200: JobSerializer})
+    @action(detail=True, methods=["post"])
+    def release(self, request, pk=None):
+        """Let a held job be scheduled again; it keeps its place by submit time."""
+        job = job_release(actor=self.actor, job=self.get_object())
+        return Response(JobSerializer(job, context=self.get_serializer_context()).data)
+
+    @extend_schema(request=JobUpdateSerializer, responses={200: JobSerializer})
+    def partial_update(self, request, pk=None):
+        """Change a queued job's time limit, priority or GPU count (every refused field is reported)."""
+        job = self.get_object()
+        data = JobUpdateSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        v = data.validated_data
+        job = job_update(actor=self.actor, job=job, time_limit=v.get("time_limit"), priority=v.get("priority"),
+                         gpus=v.get("resources", {}).get("gpus"))
+        return Response(JobSerializer(job, context=self.get_serializer_context()).data)
 
     @extend_schema(request=None, responses={201: JobSerializer})
     @action(detail=True, methods=["post"])

@@ -87,6 +87,9 @@ class Job(models.Model):
     # State
     state = models.CharField(max_length=10, choices=JobState.choices, default=JobState.QUEUED, db_index=True)
     attempt = models.PositiveIntegerField(default=1)
+    # Held by a user or admin (Slurm's `scontrol hold`): stays `queued` with reason `held` and is
+    # never scheduled until released. A flag, not a state: the lifecycle above stays one list.
+    held = models.BooleanField(default=False)
     reason_code = models.CharField(max_length=32, blank=True)
     reason_message = models.CharField(max_length=300, blank=True)
     queue_position = models.PositiveIntegerField(null=True, blank=True)
@@ -120,6 +123,22 @@ class Job(models.Model):
     @property
     def slurm_code(self) -> str:
         return SLURM_CODES.get(self.state, "")
+
+    @property
+    def slurm_id(self) -> str:
+        """How Slurm names it: an array task as <array job>_<index> ("3_0"), any other job by its id."""
+        if self.array_parent_id is not None:
+            return f"{self.array_parent_id}_{self.array_index}"
+        return str(self.pk)
+
+    @property
+    def elapsed_s(self) -> int | None:
+        """Seconds from its first start to its end (or now while it runs); None if it never started."""
+        if self.started_at is None:
+            return None
+        from django.utils import timezone
+
+        return max(int(((self.ended_at or timezone.now()) - self.started_at).total_seconds()), 0)
 
     @property
     def warnings(self) -> list[str]:

@@ -4,6 +4,7 @@ import json
 import logging
 
 from django.db import IntegrityError, transaction
+from django.db.models import Q
 from rest_framework import serializers
 
 from portal.core.context import Actor
@@ -13,7 +14,7 @@ from portal.core.services import audit_record
 from portal.core.text import check_plain_name
 from portal.tenancy.models import Project
 
-from .models import CANCELLABLE, HOLDING, TERMINAL, Job, JobState, JobTemplate
+from .models import CANCELLABLE, HOLDING, TERMINAL, Job, JobEvent, JobState, JobTemplate
 from .selectors import gpu_hours_used_this_month
 from .spec import JobSpecSerializer, parse_array
 from .states import transition
@@ -216,6 +217,141 @@ def env_kept_on_resubmit(actor: Actor, job: Job) -> bool:
     """A job's environment often holds its owner's secrets: a resubmit by anyone else (a project
     admin included) runs without it rather than with someone else's credentials."""
     return actor.user is not None and actor.user.pk == job.user_id
+
+
+def _check_may_control(actor: Actor, job: Job, verb: str) -> bool:
+    """Who may hold, release or update a job: as for cancel, its submitter or the project's
+    owners and admins. Returns whether the caller manages the project (may raise limits)."""
+    check_token_project(actor, job.project)
+    manages = actor.is_system or user_can(actor.user, "manage", job.project)
+    own = job.user_id == getattr(actor.user, "pk", None) and user_can(actor.user, "submit", job.project)
+    if not own and not manages:
+        raise Forbidden(f"You can {verb} your own jobs; project owners and admins can {verb} any.")
+    return manages
+
+
+def _queued_targets(job: Job, verb: str) -> list[int]:
+    """The rows a hold, release or update acts on: a queued job, or an array's queued tasks and
+    its parent. Anything already placed or ended is refused: only the queue can be changed."""
+    if job.is_array_parent:
+        if job.state in TERMINAL:
+            raise Conflict(f"Array job {job.pk} has already ended.", code="not_queued")
+        return [job.pk, *job.tasks.filter(state=JobState.QUEUED).values_list("pk", flat=True)]
+    if job.state != JobState.QUEUED:
+        raise Conflict(f"Job {job.pk} is {job.state}: only a queued job can be {verb}.", code="not_queued")
+    return [job.pk]
+
+
+def _stop_scheduling_meanwhile() -> None:
+    """Wait for a running scheduling pass to end and keep the next out until this transaction
+    commits: a pass that took its snapshot before the change must not start the old job."""
+    from scheduler.adapter import pass_lock_wait
+
+    pass_lock_wait()
+
+
+def job_hold(*, actor: Actor, job: Job) -> Job:
+    """Hold a queued job (Slurm's `scontrol hold`): it stays queued, reason `held`, and the
+    scheduler passes it over until it is released. An array: its queued tasks."""
+    _check_may_control(actor, job, "hold")
+    who = actor.user.get_username() if actor.user else actor.label
+    message = f"Held by {who}; release it to let it start."
+    with transaction.atomic():
+        _stop_scheduling_meanwhile()
+        job.refresh_from_db()
+        targets = _queued_targets(job, "held")
+        Job.objects.filter(pk__in=targets).exclude(pk=job.pk, is_array_parent=True).filter(
+            state=JobState.QUEUED).update(held=True, reason_code="held", reason_message=message, queue_position=None)
+        Job.objects.filter(pk=job.pk).update(held=True)
+        JobEvent.objects.create(job=job, attempt=job.attempt, state=job.state, message=message)
+        audit_record(actor=actor, action="job.hold", obj=job, project=job.project, jobs=len(targets))
+    job.refresh_from_db()
+    return job
+
+
+def job_release(*, actor: Actor, job: Job) -> Job:
+    """Let a held job be scheduled again (Slurm's `scontrol release`); it keeps its submit time."""
+    _check_may_control(actor, job, "release")
+    who = actor.user.get_username() if actor.user else actor.label
+    with transaction.atomic():
+        job.refresh_from_db()
+        targets = _queued_targets(job, "released")
+        if not job.held and not Job.objects.filter(pk__in=targets, held=True).exists():
+            raise Conflict(f"Job {job.pk} is not held.", code="not_held")
+        Job.objects.filter(pk__in=targets, held=True).exclude(pk=job.pk, is_array_parent=True).update(
+            held=False, reason_code="new", reason_message="Released; waiting for the scheduler's next pass.")
+        Job.objects.filter(pk=job.pk).update(held=False)
+        JobEvent.objects.create(job=job, attempt=job.attempt, state=job.state, message=f"Released by {who}.")
+        audit_record(actor=actor, action="job.release", obj=job, project=job.project, jobs=len(targets))
+    request_schedule_pass()
+    job.refresh_from_db()
+    return job
+
+
+def job_update(*, actor: Actor, job: Job, time_limit: int | None = None, priority: str | None = None,
+               gpus=None) -> Job:
+    """Change a queued job (Slurm's `scontrol update`): its time limit, QoS priority or GPU count.
+
+    Its submitter may lower the time limit and priority and change the GPU count within the
+    project's limits; raising the time limit or priority takes the project's owner or admin
+    role. Every refused field is reported at once; a refused update changes nothing.
+    """
+    from .models import QOS_VALUE
+    from .spec import ResourcesSerializer, _cluster_fit
+
+    manages = _check_may_control(actor, job, "update")
+    quota = job.project.quota
+    errors: dict[str, list[str]] = {}
+    changes: dict = {}
+    if time_limit is not None:
+        if time_limit > quota.max_time_limit_s:
+            errors["time_limit"] = [f"{time_limit} s exceeds the project maximum of {quota.max_time_limit_s} s."]
+        elif time_limit > job.time_limit_s and not manages:
+            errors["time_limit"] = [f"You may lower the time limit ({job.time_limit_s} s) but not raise it; "
+                                    "ask a project owner or admin."]
+        changes["time_limit_s"] = time_limit
+    if priority is not None:
+        if QOS_VALUE[priority] > QOS_VALUE[job.priority] and not manages:
+            errors["priority"] = [f"You may lower the priority ({job.priority}) but not raise it; "
+                                  "ask a project owner or admin."]
+        changes["priority"] = priority
+    if gpus is not None:
+        res = ResourcesSerializer(data={
+            "gpus": str(gpus), "nodes": job.nodes, "gpu_type": job.gpu_type, "cpus": str(job.cpus),
+            "memory_mb": job.memory_mb, "gpu_memory_mb": job.gpu_memory_mb if 0 < gpus < 1 else 0})
+        if not res.is_valid():
+            errors.update({f"resources.{k}": v for k, v in res.errors.items()})
+        elif gpus > quota.max_gpus:
+            errors["resources.gpus"] = [f"{gpus.normalize()} exceeds the project limit of "
+                                        f"{quota.max_gpus.normalize()}."]
+        else:
+            if gpus >= 1:
+                errors.update(_cluster_fit(res.validated_data))
+            changes.update(gpus=gpus, gpu_memory_mb=res.validated_data["gpu_memory_mb"])
+    if errors:
+        raise serializers.ValidationError(errors)
+    if not changes:
+        raise InvalidInput("Give time_limit, priority or resources.gpus to change.", code="nothing_to_update")
+    who = actor.user.get_username() if actor.user else actor.label
+    said = ", ".join(f"{k.removesuffix('_s')} {job_value_text(v)}" for k, v in changes.items()
+                     if k != "gpu_memory_mb")
+    with transaction.atomic():
+        _stop_scheduling_meanwhile()
+        job.refresh_from_db()
+        targets = _queued_targets(job, "updated")
+        # Conditional: a task placed since the check above keeps what it was placed with.
+        Job.objects.filter(pk__in=targets).filter(Q(state=JobState.QUEUED) | Q(is_array_parent=True)).update(
+            **changes)
+        JobEvent.objects.create(job=job, attempt=job.attempt, state=job.state, message=f"Updated by {who}: {said}.")
+        audit_record(actor=actor, action="job.update", obj=job, project=job.project,
+                     **{k: job_value_text(v) for k, v in changes.items()})
+    request_schedule_pass()
+    job.refresh_from_db()
+    return job
+
+
+def job_value_text(value) -> str:
+    return str(value.normalize()) if hasattr(value, "normalize") else str(value)
 
 
 def template_save(*, actor: Actor, project: Project, name: str, spec: dict, locked: list[str],

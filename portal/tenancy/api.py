@@ -1,4 +1,5 @@
 from django.contrib.auth import get_user_model
+from django.db import models
 from django.db.models import OuterRef, Subquery
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import extend_schema
@@ -7,6 +8,7 @@ from rest_framework.decorators import action
 from rest_framework.response import Response
 
 from portal.core.api import StrictModelSerializer, StrictSerializer, TenantViewSet
+from portal.core.numbers import GPUCountField
 
 from .models import Membership, Organization, Project, Quota, Role, slug_validator
 from .services import (
@@ -46,6 +48,9 @@ class OrganizationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, Tena
 
 
 class QuotaSerializer(StrictModelSerializer):
+    # GPUs and GPU-hours read as JSON numbers (4, 0.5), not decimal strings.
+    serializer_field_mapping = {**StrictModelSerializer.serializer_field_mapping,
+                                models.DecimalField: GPUCountField}
     allowed_gpu_types = serializers.ListField(child=serializers.CharField(max_length=64), max_length=64,
                                               required=False)
     allowed_images = serializers.ListField(child=serializers.CharField(max_length=255), max_length=256,
