@@ -3,42 +3,10 @@ launch not yet running is re-sent, in `assigned` or `starting`; one the node sti
 after LAUNCH_LOST_S is requeued instead of holding GPUs with nothing running."""
 from datetime import timedelta
 
-import pytest
 from django.utils import timezone
-from rest_framework.test import APIClient
 
-from portal.core.context import Actor
 from portal.jobs.models import Allocation, Job
-from portal.jobs.services import job_submit
-from portal.nodes.services import node_add
 from scheduler.adapter import run_pass
-
-INVENTORY = [{"index": 0, "uuid": "GPU-rec-0", "model": "NVIDIA H100 80GB HBM3", "memory_mb": 81559}]
-
-
-@pytest.fixture
-def sent(monkeypatch):
-    out = []
-    monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args: out.append((task, node, args)))
-    return out
-
-
-@pytest.fixture
-def starting(demo, sent):
-    """A job the node confirmed (`starting`), whose agent then died before its sandbox ran."""
-    _, secret = node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="1xH100-80GB")
-    agent = APIClient()
-    agent.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
-    assert agent.post("/api/agent/v1/register", {"name": "gpu-01", "cpus": 8, "memory_mb": 1, "sandbox": "docker",
-                                                 "gpus": INVENTORY}, format="json").status_code == 200
-    job, _ = job_submit(actor=Actor(user=demo.users["alice"]), data={
-        "project": "vision", "name": "j", "image": "gpuportal/busybox:latest", "command": ["true"],
-        "resources": {"gpus": 1}})
-    run_pass()
-    assert agent.post(f"/api/agent/v1/jobs/{job.pk}/confirm", {"attempt": 1}, format="json").status_code == 200
-    assert Job.objects.get(pk=job.pk).state == "starting"
-    agent.job = job
-    return agent
 
 
 def age(job, seconds):
