@@ -132,6 +132,11 @@ class Job(models.Model):
         return str(self.pk)
 
     @property
+    def ended_unsuccessfully(self) -> bool:
+        """Ended other than succeeded: lists show its exit code and reason."""
+        return self.state in TERMINAL and self.state != JobState.SUCCEEDED
+
+    @property
     def elapsed_s(self) -> int | None:
         """Seconds from its first start to its end (or now while it runs); None if it never started."""
         if self.started_at is None:

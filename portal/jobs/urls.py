@@ -14,4 +14,7 @@ urlpatterns = [
     path("<int:pk>/metrics/", views.JobMetricsView.as_view(), name="metrics"),
     path("<int:pk>/cancel/", views.JobCancelView.as_view(), name="cancel"),
     path("<int:pk>/resubmit/", views.JobResubmitView.as_view(), name="resubmit"),
+    path("<int:pk>/hold/", views.JobHoldView.as_view(), name="hold"),
+    path("<int:pk>/release/", views.JobHoldView.as_view(release=True), name="release"),
+    path("<int:pk>/update/", views.JobUpdateView.as_view(), name="update"),
 ]

@@ -5,6 +5,7 @@ service and renders. htmx polls ask for fragments and carry the version of what 
 show; an unchanged fragment is answered with 204 so nothing on the page moves.
 """
 import dataclasses
+from decimal import Decimal, InvalidOperation
 
 from django.contrib import messages
 from django.core.paginator import Paginator
@@ -23,9 +24,10 @@ from portal.core.querysets import user_can
 from portal.tenancy.models import Project
 
 from .forms import JobFilterForm, JobSubmitForm
-from .models import CANCELLABLE, HOLDING, TERMINAL, Job, JobState, JobTemplate
+from .models import CANCELLABLE, HOLDING, TERMINAL, Job, JobState, JobTemplate, Priority
 from .selectors import LogPage, job_gpu_samples, jobs_for_list, log_end, log_read, task_histograms
-from .services import job_cancel, job_resubmit, job_submit
+from .services import job_cancel, job_hold, job_release, job_resubmit, job_submit, job_update
+from .spec import parse_duration
 
 PAGE_SIZE = 50
 POLL_LIST = "every 3s"
@@ -149,6 +151,9 @@ def status_context(request, job: Job) -> dict:
         "can_submit": user_can(request.user, "submit", job.project),
         "cancellable": cancellable(job),
         "resubmittable": job.state in TERMINAL and job.array_parent_id is None,
+        # Hold, release and update act on the queue only (services.job_hold and the rest decide who may).
+        "queue_control": job.state == JobState.QUEUED or (job.is_array_parent and job.state not in TERMINAL),
+        "priorities": Priority.choices,
     }, request)
     return {"job": job, "status_body": body, "status_version": version(body),
             "status_trigger": "" if job.state in TERMINAL else POLL_DETAIL}
@@ -265,6 +270,68 @@ class JobCancelView(PageMixin, View):
         except ServiceError as exc:
             return refused(request, exc, back=back)
         messages.success(request, f"Job {job.pk} cancelled.")
+        return redirect(back)
+
+
+class JobHoldView(PageMixin, View):
+    """Hold (or, with release=True, release) a queued job from its page."""
+
+    release = False
+
+    def post(self, request, pk):
+        job = _job(request, pk)
+        back = reverse("jobs:detail", args=[job.pk])
+        try:
+            job = (job_release if self.release else job_hold)(actor=self.actor, job=job)
+        except ServiceError as exc:
+            return refused(request, exc, back=back)
+        messages.success(request, f"Job {job.slurm_id} {'released' if self.release else 'held'}.")
+        return redirect(back)
+
+
+class JobUpdateView(PageMixin, View):
+    """The job page's update form: time limit, priority, GPUs; every refused field is listed."""
+
+    def post(self, request, pk):
+        job = _job(request, pk)
+        back = reverse("jobs:detail", args=[job.pk])
+        errors, changes = {}, {}
+        text = request.POST.get("time_limit", "").strip()
+        if text and text != str(job.time_limit_s):
+            try:
+                changes["time_limit"] = parse_duration(text)
+            except ValueError as exc:
+                errors["time_limit"] = [str(exc)]
+        priority = request.POST.get("priority", "")
+        if priority and priority != job.priority:
+            if priority in Priority.values:
+                changes["priority"] = priority
+            else:
+                errors["priority"] = ["Choose low, normal or high."]
+        text = request.POST.get("gpus", "").strip()
+        if text:
+            try:
+                gpus = Decimal(text)
+                if not gpus.is_finite() or gpus < 0:
+                    raise InvalidOperation
+                if gpus != job.gpus:
+                    changes["gpus"] = gpus
+            except InvalidOperation:
+                errors["resources.gpus"] = ["Enter a number of GPUs, like 2 or 0.5."]
+        try:
+            if errors:
+                raise serializers.ValidationError(errors)
+            if not changes:
+                messages.info(request, "Nothing changed.")
+                return redirect(back)
+            job = job_update(actor=self.actor, job=job, **changes)
+        except serializers.ValidationError as exc:
+            messages.error(request, "Not updated: " + "; ".join(
+                f"{k}: {' '.join(str(m) for m in v)}" for k, v in validation_fields(exc).items()))
+            return redirect(back)
+        except ServiceError as exc:
+            return refused(request, exc, back=back)
+        messages.success(request, f"Job {job.slurm_id} updated.")
         return redirect(back)
 
 
