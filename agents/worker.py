@@ -226,14 +226,7 @@ class Agent:
             pass  # confirmed a moment ago; the running report or heartbeat will tell
         problem = self._gpus_ready(ls)
         if problem == STOPPED:
-            with self._lock:
-                reason = self._pending_stop.get((job_id, attempt), ("stopped by the portal",))[0]
-            log.info("job %s attempt %s: stopped before it started (%s); starting nothing", job_id, attempt, reason)
-            try:
-                self.client.event(job_id, attempt, "cancelled", message=reason)
-            except (StaleAttempt, PortalUnreachable):
-                pass  # the portal ended it already: that is why it sent the stop
-            return "stale"
+            return self._launch_stopped(job_id, attempt)
         if problem:
             # Not the job's fault: the report asks the portal to requeue it and to look at this node.
             return self._launch_failed(job_id, attempt, problem[0], scrub_failures=problem[1], node_problem=problem[0])
@@ -242,6 +235,10 @@ class Agent:
         except SandboxError as exc:
             if self._adopt_existing(job_id, attempt):
                 return "duplicate"
+            with self._lock:
+                stopped = (job_id, attempt) in self._pending_stop
+            if stopped:  # the stop ended the launch (kvm: its image conversion): cancelled, not failed
+                return self._launch_stopped(job_id, attempt)
             return self._launch_failed(job_id, attempt, str(exc))
         except Exception as exc:  # a driver bug (or a full disk) must still end the job once
             log.exception("job %s attempt %s: the %s driver failed unexpectedly", job_id, attempt, self.driver.name)
@@ -318,6 +315,17 @@ class Agent:
         claimed = sorted(set(indexes) - used)
         self._scrubbing.update(claimed)
         return claimed
+
+    def _launch_stopped(self, job_id: str, attempt: int) -> str:
+        """A stop arrived while the launch was under way: report ``cancelled`` with its reason, start nothing."""
+        with self._lock:
+            reason = self._pending_stop.get((job_id, attempt), ("stopped by the portal",))[0]
+        log.info("job %s attempt %s: stopped before it started (%s); starting nothing", job_id, attempt, reason)
+        try:
+            self.client.event(job_id, attempt, "cancelled", message=reason)
+        except (StaleAttempt, PortalUnreachable):
+            pass  # the portal ended it already: that is why it sent the stop
+        return "stale"
 
     def _launch_failed(self, job_id: str, attempt: int, message: str, scrub_failures=(), node_problem="") -> str:
         log.error("job %s attempt %s: launch failed: %s", job_id, attempt, message)

@@ -518,6 +518,43 @@ def test_a_stop_during_an_image_conversion_ends_it(qemu_driver, docker_client):
         docker_client.images.remove(image.id, force=True)
 
 
+def test_a_launch_stopped_during_its_image_conversion_is_reported_cancelled(qemu_driver, docker_client):
+    """Through the agent: the portal's stop ends the conversion, and the job ends `cancelled` with the
+    stop's reason (it was reported `failed`, "conversion was cancelled")."""
+    import threading
+    import time
+
+    from agents.probe.sim import SimProbe
+    from agents.worker import Agent
+    from tests.agents.fakes import Clock, FakePortal
+
+    buf = deep_tar(5, 8000)
+    docker_client.api.import_image_from_data(buf.getvalue(), repository="gpuportal/many-files", tag="2")
+    image = docker_client.images.get("gpuportal/many-files:2")
+    d = qemu_driver()
+    clock = Clock()
+    portal = FakePortal(clock)
+    agent = Agent(name="n1", client=portal, driver=d, probe=SimProbe("1xH100-80GB", node_name="n1"),
+                  stop_grace_s=0.0, background=False, clock=clock)
+    agent.register()
+    spec = {"image": "gpuportal/many-files:2", "command": ["true"], "cpus": 1, "memory_mb": 64,
+            "time_limit_s": 60, "sandbox": "kvm"}
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("r", agent.launch("j-conv", 1, spec)))
+    try:
+        t.start()
+        deadline = time.monotonic() + 30
+        while ("j-conv", 1) not in d._cancels and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert agent.stop("j-conv", 1, "cancelled by its owner") is True
+        t.join(timeout=60)
+        assert portal.states("j-conv") == ["starting", "cancelled"], portal.events
+        assert portal.events[-1][2:] == ("cancelled", None, "cancelled by its owner")
+        assert result["r"] == "stale" and agent.jobs() == {} and d.list_own() == []
+    finally:
+        t.join(timeout=60)
+        docker_client.images.remove(image.id, force=True)
+
 # -- the console across virtlogd's rotation --------------------------------------------
 
 def test_the_console_reads_whole_across_rotations_and_offsets_never_move(tmp_path):
