@@ -2,6 +2,8 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
+from portal.nodes.views import ClusterView
+
 api_v1 = [
     path("", include("portal.accounts.urls_api")),
     path("", include("portal.tenancy.urls_api")),
@@ -21,6 +23,7 @@ urlpatterns = [
     path("", include("portal.tenancy.urls")),
     path("jobs/", include("portal.jobs.urls")),
     path("nodes/", include("portal.nodes.urls")),
+    path("cluster/", ClusterView.as_view(), name="cluster"),
     path("metrics", include("portal.metrics.urls")),
     path("console/", include("portal.console.urls")),
 ]

@@ -18,7 +18,8 @@ import yaml
 
 from . import config, version
 from .client import ApiError, Client, ConnectionFailed
-from .output import TERMINAL, Format, emit_json, job_detail, job_note, job_table, project_detail, project_table, say
+from .output import (TERMINAL, Format, cluster_tables, emit_json, job_detail, job_note, job_table, project_detail,
+                     project_table, say)
 
 app = typer.Typer(
     name="gpuctl",
@@ -553,6 +554,15 @@ def resubmit(
     job = client.resubmit(job_id)
     _finish_submit(client, job, verb=f"Resubmitted job {job_id} as", created=True, watch=watch, interval=interval,
                    timeout=timeout, output=output)
+
+
+@command()
+def nodes(output: OutputOpt = Format.table):
+    """The cluster's GPUs by pool and type, used, free and unavailable (like sinfo); counts only."""
+    cluster = _client().cluster()
+    if output is Format.json:
+        return emit_json(cluster)
+    say(cluster_tables(cluster))
 
 
 @command()

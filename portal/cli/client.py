@@ -192,6 +192,9 @@ class Client:
     def logs(self, job_id: int, *, offset: int = 0, attempt: int | None = None) -> dict:
         return self.get(f"jobs/{job_id}/logs/", what=f"job {job_id}", offset=offset, attempt=attempt)
 
+    def cluster(self) -> dict:
+        return self.get("cluster/")
+
     def project(self, slug: str) -> dict:
         return self.get(f"projects/{slug}/", what=f"project {slug}")
 

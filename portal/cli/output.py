@@ -208,3 +208,20 @@ def project_detail(project: dict) -> str:
     width = max(len(k) for k, _ in fields) + 1
     return "\n".join([f"Project {project['slug']}  {project.get('name', '')}"]
                      + [f"  {(k + ':').ljust(width)} {v}" for k, v in fields])
+
+
+def cluster_tables(cluster: dict) -> str:
+    """`gpuctl nodes`: GPUs by pool and type like sinfo, then totals by type and the queue."""
+    rows = [[r["pool"], r["gpu_type"], ", ".join(f"{n} {s}" for s, n in r["node_states"].items()),
+             r["total"], number(r["used"]), r["free"], r["unavailable"]] for r in cluster["pools"]]
+    if not rows:
+        return "No GPU node has registered yet."
+    out = [table(rows, ["POOL", "GPU TYPE", "NODES", "GPUS", "USED", "FREE", "UNAVAILABLE"])]
+    if len(cluster["gpu_types"]) > 1 or len(cluster["pools"]) > 1:
+        types = [[t["gpu_type"], t["total"], number(t["used"]), t["free"], t["unavailable"]]
+                 for t in cluster["gpu_types"]]
+        out += ["", table(types, ["GPU TYPE", "GPUS", "USED", "FREE", "UNAVAILABLE"])]
+    jobs = cluster["jobs"]
+    out += ["", f"{jobs['running']} jobs holding GPUs or starting; {jobs['queued']} queued asking for "
+                f"{number(jobs['queued_gpus'])} GPUs."]
+    return "\n".join(out)

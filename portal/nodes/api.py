@@ -2,10 +2,12 @@ from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, permissions, serializers, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
+from rest_framework.views import APIView
 
 from portal.core.api import ActorMixin, StrictSerializer
 
 from .models import GPU, Node
+from .selectors import cluster_summary
 from .services import node_drain, node_undrain
 
 
@@ -56,3 +58,46 @@ class NodeViewSet(ActorMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, 
     @action(detail=True, methods=["post"])
     def undrain(self, request, name=None):
         return Response(NodeSerializer(node_undrain(actor=self.actor, node=self.get_object())).data)
+
+
+class ClusterRowSerializer(serializers.Serializer):
+    pool = serializers.CharField()
+    gpu_type = serializers.CharField()
+    memory_mb = serializers.IntegerField()
+    nodes = serializers.IntegerField()
+    node_states = serializers.DictField(child=serializers.IntegerField(),
+                                        help_text="Nodes by state; `unverified`: ready, but its agent has not yet "
+                                                  "proved it receives its queue.")
+    total = serializers.IntegerField()
+    used = serializers.FloatField(help_text="GPUs holding jobs (a shared GPU counts its fractions).")
+    free = serializers.IntegerField(help_text="Healthy idle GPUs on nodes that take jobs.")
+    unavailable = serializers.IntegerField(help_text="Idle GPUs that take no jobs: unhealthy, or the node is "
+                                                     "draining, drained, down or unverified.")
+    shared = serializers.IntegerField(help_text="GPUs in shared mode (fractional jobs).")
+
+
+class ClusterTypeSerializer(serializers.Serializer):
+    gpu_type = serializers.CharField()
+    total = serializers.IntegerField()
+    used = serializers.FloatField()
+    free = serializers.IntegerField()
+    unavailable = serializers.IntegerField()
+
+
+class ClusterSerializer(serializers.Serializer):
+    pools = ClusterRowSerializer(many=True)
+    gpu_types = ClusterTypeSerializer(many=True)
+    nodes = serializers.DictField(child=serializers.IntegerField(), help_text="Nodes by state.")
+    jobs = serializers.DictField(help_text="Counts over all tenants: queued, queued_gpus, running.")
+
+
+class ClusterView(ActorMixin, APIView):
+    """The cluster at a glance for every signed-in user (like Slurm's `sinfo`): GPUs by pool and
+    type, used, free and unavailable, and nodes by state. Counts only: no tenant's jobs."""
+
+    def required_scope(self) -> str:
+        return "read"
+
+    @extend_schema(responses=ClusterSerializer)
+    def get(self, request):
+        return Response(cluster_summary())

@@ -1,7 +1,8 @@
+from django.urls import path
 from rest_framework.routers import SimpleRouter
 
-from .api import NodeViewSet
+from .api import ClusterView, NodeViewSet
 
 router = SimpleRouter()
 router.register("nodes", NodeViewSet, basename="node")
-urlpatterns = router.urls
+urlpatterns = [path("cluster/", ClusterView.as_view(), name="cluster"), *router.urls]

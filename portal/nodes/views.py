@@ -1,4 +1,5 @@
-"""The nodes page: site staff see every node, GPU and what runs where; drain and undrain."""
+"""The nodes page: site staff see every node, GPU and what runs where; drain and undrain.
+The cluster page: every signed-in user sees GPUs by pool and type, counts only."""
 from django import forms
 from django.contrib import messages
 from django.shortcuts import get_object_or_404, redirect, render
@@ -6,15 +7,22 @@ from django.urls import reverse
 from django.views import View
 
 from portal.core.errors import ServiceError
-from portal.core.pages import StaffPageMixin, refused
+from portal.core.pages import PageMixin, StaffPageMixin, refused
 
 from .models import Node
-from .selectors import nodes_overview
+from .selectors import cluster_summary, nodes_overview
 from .services import node_drain, node_undrain
 
 
 class DrainForm(forms.Form):
     reason = forms.CharField(required=False, max_length=200, label="Reason")
+
+
+class ClusterView(PageMixin, View):
+    """The cluster for every signed-in user (like `sinfo`): counts only, no tenant's jobs."""
+
+    def get(self, request):
+        return render(request, "nodes/cluster.html", {"summary": cluster_summary()})
 
 
 class NodeListView(StaffPageMixin, View):

@@ -80,3 +80,16 @@ def test_list_shows_elapsed_and_exit_code_with_reason(portal, gpuctl):
     header, row = table.splitlines()[0], next(line for line in table.splitlines() if line.startswith(str(job.pk)))
     assert "ELAPSED" in header
     assert "exit code 137: Killed by signal 9" in row
+
+
+def test_nodes_shows_gpus_by_pool_and_type(portal, gpuctl):
+    submit(portal, user="charlie", project="nlp", name="theirs", resources={"gpus": 2})
+    run_pass()
+    out = gpuctl("nodes")
+    assert out.exit_code == 0, out.stderr
+    header, row = out.stdout.splitlines()[:2]
+    assert header.split() == ["POOL", "GPU", "TYPE", "NODES", "GPUS", "USED", "FREE", "UNAVAILABLE"]
+    assert row.split() == ["default", "H100-80GB", "1", "ready", "8", "2", "6", "0"]
+    assert "theirs" not in out.stdout and "charlie" not in out.stdout
+    doc = json.loads(gpuctl("nodes", "-o", "json").stdout)
+    assert doc["gpu_types"] == [{"gpu_type": "H100-80GB", "total": 8, "used": 2, "free": 6, "unavailable": 0}]
