@@ -11,7 +11,7 @@ from rest_framework.views import APIView
 from portal.core.api import ActorMixin
 
 from .models import Invoice, InvoiceLine
-from .selectors import GROUP_BY, budget_status, usage_report
+from .selectors import GROUP_BY, JOB_ACCOUNTING_MAX, budget_status, job_accounting, usage_report
 
 
 class CSVRenderer(renderers.BaseRenderer):
@@ -44,29 +44,39 @@ def _cell(value):
     return "'" + text if text[:1] in ("=", "+", "-", "@") else text
 
 
+class WhenField(serializers.Field):
+    """A date (2026-11-01, midnight UTC) or an ISO 8601 time (UTC unless it says otherwise)."""
+
+    def to_internal_value(self, data):
+        if not data:
+            return None
+        try:
+            value = datetime.fromisoformat(str(data))
+        except ValueError:
+            raise serializers.ValidationError("Use a date (2026-11-01) or an ISO 8601 time.") from None
+        if len(str(data)) == 10:
+            value = datetime.combine(value.date(), time(0))
+        return value if value.tzinfo else value.replace(tzinfo=dt_timezone.utc)
+
+    def to_representation(self, value):
+        return value.isoformat() if value else None
+
+
 class UsageQuerySerializer(serializers.Serializer):
     organization = serializers.SlugField(required=False, default="")
     project = serializers.SlugField(required=False, default="")
-    # `from`/`to` are Python keywords: read through initial data below.
     group_by = serializers.ChoiceField(choices=list(GROUP_BY), required=False, default="day")
 
+    def get_fields(self):
+        # `from`/`to` are Python keywords: declared here rather than as attributes. As fields,
+        # a bad date is reported together with every other bad parameter.
+        return {**super().get_fields(), "from": WhenField(required=False, default=None),
+                "to": WhenField(required=False, default=None)}
+
     def validate(self, attrs):
-        for name in ("from", "to"):
-            raw = self.initial_data.get(name)
-            attrs[name] = _parse_when(raw, name) if raw else None
         if attrs["from"] and attrs["to"] and attrs["from"] >= attrs["to"]:
             raise serializers.ValidationError({"to": ["Must be after 'from'."]})
         return attrs
-
-
-def _parse_when(raw: str, name: str) -> datetime:
-    try:
-        value = datetime.fromisoformat(raw)
-    except ValueError:
-        raise serializers.ValidationError({name: ["Use a date (2026-11-01) or an ISO 8601 time."]}) from None
-    if len(raw) == 10:
-        value = datetime.combine(value.date(), time(0))
-    return value if value.tzinfo else value.replace(tzinfo=dt_timezone.utc)
 
 
 class UsageView(ActorMixin, APIView):
@@ -95,6 +105,74 @@ class UsageView(ActorMixin, APIView):
         if request.accepted_renderer.format == "csv":
             response["Content-Disposition"] = f'attachment; filename="usage-by-{v["group_by"]}.csv"'
         return response
+
+
+class JobUsageQuerySerializer(UsageQuerySerializer):
+    group_by = None
+    organization = None
+    user = serializers.CharField(max_length=150, required=False, default="")
+    job = serializers.CharField(max_length=2000, required=False, default="",
+                                help_text="Comma-separated job ids (array tasks as 3_0 are resolved by gpuctl).")
+    limit = serializers.IntegerField(min_value=1, max_value=JOB_ACCOUNTING_MAX, required=False, default=100)
+
+    def validate_job(self, value):
+        if not value:
+            return None
+        parts = [p.strip() for p in value.split(",")]
+        if len(parts) > JOB_ACCOUNTING_MAX or not all(p.isascii() and p.isdigit() and len(p) < 19 for p in parts):
+            raise serializers.ValidationError(f"Job ids like 12,13 (at most {JOB_ACCOUNTING_MAX}).")
+        return [int(p) for p in parts]
+
+
+class JobUsageRowSerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    slurm_id = serializers.CharField(help_text="An array task as <array job>_<index>.")
+    name = serializers.CharField()
+    project = serializers.CharField()
+    user = serializers.CharField()
+    state = serializers.CharField()
+    exit_code = serializers.IntegerField(allow_null=True)
+    gpus = serializers.FloatField()
+    gpu_types = serializers.ListField(child=serializers.CharField())
+    started_at = serializers.DateTimeField(allow_null=True)
+    ended_at = serializers.DateTimeField(allow_null=True)
+    elapsed = serializers.IntegerField(allow_null=True, help_text="Seconds from first start to end (or now).")
+    gpu_seconds = serializers.FloatField(help_text="Allocated GPU-seconds over all attempts (x fraction).")
+    gpu_hours = serializers.FloatField()
+    gpu_efficiency = serializers.FloatField(allow_null=True, help_text="Mean GPU utilization over its allocations, "
+                                                                       "0..1 (seff's used / allocated); null "
+                                                                       "without samples.")
+    amount = serializers.FloatField(allow_null=True, help_text="Metered cost so far (hourly); null if not metered.")
+    currency = serializers.CharField()
+
+
+class JobUsageSerializer(serializers.Serializer):
+    count = serializers.IntegerField(help_text="Jobs that match; `results` holds the newest `limit`.")
+    results = JobUsageRowSerializer(many=True)
+    total = serializers.DictField(help_text="gpu_seconds, gpu_hours and amount over `results`.")
+
+
+class JobUsageView(ActorMixin, APIView):
+    """Per-job accounting (like sacct and seff): GPU-hours, GPU efficiency and cost of each job of
+    the projects you may see that held GPUs in the range, newest first."""
+
+    def required_scope(self) -> str:
+        return "read"
+
+    @extend_schema(parameters=[
+        OpenApiParameter("project", str), OpenApiParameter("user", str, description="a username"),
+        OpenApiParameter("from", str, description="date or ISO time, inclusive"),
+        OpenApiParameter("to", str, description="date or ISO time, exclusive"),
+        OpenApiParameter("job", str, description="comma-separated job ids"),
+        OpenApiParameter("limit", int, description=f"at most this many jobs (default 100, max {JOB_ACCOUNTING_MAX})"),
+    ], responses=JobUsageSerializer)
+    def get(self, request):
+        params = JobUsageQuerySerializer(data=dict(request.query_params.items()))
+        params.is_valid(raise_exception=True)
+        v = params.validated_data
+        return Response(job_accounting(user=request.user, restricted_project_id=self.actor.restricted_project_id,
+                                       project=v["project"], username=v["user"], start=v["from"], end=v["to"],
+                                       job_ids=v["job"], limit=v["limit"]))
 
 
 class InvoiceLineSerializer(serializers.ModelSerializer):

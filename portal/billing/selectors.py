@@ -1,5 +1,6 @@
-"""Reads for billing: usage reports (JSON and CSV share them), budget status."""
-from datetime import datetime, timezone as dt_timezone
+"""Reads for billing: usage reports (JSON and CSV share them), per-job accounting, budget status."""
+from collections import defaultdict
+from datetime import datetime, timedelta, timezone as dt_timezone
 from decimal import Decimal
 
 from django.db.models import Sum
@@ -99,4 +100,112 @@ def budget_status(*, user, restricted_project_id=None, now: datetime | None = No
         out.append({"project": p.slug, "organization": p.organization.slug, "month": f"{month:%Y-%m}",
                     "budget_gpu_hours": str(p.quota.gpu_hours_budget), "used_gpu_hours": f"{used.get(p.pk, 0.0):.3f}",
                     "used_ratio": round(share, 4), "level": level, "hard_stop": p.quota.budget_hard_stop})
+    return out
+
+
+JOB_ACCOUNTING_MAX = 500
+
+
+def job_accounting(*, user, restricted_project_id=None, project: str = "", username: str = "",
+                   start: datetime | None = None, end: datetime | None = None, job_ids=None,
+                   limit: int = 100, now: datetime | None = None) -> dict:
+    """Per-job accounting like Slurm's `sacct` and `seff`, for the jobs the caller may see that
+    held GPUs (or ran CPU-only) in [start, end), newest first.
+
+    1. Pick the jobs through Job.objects.for_user (the tenancy choke point): an attempt's
+       allocation overlaps the range, or, CPU-only, it ran in it.
+    2. GPU-seconds allocated: every attempt's allocations, start to release (or now), times
+       their fraction: the whole job, like sacct, not only the part inside the range.
+    3. GPU efficiency (seff's "used / allocated"): the mean of the GPUs' minute utilization
+       rollups inside the allocations, as a share of 1; hourly rollups where minutes have been
+       pruned; None without samples. A shared GPU's utilization is the whole GPU's.
+    4. Cost: the job's usage records (metered hourly; a running job's latest hour follows).
+    """
+    from django.db.models import Q
+
+    from portal.core.numbers import count_or_fraction
+    from portal.jobs.models import Allocation, Job
+    from portal.metrics.models import GpuRollup, Resolution
+    from portal.tenancy.models import Project
+
+    now = now or timezone.now()
+    jobs = Job.objects.for_user(user, "view", project_id=restricted_project_id).filter(is_array_parent=False)
+    if project:
+        if not Project.objects.for_user(user, "view", project_id=restricted_project_id).filter(slug=project).exists():
+            raise NotFound(f"No project named {project!r}.", field="project")
+        jobs = jobs.filter(project__slug=project)
+    if username:
+        jobs = jobs.filter(user__username=username)
+    if job_ids is not None:
+        jobs = jobs.filter(pk__in=job_ids)
+    overlap = Q()
+    if end is not None:
+        overlap &= Q(allocations__started_at__lt=end)
+    if start is not None:
+        overlap &= Q(allocations__released_at__isnull=True) | Q(allocations__released_at__gt=start)
+    cpu_only = Q(gpus=0, started_at__isnull=False)
+    if end is not None:
+        cpu_only &= Q(started_at__lt=end)
+    if start is not None:
+        cpu_only &= Q(ended_at__isnull=True) | Q(ended_at__gt=start)
+    jobs = jobs.filter((Q(allocations__isnull=False) & overlap) | cpu_only).distinct()
+    count = jobs.count()
+    rows = list(jobs.select_related("project", "user").order_by("-submitted_at", "-id")[:limit])
+    allocs = defaultdict(list)
+    for a in Allocation.objects.filter(job_id__in=[j.pk for j in rows]).values(
+            "job_id", "gpu_id", "gpu__model", "fraction", "started_at", "released_at"):
+        allocs[a["job_id"]].append(a)
+    util = _allocation_utilization([a for rows_ in allocs.values() for a in rows_], now=now,
+                                   rollups=GpuRollup.objects, minute=Resolution.MINUTE, hour=Resolution.HOUR)
+    cost = {job_id: (amount, currency) for job_id, amount, currency in UsageRecord.objects.filter(
+        job_id__in=[j.pk for j in rows]).values("job_id", "currency").annotate(a=Sum("amount")).values_list(
+        "job_id", "a", "currency").order_by()}
+    results = []
+    total_s = total_cost = 0.0
+    for job in rows:
+        mine = allocs.get(job.pk, [])
+        gpu_s = sum(((a["released_at"] or now) - a["started_at"]).total_seconds() * float(a["fraction"])
+                    for a in mine)
+        buckets = [u for a in mine for u in util.get(id(a), [])]
+        amount, currency = cost.get(job.pk, (None, ""))
+        total_s += gpu_s
+        total_cost += float(amount or 0)
+        results.append({
+            "id": job.pk, "slurm_id": job.slurm_id, "name": job.name, "project": job.project.slug,
+            "user": job.user.username, "state": job.state, "exit_code": job.exit_code,
+            "gpus": count_or_fraction(job.gpus),
+            "gpu_types": sorted({a["gpu__model"] for a in mine}),
+            "started_at": job.started_at, "ended_at": job.ended_at, "elapsed": job.elapsed_s,
+            "gpu_seconds": round(gpu_s, 3), "gpu_hours": round(gpu_s / 3600, 3),
+            "gpu_efficiency": round(sum(buckets) / len(buckets) / 100, 4) if buckets else None,
+            "amount": None if amount is None else round(float(amount), 2), "currency": currency,
+        })
+    return {"from": start.isoformat() if start else None, "to": end.isoformat() if end else None, "count": count,
+            "results": results,
+            "total": {"gpu_seconds": round(total_s, 3), "gpu_hours": round(total_s / 3600, 3),
+                      "amount": round(total_cost, 2)}}
+
+
+def _allocation_utilization(allocs: list[dict], *, now, rollups, minute: int, hour: int) -> dict[int, list[float]]:
+    """{id(allocation row): [utilization % of each rollup bucket inside it]}: minute buckets,
+    or hourly ones where no minute bucket is kept. Two queries for all the allocations."""
+    if not allocs:
+        return {}
+    gpu_ids = {a["gpu_id"] for a in allocs}
+    lo = min(a["started_at"] for a in allocs)
+    hi = max(a["released_at"] or now for a in allocs)
+    out: dict[int, list[float]] = {}
+    for resolution, floor in ((minute, timedelta(minutes=1)), (hour, timedelta(hours=1))):
+        series = defaultdict(list)
+        for gpu_id, bucket, util in rollups.filter(resolution=resolution, gpu_id__in=gpu_ids, bucket__gte=lo - floor,
+                                                  bucket__lt=hi).values_list("gpu_id", "bucket", "util_avg"):
+            series[gpu_id].append((bucket, util))
+        for a in allocs:
+            if id(a) in out:
+                continue
+            end = a["released_at"] or now
+            # A bucket counts when it starts inside the allocation (its first partial minute too).
+            found = [u for b, u in series.get(a["gpu_id"], []) if a["started_at"] - floor < b < end]
+            if found:
+                out[id(a)] = found
     return out

@@ -10,6 +10,7 @@ import os
 import shlex
 import sys
 import time
+from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
@@ -18,8 +19,8 @@ import yaml
 
 from . import config, version
 from .client import ApiError, Client, ConnectionFailed
-from .output import (TERMINAL, Format, cluster_tables, emit_json, job_detail, job_note, job_table, project_detail,
-                     project_table, say)
+from .output import (TERMINAL, Format, cluster_tables, emit_json, job_detail, job_efficiency, job_note, job_table,
+                     job_usage_table, project_detail, project_table, say, usage_group_table)
 
 app = typer.Typer(
     name="gpuctl",
@@ -554,6 +555,53 @@ def resubmit(
     job = client.resubmit(job_id)
     _finish_submit(client, job, verb=f"Resubmitted job {job_id} as", created=True, watch=watch, interval=interval,
                    timeout=timeout, output=output)
+
+
+class UsageBy(str, Enum):
+    job = "job"
+    project = "project"
+    user = "user"
+    organization = "organization"
+    day = "day"
+    gpu_model = "gpu_model"
+
+
+@command()
+def usage(
+    job_ids: Annotated[list[str] | None, typer.Argument(metavar="[ID...]", help="Jobs to report on, like "
+                                                        "seff (array tasks as 3_0).")] = None,
+    since: Annotated[str | None, typer.Option("--since", "-S", help="From this date or ISO time (UTC), "
+                                                                   "inclusive; default: the 1st of this month.")] = None,
+    until: Annotated[str | None, typer.Option("--until", "-E", help="To this date or time, exclusive.")] = None,
+    by: Annotated[UsageBy, typer.Option("--by", help="One row per job (default), or sums per project, user, "
+                                                     "organization, day or GPU model.")] = UsageBy.job,
+    project: Annotated[str | None, typer.Option("--project", "-p", help="Only this project.")] = None,
+    user: Annotated[str | None, typer.Option("--user", "-u", help="Only this user's jobs (--by job).")] = None,
+    mine: Annotated[bool, typer.Option("--mine", help="Only your jobs (--by job).")] = False,
+    limit: Annotated[int, typer.Option(min=1, max=500, help="At most this many jobs, newest first.")] = 50,
+    output: OutputOpt = Format.table,
+):
+    """Accounting like sacct and seff: GPU-hours, GPU efficiency and cost per job, or sums per
+    project or user over a range."""
+    client = _client()
+    if job_ids:
+        ids = ",".join(str(client.resolve(ref)) for ref in job_ids)
+        doc = client.job_usage(job=ids, limit=len(job_ids))
+        if output is Format.json:
+            return emit_json(doc)
+        if not doc["results"]:
+            raise ApiError(404, "not_found", "No GPU time recorded for these jobs (not started yet?).")
+        return say("\n\n".join(job_efficiency(row) for row in doc["results"]))
+    if since is None:
+        since = time.strftime("%Y-%m-01", time.gmtime())
+    if by is UsageBy.job:
+        who = client.me()["username"] if mine else user
+        doc = client.job_usage(**{"from": since, "to": until, "project": project, "user": who, "limit": limit})
+        return emit_json(doc) if output is Format.json else say(job_usage_table(doc))
+    if user or mine:
+        raise SpecError("--user and --mine select jobs; with --by project|user|... use --project")
+    doc = client.usage(**{"from": since, "to": until, "project": project, "group_by": by.value})
+    return emit_json(doc) if output is Format.json else say(usage_group_table(doc))
 
 
 @command()

@@ -192,6 +192,12 @@ class Client:
     def logs(self, job_id: int, *, offset: int = 0, attempt: int | None = None) -> dict:
         return self.get(f"jobs/{job_id}/logs/", what=f"job {job_id}", offset=offset, attempt=attempt)
 
+    def job_usage(self, **params) -> dict:
+        return self.get("usage/jobs/", **params)
+
+    def usage(self, **params) -> dict:
+        return self.get("usage/", **params)
+
     def cluster(self) -> dict:
         return self.get("cluster/")
 

@@ -225,3 +225,52 @@ def cluster_tables(cluster: dict) -> str:
     out += ["", f"{jobs['running']} jobs holding GPUs or starting; {jobs['queued']} queued asking for "
                 f"{number(jobs['queued_gpus'])} GPUs."]
     return "\n".join(out)
+
+
+def percent(ratio) -> str:
+    return "-" if ratio is None else f"{ratio * 100:.0f}%"
+
+
+def money(amount, currency: str = "") -> str:
+    if amount is None or amount == "":
+        return "-"
+    return f"{float(amount):.2f}" + (f" {currency}" if currency else "")
+
+
+def job_usage_table(doc: dict) -> str:
+    """`gpuctl usage`: one row per job, like sacct with seff's efficiency."""
+    rows = [[r["slurm_id"], r["name"], r["project"], r["user"], r["state"], number(r["gpus"]),
+             "0s" if r.get("elapsed") == 0 else duration(r.get("elapsed")), f"{r['gpu_hours']:.2f}",
+             percent(r.get("gpu_efficiency")), money(r.get("amount"), r.get("currency", ""))]
+            for r in doc["results"]]
+    total = doc["total"]
+    return "\n".join([
+        table(rows, ["ID", "NAME", "PROJECT", "USER", "STATE", "GPUS", "ELAPSED", "GPU-H", "GPU EFF", "COST"],
+              max_width={1: 32}),
+        "", f"{len(rows)} of {doc['count']} jobs: {total['gpu_hours']:.2f} GPU-hours, cost {money(total['amount'])}.",
+    ])
+
+
+def job_efficiency(row: dict) -> str:
+    """`gpuctl usage ID`: seff's report for one job."""
+    fields = [
+        ("state", row["state"] + (f" (exit code {row['exit_code']})" if row.get("exit_code") is not None else "")),
+        ("project", f"{row['project']} (submitted by {row['user']})"),
+        ("GPUs", number(row["gpus"]) + (f" {', '.join(row['gpu_types'])}" if row.get("gpu_types") else "")),
+        ("elapsed", "0s" if row.get("elapsed") == 0 else duration(row.get("elapsed"))),
+        ("GPU-hours", f"{row['gpu_hours']:.3f} allocated"),
+        ("GPU efficiency", "no utilization samples" if row.get("gpu_efficiency") is None else
+         f"{percent(row['gpu_efficiency'])} (mean GPU utilization over its allocation)"),
+        ("cost", money(row.get("amount"), row.get("currency", "")) + ("" if row.get("amount") is not None
+                                                                      else " (not metered yet)")),
+    ]
+    width = max(len(k) for k, _ in fields) + 1
+    return "\n".join([f"Job {row['slurm_id']}  {row['name']}"] + [f"  {(k + ':').ljust(width)} {v}" for k, v in fields])
+
+
+def usage_group_table(doc: dict) -> str:
+    """`gpuctl usage --by project|user|...`: GPU-hours and cost per group, then the total."""
+    key = doc["group_by"]
+    rows = [[r[key], number(r["gpu_hours"]), money(r["amount"])] for r in doc["results"]]
+    rows.append(["TOTAL", number(doc["total"]["gpu_hours"]), money(doc["total"]["amount"])])
+    return table(rows, [key.upper().replace("_", " "), "GPU-H", "COST"])

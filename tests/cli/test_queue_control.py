@@ -93,3 +93,44 @@ def test_nodes_shows_gpus_by_pool_and_type(portal, gpuctl):
     assert "theirs" not in out.stdout and "charlie" not in out.stdout
     doc = json.loads(gpuctl("nodes", "-o", "json").stdout)
     assert doc["gpu_types"] == [{"gpu_type": "H100-80GB", "total": 8, "used": 2, "free": 6, "unavailable": 0}]
+
+
+def test_usage_per_job_per_project_and_like_seff(portal, gpuctl):
+    from datetime import date, timedelta
+    from decimal import Decimal
+
+    from portal.billing.services import ratecard_set, usage_meter
+    from portal.core.context import Actor
+    from portal.jobs.models import Allocation
+    from portal.metrics.models import GpuRollup, Resolution
+
+    ratecard_set(actor=Actor(user=portal.users["admin"]), gpu_model="H100-80GB", price_per_gpu_hour=Decimal("2"),
+                 effective_from=date(2020, 1, 1))
+    job = submit(portal, name="train", resources={"gpus": 2})
+    submit(portal, user="charlie", project="nlp", name="theirs", resources={"gpus": 1})
+    run_pass()
+    # Ran an hour ago for 30 minutes at 75% utilization.
+    start = Allocation.objects.filter(job=job).first().started_at - timedelta(hours=1)
+    Allocation.objects.filter(job=job).update(started_at=start, released_at=start + timedelta(minutes=30))
+    for a in Allocation.objects.filter(job=job):
+        GpuRollup.objects.bulk_create([GpuRollup(
+            gpu_id=a.gpu_id, resolution=Resolution.MINUTE, bucket=start + timedelta(minutes=m), samples=6,
+            util_avg=75, util_max=80, memory_used_avg_mb=1, temperature_max_c=40, power_avg_w=100) for m in range(30)])
+    Job.objects.filter(pk=job.pk).update(state=JobState.SUCCEEDED, exit_code=0, started_at=start,
+                                         ended_at=start + timedelta(minutes=30))
+    usage_meter()
+
+    out = gpuctl("usage", "--since", "2020-01-01")
+    assert out.exit_code == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if line.startswith(str(job.pk)))
+    assert row.split()[-5:] == ["30m", "1.00", "75%", "2.00", "USD"]
+    assert "theirs" not in out.stdout
+    seff = gpuctl("usage", job.pk).stdout
+    assert "GPU efficiency: 75%" in seff and "GPU-hours:" in seff and "1.000 allocated" in seff
+    by_project = gpuctl("usage", "--since", "2020-01-01", "--by", "project").stdout
+    assert by_project.splitlines()[0].split() == ["PROJECT", "GPU-H", "COST"]
+    assert by_project.splitlines()[1].split() == ["vision", "1", "2.00"]
+    assert "nlp" not in by_project
+    doc = json.loads(gpuctl("usage", "--since", "2020-01-01", "-o", "json").stdout)
+    assert doc["results"][0]["gpu_efficiency"] == 0.75
+    assert gpuctl("usage", "--by", "project", "--mine").exit_code == 2
