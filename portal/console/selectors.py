@@ -113,6 +113,7 @@ def revenue_this_month(*, now=None) -> dict:
         r["hours"] = float(r["s"] or 0) / 3600
         r["a"] = float(r["a"] or 0)
     # Amounts are summed across rate cards; cards are written in BILLING_CURRENCY (billing.services).
-    return {"month": start, "organizations": by_org, "projects": by_project, "days": by_day,
+    last_day = (start + timedelta(days=32)).replace(day=1).date() - timedelta(days=1)
+    return {"month": start, "last_day": last_day, "organizations": by_org, "projects": by_project, "days": by_day,
             "currency": settings.BILLING_CURRENCY,
             "total": sum(r["a"] for r in by_org), "hours": sum(r["hours"] for r in by_org)}

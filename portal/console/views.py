@@ -27,6 +27,10 @@ def _epoch(dt) -> int:
     return int(dt.timestamp())
 
 
+def _day(day) -> int:
+    return _epoch(datetime.combine(day, datetime.min.time(), dt_timezone.utc))
+
+
 def chart_data(*, fleet: list[dict], revenue: dict, start, end) -> dict:
     """What console_charts.js draws: columns of numbers, times in epoch seconds (UTC)."""
     return {
@@ -40,8 +44,9 @@ def chart_data(*, fleet: list[dict], revenue: dict, start, end) -> dict:
             "wait_min": [None if r["wait_avg_s"] is None else round(r["wait_avg_s"] / 60, 2) for r in fleet],
         },
         "revenue": {
-            "t": [_epoch(datetime.combine(d["day"], datetime.min.time(), dt_timezone.utc)) for d in revenue["days"]],
+            "t": [_day(d["day"]) for d in revenue["days"]],
             "amount": [round(d["a"], 2) for d in revenue["days"]],
+            "first": _epoch(revenue["month"]), "last": _day(revenue["last_day"]),
         },
         "currency": revenue["currency"],
     }

@@ -24,7 +24,7 @@ from portal.core.querysets import user_can
 from portal.tenancy.models import Project
 
 from .forms import JobFilterForm, JobSubmitForm
-from .models import CANCELLABLE, HOLDING, TERMINAL, Job, JobState, JobTemplate, Priority
+from .models import CANCELLABLE, HOLDING, TERMINAL, Allocation, Job, JobState, JobTemplate, Priority
 from .selectors import LogPage, job_gpu_samples, jobs_for_list, log_end, log_read, task_histograms
 from .services import job_cancel, job_hold, job_release, job_resubmit, job_submit, job_update
 from .spec import parse_duration
@@ -247,7 +247,9 @@ def _log_pages(job: Job, attempt: int, offset: int):
 
 
 class JobMetricsView(PageMixin, View):
-    """JSON for the GPU charts: the latest sample of each GPU the job holds (no history store yet)."""
+    """JSON for the GPU charts: the latest sample of each GPU the job holds; with ?history=1 also
+    the attempt's minute rollups since it got its GPUs (the last 24 h at most), so the charts
+    start at the job's start rather than when the page was opened."""
 
     def get(self, request, pk):
         job = _job(request, pk)
@@ -257,8 +259,20 @@ class JobMetricsView(PageMixin, View):
             gpus.append({**{k: g[k] for k in ("uuid", "index", "node", "model", "fraction", "open")},
                          # Only this GPU's own figures: `processes` may name other tenants' work.
                          "sample": {k: sample.get(k) for k in SAMPLE_KEYS} if g["sample"] else None})
-        # live: keep polling while the job may still get or hold GPUs.
-        return JsonResponse({"job": job.pk, "state": job.state, "live": job.state not in TERMINAL, "gpus": gpus})
+        allocs = list(Allocation.objects.filter(job=job, attempt=job.attempt).values_list("gpu_id", "gpu__uuid",
+                                                                                          "started_at"))
+        started = min((a[2] for a in allocs), default=job.started_at)
+        # live: keep polling while the job may still get or hold GPUs. started/ended: the x axis's ends.
+        body = {"job": job.pk, "state": job.state, "live": job.state not in TERMINAL, "gpus": gpus,
+                "started": int(started.timestamp()) if started else None,
+                "ended": int(job.ended_at.timestamp()) if job.ended_at and job.state in TERMINAL else None}
+        if request.GET.get("history") and started:
+            from portal.metrics.selectors import gpu_minutes
+
+            history = gpu_minutes(gpu_ids=[a[0] for a in allocs], start=started)
+            uuid = {a[0]: a[1] for a in allocs}
+            body["history"] = {"t": history["t"], "gpus": {uuid[k]: v for k, v in history["gpus"].items()}}
+        return JsonResponse(body)
 
 
 class JobCancelView(PageMixin, View):

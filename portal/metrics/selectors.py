@@ -82,3 +82,24 @@ def gpu_util_range(*, time_range: TimeRange, now: datetime | None = None) -> dic
             acc[0] += w or 0.0
             acc[1] += n or 0
     return {gpu_id: w / n for gpu_id, (w, n) in totals.items() if n}
+
+
+def gpu_minutes(*, gpu_ids: list[int], start: datetime, now: datetime | None = None,
+                max_span: timedelta = timedelta(hours=24)) -> dict:
+    """Minute rollups of some GPUs from `start` (at most `max_span` back), aligned on one time
+    axis for a chart: {t: [epoch s], gpus: {gpu id: {utilization, memory_used_mb, power_w: [..]}}},
+    None where a GPU has no row for a minute. Times are the minutes' middles."""
+    now = now or timezone.now()
+    rows = list(GpuRollup.objects.filter(resolution=Resolution.MINUTE, gpu_id__in=gpu_ids,
+                                         bucket__gte=max(start, now - max_span) - timedelta(minutes=1))
+                .order_by("bucket").values_list("gpu_id", "bucket", "util_avg", "memory_used_avg_mb", "power_avg_w"))
+    times = sorted({b for _, b, *_ in rows})
+    at = {b: i for i, b in enumerate(times)}
+    out = {g: {"utilization": [None] * len(times), "memory_used_mb": [None] * len(times),
+               "power_w": [None] * len(times)} for g in gpu_ids}
+    for gpu_id, bucket, util, mem, power in rows:
+        i = at[bucket]
+        out[gpu_id]["utilization"][i] = round(util, 1)
+        out[gpu_id]["memory_used_mb"][i] = round(mem)
+        out[gpu_id]["power_w"][i] = round(power, 1)
+    return {"t": [int(b.timestamp()) + 30 for b in times], "gpus": out}

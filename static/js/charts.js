@@ -70,6 +70,6 @@
     return chart;
   }
 
-  window.gpCharts = {COLORS: COLORS, timeAxis: timeAxis, valueAxis: valueAxis, make: make, stamp: stamp,
-                     number: number};
+  window.gpCharts = {COLORS: COLORS, timeAxis: timeAxis, timeLabels: timeLabels, valueAxis: valueAxis, make: make,
+                     stamp: stamp, number: number};
 })();

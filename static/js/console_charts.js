@@ -31,9 +31,9 @@
     C.make(el, {
       scales: {x: xScale, y: {range: function (u, min, max) { return [0, Math.max(1, max)]; }}},
       series: [timeSeries,
-               line("GPUs", "#6b7280", "GPUs", 0, {dash: [6, 4]}),
-               line("Allocated", C.COLORS[0], "GPUs", 2, {fill: "rgba(31,95,191,.08)"}),
-               line("Used", C.COLORS[2], "GPUs", 2)],
+               line("GPUs", "#6b7280", "GPUs", 0, {dash: [6, 4], points: {show: false}}),
+               line("Allocated", C.COLORS[0], "GPUs", 2, {fill: "rgba(31,95,191,.08)", points: {show: false}}),
+               line("Used", C.COLORS[2], "GPUs", 2, {points: {show: false}})],
       axes: [C.timeAxis(), C.valueAxis("GPUs")],
     }, [f.t, f.gpus, f.allocated, f.used]);
   }
@@ -42,7 +42,8 @@
   if (el) {
     C.make(el, {
       scales: {x: xScale, y: {range: [0, 100]}},
-      series: [timeSeries, line("Allocated", C.COLORS[0], "%", 1), line("Used", C.COLORS[2], "%", 1)],
+      series: [timeSeries, line("Allocated", C.COLORS[0], "%", 1, {points: {show: false}}),
+               line("Used", C.COLORS[2], "%", 1, {points: {show: false}})],
       axes: [C.timeAxis(), C.valueAxis("% of the fleet", {format: function (v) { return v + " %"; }})],
     }, [f.t, percent(f.allocated), percent(f.used)]);
   }
@@ -52,7 +53,7 @@
     C.make(el, {
       scales: {x: xScale, y: {range: function (u, min, max) { return [0, Math.max(1, max)]; }},
                min: {range: function (u, min, max) { return [0, Math.max(1, max || 0)]; }}},
-      series: [timeSeries, line("Queued", C.COLORS[1], "jobs", 0),
+      series: [timeSeries, line("Queued", C.COLORS[1], "jobs", 0, {points: {show: false}}),
                line("Mean wait", C.COLORS[3], "min", 1, {scale: "min", spanGaps: true, points: {show: true}})],
       axes: [C.timeAxis(), C.valueAxis("Queued jobs"),
              C.valueAxis("Mean wait (min)", {scale: "min", side: 1, grid: false})],
@@ -64,7 +65,8 @@
     var r = data.revenue;
     var day = 86400;
     C.make(el, {
-      scales: {x: {time: true, range: function () { return [r.t[0] - day / 2, r.t[r.t.length - 1] + day / 2]; }},
+      // The whole month, a bar per day.
+      scales: {x: {time: true, range: function () { return [r.first - day / 2, r.last + day / 2]; }},
                y: {range: function (u, min, max) { return [0, Math.max(1, max) * 1.1]; }}},
       series: [{label: "Day", value: function (u, v) { return v == null ? "–" : C.stamp(v).slice(0, 10); }},
                {label: "Revenue", stroke: C.COLORS[0], fill: "rgba(31,95,191,.55)", width: 1,
