@@ -65,18 +65,19 @@ class PrivateRedis:
     def stop(self):
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
+        if self.proc:
             self.proc.wait(10)
 
 
 @pytest.fixture
 def private_redis(tmp_path, settings, monkeypatch):
     server = PrivateRedis(tmp_path)
-    server.start()
     monkeypatch.setattr("portal.core.cache.RETRY_AFTER_S", 0.2)
     settings.CACHES = {"default": {"BACKEND": "portal.core.cache.ResilientRedisCache",
                                    "LOCATION": f"redis://127.0.0.1:{server.port}/0",
                                    "OPTIONS": {"socket_connect_timeout": 1.0, "socket_timeout": 1.0}}}
     try:
+        server.start()
         yield server
     finally:
         server.stop()
