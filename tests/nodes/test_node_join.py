@@ -15,13 +15,9 @@ INVENTORY = [{"index": 0, "uuid": "GPU-join-0", "model": "NVIDIA H100 80GB HBM3"
 WAITING_QUEUE = "waiting for the agent to receive its queue node.gpu-01: check --broker and the queue folder"
 
 
-@pytest.fixture
-def sent(monkeypatch, settings):
-    """What the portal publishes to node queues."""
+@pytest.fixture(autouse=True)
+def _probe_rule(settings):
     settings.TEST_NODES_SKIP_QUEUE_PROBE = False  # the real rule, as in production
-    out = []
-    monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args: out.append((task, node, args)))
-    return out
 
 
 class Agent(APIClient):
