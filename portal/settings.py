@@ -122,6 +122,7 @@ INSTALLED_APPS = [
     "portal.nodes",
     "portal.jobs",
     "portal.billing",
+    "portal.storage",
     "portal.metrics",
     "portal.console",
 ]
@@ -349,6 +350,13 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "default"
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 CELERY_TIMEZONE = "UTC"
+
+# Project volumes (docs/storage.md): a directory tree at the same path on the portal and every node.
+VOLUMES_ROOT = Path(env_str("VOLUMES_ROOT", str(VAR_DIR / "volumes")))
+VOLUME_UPLOAD_MAX_MB = env_int("VOLUME_UPLOAD_MAX_MB", 1024, minimum=1)
+# The uids the docker sandbox runs projects' jobs under (uid = gid = first + project id); the portal
+# gives a volume's folders and uploads to that uid so the project's jobs can write them.
+JOB_UIDS = env_str("GPUPORTAL_JOB_UIDS", "2000000-2999999")
 
 # Jobs and scheduling.
 JOB_ARRAY_MAX_TASKS = env_int("JOB_ARRAY_MAX_TASKS", 1000, minimum=1)

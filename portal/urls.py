@@ -10,6 +10,7 @@ api_v1 = [
     path("", include("portal.jobs.urls_api")),
     path("", include("portal.nodes.urls_api")),
     path("", include("portal.billing.urls_api")),
+    path("", include("portal.storage.urls_api")),
 ]
 
 urlpatterns = [

@@ -65,6 +65,13 @@ def api():
 
 
 @pytest.fixture(autouse=True)
+def volumes_root(settings, tmp_path):
+    """Each test gets its own volumes root (the operator's shared tree, docs/storage.md)."""
+    settings.VOLUMES_ROOT = tmp_path / "volumes"
+    return settings.VOLUMES_ROOT
+
+
+@pytest.fixture(autouse=True)
 def _clear_cache():
     """Throttle counters live in the cache (Redis in CI): each test starts from zero."""
     from django.core.cache import cache

@@ -5,6 +5,8 @@ Every named URL must have an entry in MATRIX (a new endpoint without one fails
 status the request must get; token personas are derived: a token acts as its
 user, limited by its scopes (403 when the scope is missing) and its project.
 """
+import io
+
 import pytest
 from django.urls import URLPattern, URLResolver, get_resolver
 
@@ -103,6 +105,21 @@ MATRIX = {
     "api:job-resubmit": [e("POST", "/api/v1/jobs/{vision_job}/resubmit/", roles(401, 201, 201, 403, 404, 403),
                            scope="submit")],
     "api:job-logs": [e("GET", "/api/v1/jobs/{vision_job}/logs/", VISION_READ)],
+    # Volumes: everyone in the project reads, members upload, owners and admins create and delete.
+    "api:volume-list": [
+        e("GET", "/api/v1/volumes/", ALL_200),
+        e("POST", "/api/v1/volumes/", roles(401, 201, 403, 403, 400, 201), body={"project": "vision", "name": "v2"}),
+    ],
+    "api:volume-detail": [
+        e("GET", "/api/v1/volumes/{vision_volume}/", VISION_READ),
+        e("DELETE", "/api/v1/volumes/{vision_volume}/", roles(401, 204, 403, 403, 404, 204)),
+    ],
+    "api:volume-files": [
+        e("GET", "/api/v1/volumes/{vision_volume}/files/", VISION_READ),
+        e("PUT", "/api/v1/volumes/{vision_volume}/files/?path=m.json", roles(401, 201, 201, 403, 404, 403),
+          scope="submit", body={"x": 1}),
+    ],
+    "api:volume-download": [e("GET", "/api/v1/volumes/{vision_volume}/download/?path=f.txt", VISION_READ)],
     "api:jobtemplate-list": [
         e("GET", "/api/v1/job-templates/", ALL_200),
         e("POST", "/api/v1/job-templates/", roles(401, 201, 403, 403, 400, 201),
@@ -235,6 +252,7 @@ def _tenant_objects(demo):
     from portal.core.context import Actor
     from portal.jobs.services import job_submit, template_save
     from portal.nodes.services import node_add
+    from portal.storage.services import volume_create, volume_file_put
 
     alice = Actor(user=demo.users["alice"])
     job, _ = job_submit(actor=alice, data={"project": "vision", "name": "fixture", "image": "gpuportal/busybox:latest",
@@ -242,7 +260,10 @@ def _tenant_objects(demo):
     template = template_save(actor=alice, project=demo.vision, name="t1", spec={"image": "gpuportal/busybox:latest"},
                              locked=[])
     node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="2xH100-80GB")
-    return {"vision_job": job.pk, "vision_template": template.pk, "acme_invoice": _acme_invoice()}
+    volume = volume_create(actor=alice, project=demo.vision, name="data")
+    volume_file_put(actor=alice, volume=volume, path="f.txt", stream=io.BytesIO(b"f"), length=1)
+    return {"vision_job": job.pk, "vision_template": template.pk, "acme_invoice": _acme_invoice(),
+            "vision_volume": volume.pk}
 
 
 def _acme_invoice() -> int:

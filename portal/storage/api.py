@@ -1,0 +1,121 @@
+from django.http import FileResponse
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import mixins, serializers, status
+from rest_framework.decorators import action
+from rest_framework.response import Response
+
+from portal.core.api import StrictCharField, StrictModelSerializer, StrictSerializer, TenantViewSet
+from portal.core.context import actor_from_request
+from portal.core.numbers import parse_int
+from portal.tenancy.models import Project, slug_validator
+
+from .models import Volume
+from .selectors import volume_file_open, volume_list_dir
+from .services import volume_create, volume_delete, volume_file_put
+
+PATH_PARAM = OpenApiParameter("path", str, OpenApiParameter.QUERY, required=False,
+                              description="A path relative to the volume ('' is its top); no '..', not absolute.")
+
+
+class VolumeSerializer(StrictModelSerializer):
+    project = serializers.SlugRelatedField(slug_field="slug", queryset=Project.objects.none())
+    name = serializers.CharField(max_length=50, validators=[slug_validator])
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+    mount_path = serializers.SerializerMethodField(help_text="Where the project's jobs see it.")
+
+    class Meta:
+        model = Volume
+        fields = ["id", "project", "name", "quota_mb", "mount_path", "created_by", "created_at"]
+        read_only_fields = ["id", "created_by", "created_at"]
+        validators = []  # the service names the field of a taken name (not DRF's non_field_errors)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        request = self.context.get("request")
+        if request is not None and request.user.is_authenticated:
+            # The choices honour a token's project restriction: other projects do not exist for it.
+            self.fields["project"].queryset = Project.objects.for_user(
+                request.user, "view", project_id=actor_from_request(request).restricted_project_id)
+
+    def get_mount_path(self, volume) -> str:
+        return f"/data/{volume.name}"
+
+
+class PathQuerySerializer(StrictSerializer):
+    path = StrictCharField(max_length=1024, required=False, allow_blank=True, default="", trim_whitespace=False)
+
+
+class EntrySerializer(serializers.Serializer):
+    name = serializers.CharField()
+    type = serializers.ChoiceField(choices=["dir", "file", "symlink", "other"])
+    size = serializers.IntegerField(allow_null=True)
+    modified = serializers.IntegerField(help_text="Unix time.")
+
+
+class ListingSerializer(serializers.Serializer):
+    path = serializers.CharField()
+    entries = EntrySerializer(many=True)
+    truncated = serializers.BooleanField()
+
+
+class UploadedSerializer(serializers.Serializer):
+    path = serializers.CharField()
+    size = serializers.IntegerField()
+
+
+class VolumeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenantViewSet):
+    """A project's volumes: everyone in it reads and downloads, members upload, owners and admins
+    create and delete. Jobs name them in `volumes` and see them at /data/<name>."""
+
+    scoped_model = Volume
+    serializer_class = VolumeSerializer
+    filterset_fields = {"project__slug": ["exact"]}
+    scope_for_action = {"upload": "submit"}
+
+    def get_queryset(self):
+        return super().get_queryset().select_related("project__organization", "created_by")
+
+    def _path(self, request) -> str:
+        query = PathQuerySerializer(data=request.query_params.dict())
+        query.is_valid(raise_exception=True)
+        return query.validated_data["path"]
+
+    def create(self, request):
+        data = VolumeSerializer(data=request.data, context=self.get_serializer_context())
+        data.is_valid(raise_exception=True)
+        v = data.validated_data
+        volume = volume_create(actor=self.actor, project=v["project"], name=v["name"], quota_mb=v.get("quota_mb"))
+        return Response(VolumeSerializer(volume).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=None, responses={204: None})
+    def destroy(self, request, pk=None):
+        volume_delete(actor=self.actor, volume=self.get_object())
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @extend_schema(parameters=[PATH_PARAM], responses=ListingSerializer)
+    @action(detail=True, methods=["get"])
+    def files(self, request, pk=None):
+        """List one folder of the volume."""
+        return Response(volume_list_dir(volume=self.get_object(), path=self._path(request)))
+
+    @extend_schema(parameters=[PATH_PARAM], request={"application/octet-stream": OpenApiTypes.BINARY},
+                   responses={201: UploadedSerializer})
+    @files.mapping.put
+    def upload(self, request, pk=None):
+        """Write the request body as the file at `path` (replacing a file there). 413 over the upload
+        limit or the volume's quota."""
+        volume = self.get_object()
+        length = parse_int(request.META.get("CONTENT_LENGTH"))
+        stream = request._request  # the raw body, read in chunks: never parsed nor held in memory
+        return Response(volume_file_put(actor=self.actor, volume=volume, path=self._path(request), stream=stream,
+                                        length=length), status=status.HTTP_201_CREATED)
+
+    @extend_schema(parameters=[PATH_PARAM], responses={(200, "application/octet-stream"): OpenApiTypes.BINARY})
+    @action(detail=True, methods=["get"])
+    def download(self, request, pk=None):
+        """The file at `path`, as an attachment."""
+        handle, size, name = volume_file_open(volume=self.get_object(), path=self._path(request))
+        response = FileResponse(handle, as_attachment=True, filename=name, content_type="application/octet-stream")
+        response["Content-Length"] = str(size)
+        return response
