@@ -22,7 +22,8 @@ def _number(**attrs):
 class JobSubmitForm(forms.Form):
     project = forms.ChoiceField(label="Project")
     template = forms.IntegerField(required=False, widget=forms.HiddenInput)
-    name = forms.CharField(max_length=200, label="Name")
+    name = forms.CharField(max_length=200, label="Name", required=False,
+                           help_text="Empty: the command's program, e.g. python.")
     image = forms.CharField(max_length=400, label="Image",
                             help_text="One of the project's allowed images, e.g. gpuportal/busybox:latest.")
     command = forms.CharField(max_length=65536, label="Command",
@@ -110,18 +111,18 @@ class JobSubmitForm(forms.Form):
     def spec(self) -> dict:
         """The dict POST /api/v1/jobs/ takes. Empty inputs are left out, so the API's defaults apply;
         fields the template locks are left out too, so the template's values are used."""
+        # On an invalid form, the inputs that passed: the API then checks them too (spec_errors).
         d = self.cleaned_data
         locked = set(getattr(self.template, "locked", []))
-        data = {"project": d["project"], "name": d["name"], "image": d["image"], "command": d["command"],
-                "env": d["env"], "priority": d["priority"], "preemptible": d["preemptible"],
-                "sandbox": d["sandbox"], "network": d["network"]}
+        data = {k: d[k] for k in ("project", "name", "image", "command", "env", "priority", "preemptible",
+                                  "sandbox", "network") if k in d and (k != "name" or d[k])}
         resources = {k: d[k].strip() for k in RESOURCE_FIELDS if (d.get(k) or "").strip()}
         if resources:
             data["resources"] = resources
         for key in ("time_limit", "array"):
-            if d[key].strip():
+            if (d.get(key) or "").strip():
                 data[key] = d[key].strip()
-        if d["depends_on"]:
+        if d.get("depends_on"):
             data["depends_on"] = d["depends_on"]
         if self.template is not None:
             data["template"] = self.template.name
@@ -129,11 +130,15 @@ class JobSubmitForm(forms.Form):
                 data.pop(key, None)
         return data
 
-    def add_api_errors(self, fields: dict[str, list[str]], message: str = "") -> None:
-        """Put the API's field messages ("resources.gpus", "command.0") next to their inputs."""
+    def add_api_errors(self, fields: dict[str, list[str]], message: str = "", *, beside_own: bool = False) -> None:
+        """Put the API's field messages ("resources.gpus", "command.0") next to their inputs.
+        beside_own: the form had errors of its own; add the API's only to inputs without one
+        (an input the form refused was left out of the spec, and the API would call it missing)."""
         placed = False
         for api_name, messages in fields.items():
             name = self.input_for(api_name)
+            if beside_own and (name is None or name in self.errors):
+                continue
             for text in messages:
                 self.add_error(name, text)
             placed = True

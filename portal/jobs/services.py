@@ -39,6 +39,18 @@ def _submit_project(actor: Actor, slug) -> Project:
     return project
 
 
+def _submit_project_or_all_errors(actor: Actor, data: dict) -> Project:
+    """_submit_project, whose refusal comes with the rest of the request's field errors (the
+    quota rules need a project; the other checks do not)."""
+    try:
+        return _submit_project(actor, data.get("project"))
+    except InvalidInput as exc:
+        check = JobSpecSerializer(data=data, context={"project": None})
+        errors = {} if check.is_valid() else dict(check.errors)
+        errors.pop("project", None)
+        raise serializers.ValidationError({**exc.as_fields(), **errors}) from None
+
+
 def merge_template(project: Project, data: dict) -> tuple[dict, JobTemplate | None]:
     """The template's spec under the submitted fields; locked fields may not differ."""
     name = data.get("template")
@@ -66,7 +78,7 @@ def job_submit(*, actor: Actor, data: dict, idempotency_key: str = "") -> tuple[
     fingerprint = _idempotency_fingerprint(actor, data) if idempotency_key else ""
     if idempotency_key and (existing := _idempotent_replay(actor, idempotency_key, fingerprint)) is not None:
         return existing, False
-    project = _submit_project(actor, data.get("project"))
+    project = _submit_project_or_all_errors(actor, data)
     merged, template = merge_template(project, data)
     spec = JobSpecSerializer(data=merged, context={"project": project})
     spec.is_valid(raise_exception=True)
@@ -114,6 +126,14 @@ def job_submit(*, actor: Actor, data: dict, idempotency_key: str = "") -> tuple[
         raise
     request_schedule_pass()
     return job, True
+
+
+def job_spec_check(*, actor: Actor, data: dict) -> None:
+    """Raise what a submit of `data` would raise about its fields, storing nothing (the submit
+    page asks when its own checks failed, so one answer lists every problem)."""
+    project = _submit_project_or_all_errors(actor, data)
+    merged, _ = merge_template(project, data)
+    JobSpecSerializer(data=merged, context={"project": project}).is_valid(raise_exception=True)
 
 
 def _idempotency_fingerprint(actor: Actor, data: dict) -> str:

@@ -4,11 +4,14 @@ Field-level rules live in the serializers; rules that need the project's quota a
 `JobSpecSerializer.validate`, so every message names its field and the limit.
 """
 import re
+from collections.abc import Mapping
 from decimal import Decimal
 
 from django.conf import settings
+from django.core.exceptions import ValidationError as DjangoValidationError
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
+from rest_framework.fields import SkipField
 
 from portal.core.api import StrictCharField, StrictSerializer
 from portal.core.text import plain_name
@@ -174,7 +177,8 @@ class JobSpecSerializer(StrictSerializer):
 
     project = serializers.CharField(max_length=50)
     template = serializers.CharField(max_length=100, required=False, allow_blank=True)
-    name = serializers.CharField(max_length=200, validators=[plain_name])
+    name = serializers.CharField(max_length=200, validators=[plain_name], required=False,
+                                 help_text="Default: the command's program (its basename), as gpuctl does.")
     image = serializers.CharField(max_length=400)
     command = serializers.ListField(child=StrictCharField(max_length=8192, allow_blank=True, trim_whitespace=False),
                                     min_length=1, max_length=1024)
@@ -217,30 +221,84 @@ class JobSpecSerializer(StrictSerializer):
             raise serializers.ValidationError(str(exc)) from None
         return value
 
+    def to_internal_value(self, data):
+        """Every problem of a request in one answer: DRF stops at the first failing stage
+        (unknown keys, then fields, then validate()), so on any error the fields not yet
+        blamed are checked one by one and the project's rules run on those that pass."""
+        try:
+            return super().to_internal_value(data)
+        except serializers.ValidationError as exc:
+            if not isinstance(exc.detail, dict) or not isinstance(data, Mapping):
+                raise
+            errors = dict(exc.detail)
+            passed = {}
+            for name, field in self.fields.items():
+                if name in errors or field.read_only:
+                    continue
+                try:
+                    value = field.run_validation(field.get_value(data))
+                    if (check := getattr(self, f"validate_{name}", None)) is not None:
+                        value = check(value)
+                except serializers.ValidationError as field_exc:
+                    errors[name] = field_exc.detail
+                    continue
+                except SkipField:
+                    continue
+                passed[name] = value
+            if not any(k == "resources" or k.startswith("resources.") for k in errors):
+                passed.setdefault("resources", ResourcesSerializer().run_validation({}))
+            for key, messages in self.project_rules(passed).items():
+                errors.setdefault(key, messages)
+            raise serializers.ValidationError(errors) from None
+
     def validate(self, data):
-        """Rules that need the project's quota."""
-        quota = self.context["project"].quota
+        """Rules that need the project's quota; a missing name is the command's program."""
         if "resources" not in data:
             data["resources"] = ResourcesSerializer().run_validation({})
-        res = data["resources"]
+        errors = self.project_rules(data)
+        if errors:
+            raise serializers.ValidationError(errors)
+        if not data.get("name"):
+            data["name"] = default_name(data["command"])
+        return data
+
+    def project_rules(self, data: dict) -> dict[str, list[str]]:
+        """Field errors from the project's quota, for the fields present in `data` (all of them
+        on a valid request; those that passed their own checks on an invalid one). Sets the
+        default time limit."""
+        project = self.context.get("project")
+        if project is None:
+            return {}  # the project itself was refused: nothing to measure against
+        quota = project.quota
         errors: dict[str, list[str]] = {}
-        if quota.allowed_images and data["image"] not in quota.allowed_images:
+        if "image" in data and quota.allowed_images and data["image"] not in quota.allowed_images:
             errors["image"] = [f"{data['image']} is not an allowed image for this project; allowed: "
                                f"{', '.join(quota.allowed_images)}."]
-        if res["gpus"] > quota.max_gpus:
-            errors["resources.gpus"] = [f"{res['gpus'].normalize()} exceeds the project limit of "
-                                        f"{quota.max_gpus.normalize()}."]
-        if res["gpu_type"] and quota.allowed_gpu_types and res["gpu_type"] not in quota.allowed_gpu_types:
-            errors["resources.gpu_type"] = [f"{res['gpu_type']} is not allowed here; allowed: "
-                                            f"{', '.join(quota.allowed_gpu_types)}."]
-        if res["gpus"] >= 1 and not errors:
-            errors.update(_cluster_fit(res))
+        res = data.get("resources")
+        if res is not None:
+            if res["gpus"] > quota.max_gpus:
+                errors["resources.gpus"] = [f"{res['gpus'].normalize()} exceeds the project limit of "
+                                            f"{quota.max_gpus.normalize()}."]
+            if res["gpu_type"] and quota.allowed_gpu_types and res["gpu_type"] not in quota.allowed_gpu_types:
+                errors["resources.gpu_type"] = [f"{res['gpu_type']} is not allowed here; allowed: "
+                                                f"{', '.join(quota.allowed_gpu_types)}."]
+            if res["gpus"] >= 1 and not any(k.startswith("resources.") for k in errors):
+                errors.update(_cluster_fit(res))
         limit = data.get("time_limit") or min(settings.JOB_DEFAULT_TIME_LIMIT_S, quota.max_time_limit_s)
         if limit > quota.max_time_limit_s:
             errors["time_limit"] = [f"{limit} s exceeds the project maximum of {quota.max_time_limit_s} s."]
         data["time_limit"] = limit
-        if data["network"] and not quota.network_allowed:
+        if data.get("network") and not quota.network_allowed:
             errors["network"] = ["This project does not allow network access for jobs."]
-        if errors:
-            raise serializers.ValidationError(errors)
-        return data
+        return errors
+
+
+def default_name(command: list[str]) -> str:
+    """The name gpuctl gives a job without one: its program's basename ("python" for
+    ["/usr/bin/python", "train.py"]); "job" when that is empty or not a plain name."""
+    name = str(command[0]).replace("\\", "/").rstrip("/").rsplit("/", 1)[-1][:200] if command else ""
+    try:
+        plain_name(name)
+    except DjangoValidationError:
+        return "job"
+    return name.strip() or "job"

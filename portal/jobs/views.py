@@ -26,7 +26,7 @@ from portal.tenancy.models import Project
 from .forms import JobFilterForm, JobSubmitForm
 from .models import CANCELLABLE, HOLDING, TERMINAL, Allocation, Job, JobState, JobTemplate, Priority
 from .selectors import LogPage, job_gpu_samples, jobs_for_list, log_end, log_read, task_histograms
-from .services import job_cancel, job_hold, job_release, job_resubmit, job_submit, job_update
+from .services import job_cancel, job_hold, job_release, job_resubmit, job_spec_check, job_submit, job_update
 from .spec import parse_duration
 
 PAGE_SIZE = 50
@@ -125,6 +125,13 @@ class JobSubmitView(PageMixin, View):
         initial = JobSubmitForm.initial_from_template(template) if template else {}
         form = JobSubmitForm(request.POST, initial=initial, projects=self._projects(request), template=template)
         if not form.is_valid():
+            # With the API's verdict on the inputs that passed: every problem in one answer.
+            try:
+                job_spec_check(actor=self.actor, data=form.spec())
+            except serializers.ValidationError as exc:
+                form.add_api_errors(validation_fields(exc), beside_own=True)
+            except ServiceError as exc:
+                form.add_api_errors(exc.as_fields(), exc.message, beside_own=True)
             return self._render(request, form)
         try:
             job, _ = job_submit(actor=self.actor, data=form.spec())

@@ -70,3 +70,24 @@ def test_list_shows_task_ids_exit_code_reason_and_elapsed(demo, browser, submit)
     assert f'<a href="/jobs/{task.pk}/">{parent.pk}_1</a>' in page
     page = browser("alice").get(f"/jobs/{task.pk}/").content.decode()
     assert f"<h1>Job {parent.pk}_1 · sweep</h1>" in page
+
+
+def test_submit_form_lists_its_own_and_the_apis_errors_together(demo, browser):
+    import re
+
+    form = {"project": "vision", "name": "", "image": "evil/miner:latest", "command": "echo 'unclosed",
+            "priority": "normal", "sandbox": "docker", "gpus": "99", "time_limit": "30d"}
+    page = browser("alice").post("/jobs/new/", form).content.decode()
+    assert not Job.objects.exists()
+    for name, text in (("command", "Cannot split this command"), ("image", "is not an allowed image"),
+                       ("gpus", "99 exceeds the project limit of 16"), ("time_limit", "exceeds the project maximum")):
+        assert re.search(rf'id="id_{name}_error"><li>[^<]*{text}', page), name
+    assert 'id="id_name_error"' not in page  # name is optional
+
+
+def test_submit_form_without_a_name_names_the_job_after_its_program(demo, browser):
+    form = {"project": "vision", "name": "", "image": "gpuportal/busybox:latest", "command": "python train.py",
+            "priority": "normal", "sandbox": "docker"}
+    response = browser("alice").post("/jobs/new/", form)
+    assert response.status_code == 302
+    assert Job.objects.get().name == "python"
