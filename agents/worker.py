@@ -531,6 +531,12 @@ class Agent:
     def _enforce_time_limit(self, t: Tracked) -> None:
         limit = t.handle.time_limit_s
         if t.terminal is None and t.stop_state is None and limit and self._wall() >= t.handle.started_at + limit:
+            try:
+                ended = self.driver.poll(t.handle)[0] != RUNNING
+            except Exception:  # a driver that cannot poll must not keep the limit from holding
+                ended = False
+            if ended:
+                return  # it ended by itself (while the agent was down, say): its own exit is reported next
             self._begin_stop(t, "timeout", f"time limit of {limit:g}s reached", self.stop_grace_s)
 
     def _ship_running_logs(self, t: Tracked) -> None:

@@ -1,6 +1,7 @@
 """The libvirt domain of one job attempt (``domain_xml``), and the host checks around it: what a GPU's PCI
 address holds (``check_gpu``), whether KVM really works (``kvm_works``), and the agent's private state
-folder (``private_dir``). Used by ``agents/sandbox/kvm_driver.py``."""
+folders (``private_dir``, ``driver_dir``). Used by ``agents/sandbox/kvm_driver.py``; the process driver keeps
+its jobs' folders and exit records in a ``driver_dir`` too."""
 
 from __future__ import annotations
 
@@ -157,15 +158,37 @@ def kvm_works(conn=None) -> tuple[bool, str]:
     return True, f"{hw[0]} is loaded and libvirt offers kvm domains"
 
 
-def private_dir(path: Path) -> Path:
+# The agent's own folder (``--state-dir``, GPUPORTAL_AGENT_STATE_DIR) when it runs as root; another user's agent
+# (a laptop's ``make run``) keeps it under its home instead, where it can make it.
+DEFAULT_STATE_DIR = "/var/lib/gpuportal-agent"
+
+
+def agent_state_dir(state_dir: str | os.PathLike | None = None) -> Path:
+    """``state_dir``, else GPUPORTAL_AGENT_STATE_DIR, else DEFAULT_STATE_DIR (root) or
+    ``$XDG_STATE_HOME/gpuportal-agent`` (``~/.local/state``) for another user."""
+    if state_dir or os.environ.get("GPUPORTAL_AGENT_STATE_DIR"):
+        return Path(state_dir or os.environ["GPUPORTAL_AGENT_STATE_DIR"])
+    if os.geteuid() == 0:
+        return Path(DEFAULT_STATE_DIR)
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "gpuportal-agent"
+
+
+def driver_dir(kind: str, node: str, state_dir: str | os.PathLike | None = None, mode: int = 0o700) -> Path:
+    """A driver's private folder for ``node`` in the agent's state folder: ``<state>/<kind>-<node>``."""
+    return private_dir(agent_state_dir(state_dir) / f"{kind}-{re.sub(r'[^A-Za-z0-9_.-]', '_', node)}", mode)
+
+
+def private_dir(path: Path, mode: int = 0o711) -> Path:
     """``path`` as a folder only this agent controls, made if missing; SandboxError if it cannot be.
 
     Like OpenSSH's StrictModes: every folder on the way is root's or ours and
     writable by nobody else (or sticky, as /tmp), a symlink on the way is
     root's or ours, and ``path`` itself is a real folder (never followed)
     of ours with mode 0700 or 0711: nobody else can list it, put a file or a
-    link in it, or swap it. 0711, not 0700: QEMU, under a uid of its own,
-    opens the files libvirt gives it there.
+    link in it, or swap it. A new one gets ``mode``: 0711 for the kvm driver
+    (QEMU, under a uid of its own, opens the files libvirt gives it there),
+    0700 where nobody else needs in.
     """
     path = Path(os.path.abspath(path))
     me = os.geteuid()
@@ -190,8 +213,8 @@ def private_dir(path: Path) -> Path:
                                f"agent can change (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
     target = cur / path.name
     try:
-        os.mkdir(target, 0o711)
-        os.chmod(target, 0o711)  # whatever the umask
+        os.mkdir(target, mode)
+        os.chmod(target, mode)  # whatever the umask
     except FileExistsError:
         pass
     st = os.lstat(target)

@@ -294,9 +294,13 @@ def _requeue_lost_launches(*, node: Node, reported: list[dict]) -> list[int]:
     """Reconcile what the node holds with what the portal placed there: a job assigned or starting
     on this node for LAUNCH_LOST_S that the heartbeat does not list (the agent lists what it runs
     and what it is launching) never reached a sandbox, re-sent launches included: it is requeued
-    as a new attempt rather than held, and billed, with nothing running. The other direction, a
-    sandbox the portal does not know or of a stale attempt, is stopped by `stale_reports`.
-    Returns the requeued job ids."""
+    as a new attempt rather than held, and billed, with nothing running. So is a job `running`
+    there for LAUNCH_LOST_S that the heartbeat does not list: the agent lists every sandbox until
+    the portal has taken its end (an end found after a restart included), so the node lost it
+    with no exit to report (a sandbox removed, a node rebooted while its agent was down); it
+    would otherwise stay running forever. Either ends `node_fail` once out of attempts. The other
+    direction, a sandbox the portal does not know or of a stale attempt, is stopped by
+    `stale_reports`. Returns the requeued job ids."""
     from datetime import timedelta
 
     from django.conf import settings
@@ -308,19 +312,24 @@ def _requeue_lost_launches(*, node: Node, reported: list[dict]) -> list[int]:
 
     cutoff = timezone.now() - timedelta(seconds=settings.LAUNCH_LOST_S)
     held = {(str(r.get("job_id")), int(r.get("attempt") or 0)) for r in reported}
-    late = Job.objects.filter(state__in=[JobState.ASSIGNED, JobState.STARTING], state_changed_at__lt=cutoff).filter(
+    late = Job.objects.filter(state__in=[JobState.ASSIGNED, JobState.STARTING, JobState.RUNNING],
+                              state_changed_at__lt=cutoff).filter(
         Q(node=node) | Q(allocations__gpu__node=node, allocations__released_at__isnull=True)).distinct()
     requeued = []
     for job in late:
         if (str(job.pk), job.attempt) in held:
             continue
-        why = f"Node {node.name} never started it ({job.state} for over {settings.LAUNCH_LOST_S}s, not on the node)."
+        if job.state == JobState.RUNNING:
+            why = f"Node {node.name} no longer holds it (running, but not among what the node runs; its exit is lost)."
+        else:
+            why = (f"Node {node.name} never started it ({job.state} for over {settings.LAUNCH_LOST_S}s, "
+                   f"not on the node).")
         if job_requeue_after_node_fault(job, why):
             requeued.append(job.pk)
     if requeued:
         import logging
 
-        logging.getLogger(__name__).warning("node %s: requeued %s, placed there but never started",
+        logging.getLogger(__name__).warning("node %s: requeued %s, placed there but not held by the node",
                                             node.name, requeued)
         _request_pass()
     return requeued
