@@ -82,6 +82,7 @@ def budget_status(*, user, restricted_project_id=None, now: datetime | None = No
     """Each visible project with a budget: GPU-hours billed this month, the share, and its level."""
     from django.conf import settings
 
+    from portal.core.numbers import count_or_fraction
     from portal.tenancy.models import Project
 
     from .services import gpu_hours_billed
@@ -98,7 +99,9 @@ def budget_status(*, user, restricted_project_id=None, now: datetime | None = No
         share = used.get(p.pk, 0.0) / budget if budget > 0 else 1.0
         level = "exceeded" if share >= 1 else "warning" if share >= settings.BILLING_BUDGET_WARN_FRACTION else "ok"
         out.append({"project": p.slug, "organization": p.organization.slug, "month": f"{month:%Y-%m}",
-                    "budget_gpu_hours": str(p.quota.gpu_hours_budget), "used_gpu_hours": f"{used.get(p.pk, 0.0):.3f}",
+                    # Numbers, not decimal strings, like the quota they come from.
+                    "budget_gpu_hours": count_or_fraction(p.quota.gpu_hours_budget),
+                    "used_gpu_hours": round(used.get(p.pk, 0.0), 3),
                     "used_ratio": round(share, 4), "level": level, "hard_stop": p.quota.budget_hard_stop})
     return out
 

@@ -73,3 +73,12 @@ def test_outsider_sees_no_job_and_other_project_is_404(ran, api):
     assert "train" not in text and str(ran.charlies.pk) in text
     assert api("charlie").get(f"/api/v1/usage/jobs/?job={ran.alices.pk}").json()["count"] == 0
     assert api("charlie").get("/api/v1/usage/jobs/?project=vision").status_code == 404
+
+
+def test_budget_and_quota_figures_are_numbers(ran, api):
+    (budget,) = api("alice").get("/api/v1/budgets/").json()["results"]
+    assert budget["budget_gpu_hours"] == 5000 and isinstance(budget["budget_gpu_hours"], int)
+    assert budget["used_gpu_hours"] == pytest.approx(100 / 60, abs=0.001)
+    quota = api("alice").get("/api/v1/projects/vision/").json()["quota"]
+    assert (quota["guaranteed_gpus"], quota["max_gpus"], quota["gpu_hours_budget"]) == (8, 16, 5000)
+    assert all(isinstance(quota[k], int) for k in ("guaranteed_gpus", "max_gpus", "gpu_hours_budget"))
