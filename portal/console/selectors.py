@@ -19,11 +19,16 @@ def fleet_series(*, time_range: TimeRange, now=None) -> list[dict]:
     return fleet_range(time_range=time_range, now=now)
 
 
-def gpu_heat(*, time_range: TimeRange, now=None) -> dict:
-    """Per-GPU mean utilization over the range: {rows: [(node, [util|None per GPU index])], columns}."""
+# The heat map shows the fleet now, whatever the charts' range: a per-GPU mean over a month would
+# hide the job that started a minute ago, and it costs a second with 8,000 GPUs (bench/console_bench.py).
+HEAT_WINDOW = TimeRange("5m", "5 minutes", timedelta(minutes=5), Resolution.MINUTE)
+
+
+def gpu_heat(*, now=None) -> dict:
+    """Per-GPU mean utilization over HEAT_WINDOW: {rows: [(node, [util|None per GPU index])], columns}."""
     from portal.nodes.models import GPU
 
-    util = gpu_util_range(time_range=time_range, now=now)
+    util = gpu_util_range(time_range=HEAT_WINDOW, now=now)
     nodes: dict[str, list] = defaultdict(list)
     for pk, node, index in GPU.objects.order_by("node__name", "index").values_list("pk", "node__name", "index"):
         nodes[node].append(util.get(pk))
@@ -45,6 +50,25 @@ def heat_table(rows) -> str:
                         f'<td class="heat-{heat_level(v)}">{v:.0f}</td>' for v in values)
         out.append(f'<tr><th scope="row">{escape(name)}</th>{cells}</tr>')
     return mark_safe("".join(out))  # names escaped, the rest numbers
+
+
+def _when(r) -> str:
+    hour = " (hour)" if r["resolution"] == Resolution.HOUR else ""
+    return r["bucket"].astimezone(dt_timezone.utc).strftime("%Y-%m-%d %H:%M") + hour
+
+
+def fleet_tables(rows) -> tuple[str, str]:
+    """The fleet and queue charts' numbers as table rows, in one pass like heat_table (24 h by the
+    minute is 1,440 rows a table)."""
+    fleet, queue = [], []
+    for r in rows:
+        when = _when(r)
+        fleet.append(f'<tr><td>{when}</td><td class="num">{r["gpus"]}</td><td class="num">{r["allocated_gpus"]:.2f}'
+                     f'</td><td class="num">{r["used_gpus"]:.2f}</td></tr>')
+        wait = "–" if r["wait_avg_s"] is None else f"{r['wait_avg_s']:.0f}"
+        queue.append(f'<tr><td>{when}</td><td class="num">{r["queued_jobs"]}</td><td class="num">{r["started_jobs"]}'
+                     f'</td><td class="num">{wait}</td></tr>')
+    return mark_safe("".join(fleet)), mark_safe("".join(queue))  # numbers and dates only
 
 
 def idle_table(rows) -> str:

@@ -65,8 +65,9 @@ class ConsoleView(StaffRequiredMixin, TemplateView):
     def get_context_data(self, **kwargs):
         now = timezone.now()
         fleet = selectors.fleet_series(time_range=self.time_range, now=now)
-        heat = selectors.gpu_heat(time_range=self.time_range, now=now)
+        heat = selectors.gpu_heat(now=now)
         idle = selectors.idle_allocated_gpus(now=now)
+        fleet_table, queue_table = selectors.fleet_tables(fleet)
         revenue = selectors.revenue_this_month(now=now)
         return {
             **super().get_context_data(**kwargs),
@@ -75,9 +76,12 @@ class ConsoleView(StaffRequiredMixin, TemplateView):
             "range_start": now - self.time_range.span,
             "now": now,
             "fleet": fleet,
+            "fleet_table": fleet_table,
+            "queue_table": queue_table,
             "latest": fleet[-1] if fleet else None,
             "chart_data": chart_data(fleet=fleet, revenue=revenue, start=now - self.time_range.span, end=now),
             "heat": heat,
+            "heat_window": selectors.HEAT_WINDOW,
             "heat_table": selectors.heat_table(heat["rows"]),
             "heat_columns": range(heat["columns"]),
             "unhealthy": selectors.unhealthy_gpus(),

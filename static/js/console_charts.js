@@ -54,7 +54,7 @@
       scales: {x: xScale, y: {range: function (u, min, max) { return [0, Math.max(1, max)]; }},
                min: {range: function (u, min, max) { return [0, Math.max(1, max || 0)]; }}},
       series: [timeSeries, line("Queued", C.COLORS[1], "jobs", 0, {points: {show: false}}),
-               line("Mean wait", C.COLORS[3], "min", 1, {scale: "min", spanGaps: true, points: {show: true}})],
+               line("Mean wait", C.COLORS[3], "min", 1, {scale: "min", spanGaps: true})],
       axes: [C.timeAxis(), C.valueAxis("Queued jobs"),
              C.valueAxis("Mean wait (min)", {scale: "min", side: 1, grid: false})],
     }, [f.t, f.queued, f.wait_min]);

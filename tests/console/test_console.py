@@ -105,6 +105,7 @@ def test_a_running_8_gpu_job_shows_at_once_in_every_range(fresh_8gpu_job, client
     assert fleet["allocated"][-1] == pytest.approx(8) and fleet["used"][-1] == pytest.approx(7.6)
     if range_key in ("7d", "30d"):
         assert fleet["allocated"][:2] == [0, 0]  # the hourly rows come first, then the minutes
+        assert r.content.decode().count(" (hour)</td>") == 2 * 2  # and so in both numbers tables
     heat = dict(r.context["heat"]["rows"])
     assert heat["gpu-08"] == [pytest.approx(95)] * 8
     assert 'aria-current="page">%s</a>' % range_key in r.content.decode()
