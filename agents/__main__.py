@@ -57,6 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "serves agents of several installations: sandbox names and adoption go by it and the node")
     ap.add_argument("--state-dir", default=env("GPUPORTAL_AGENT_STATE_DIR") or "/var/lib/gpuportal-agent",
                     help="the agent's own folder (kvm: per-launch initrd, kernel and console)")
+    ap.add_argument("--volumes-root", default=env("GPUPORTAL_VOLUMES_ROOT") or "",
+                    help="the project volumes' tree, at the same path as the portal's VOLUMES_ROOT (a shared "
+                         "filesystem on several nodes); jobs naming volumes are refused on a node without it")
     ap.add_argument("--stop-grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     ap.add_argument("--concurrency", type=int, default=4, help="Celery worker threads")
     ap.add_argument("--log-level", default="INFO")
@@ -90,6 +93,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The drivers read it from the environment (their default), so every sandbox kind sees the same tree.
+    os.environ["GPUPORTAL_VOLUMES_ROOT"] = args.volumes_root
     try:
         probe = make_probe(args.gpus, node_name=args.name)
         # A VM gets its GPUs by PCI address, which only the probe knows.

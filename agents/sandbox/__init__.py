@@ -68,6 +68,10 @@ class LaunchSpec:
     rendezvous: dict | None = None
     # The job's project (portal id): the docker sandbox runs each project's jobs under a uid of its own.
     project_id: int | None = None
+    # Project volumes: [{"name", "read_only", "path"}], paths below the node's volumes root
+    # (agents/sandbox/volumes.py); and the job's checkpoint folder {"volume", "path"} there.
+    volumes: list[dict] = field(default_factory=list)
+    checkpoint: dict | None = None
 
     def __post_init__(self):
         if not self.command or not all(isinstance(a, str) for a in self.command):

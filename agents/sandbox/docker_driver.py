@@ -39,6 +39,7 @@ from agents.sandbox import (
 )
 from agents.sandbox.docker_logs import ContainerLog
 from agents.sandbox.egress import EgressError, Firewall, parse_allow
+from agents.sandbox.volumes import VolumePathError, plan_mounts
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,10 @@ class DockerDriver:
                  nofile: int | None = 4096, gang_network_driver: str = "auto",
                  gang_network_internal: bool = False, simulated_gpus: bool = False,
                  egress_allow: str | list[str] | None = None, log_max_size: str = "10m", log_max_files: int = 3,
-                 installation: str | None = None, job_uids: str | None = None):
+                 installation: str | None = None, job_uids: str | None = None, volumes_root: str | None = None):
         self.node = node
+        # The operator's tree of project volumes, at the same path as on the portal (docs/storage.md).
+        self.volumes_root = volumes_root if volumes_root is not None else os.environ.get("GPUPORTAL_VOLUMES_ROOT", "")
         # Several installations may share one engine: names and adoption go by installation and node.
         self.installation = installation if installation is not None else os.environ.get("GPUPORTAL_INSTALLATION", "")
         self.job_uids = uid_range(job_uids or os.environ.get("GPUPORTAL_JOB_UIDS") or JOB_UIDS, "GPUPORTAL_JOB_UIDS")
@@ -204,6 +207,13 @@ class DockerDriver:
         mem = f"{spec.memory_mb}m"
         uid = self.job_uid(spec)
         user = f"{uid}:{uid}"
+        try:
+            binds, checkpoint_dir, _ = plan_mounts(self.volumes_root, spec.volumes, spec.checkpoint,
+                                                   owner=uid if spec.project_id is not None else None)
+        except (VolumePathError, OSError) as exc:
+            raise SandboxError(f"volumes: {exc}") from None
+        if checkpoint_dir:
+            env["GPUPORTAL_CHECKPOINT_DIR"] = checkpoint_dir
         kwargs = dict(
             image=spec.image,
             command=list(spec.command),
@@ -244,6 +254,7 @@ class DockerDriver:
             init=True,
             stop_signal="SIGTERM",
             log_config=self.log_config,
+            mounts=[docker.types.Mount(target=c, source=h, type="bind", read_only=ro) for h, c, ro in binds],
         )
         rank = gang_rank(spec)
         if rank is not None:

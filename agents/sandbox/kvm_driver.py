@@ -212,6 +212,8 @@ class KvmDriver:
     # -- Driver interface -----------------------------------------------------
 
     def launch(self, spec: LaunchSpec) -> SandboxHandle:
+        if spec.volumes:  # the portal refuses such a submit; an older portal might still send one
+            raise SandboxError("volumes: the kvm sandbox cannot mount project volumes yet; use the docker sandbox")
         try:
             buses = [self.pci_bus_ids[i] for i in spec.gpu_indexes]
         except KeyError as exc:

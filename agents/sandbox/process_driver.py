@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from agents.sandbox import EXITED, RUNNING, LaunchSpec, SandboxError, SandboxHandle, job_env, sandbox_name
+from agents.sandbox.volumes import MOUNT_ROOT, VolumePathError, plan_mounts
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,19 @@ class ProcessDriver:
         # A bare process sees the host's GPU numbering, so pass host indexes.
         env = job_env(spec, visible_devices=[str(i) for i in spec.gpu_indexes])
         env.update(PATH=os.environ.get("PATH", "/usr/bin:/bin"), HOME=str(workdir), TMPDIR=str(workdir))
+        # Nothing to mount into: the job is told where its volumes and checkpoint folder are on the host
+        # (GPUPORTAL_VOLUME_<NAME>; read-only is not enforced here, like nothing else is).
+        try:
+            binds, _, checkpoint_dir = plan_mounts(os.environ.get("GPUPORTAL_VOLUMES_ROOT", ""), spec.volumes,
+                                                   spec.checkpoint, owner=None)
+        except (VolumePathError, OSError) as exc:
+            shutil.rmtree(root, ignore_errors=True)
+            raise SandboxError(f"volumes: {exc}") from None
+        for host, container, _ in binds:
+            if container.startswith(MOUNT_ROOT + "/"):
+                env["GPUPORTAL_VOLUME_" + container.rsplit("/", 1)[1].upper().replace("-", "_")] = host
+        if checkpoint_dir:
+            env["GPUPORTAL_CHECKPOINT_DIR"] = checkpoint_dir
         with open(root / "log", "wb") as logf:
             try:
                 p = subprocess.Popen(spec.command, cwd=workdir, env=env, stdin=subprocess.DEVNULL,

@@ -58,6 +58,8 @@ class Job(models.Model):
     image = models.CharField(max_length=255)
     command = models.JSONField(default=list)
     env = models.JSONField(default=dict, blank=True)
+    # The project's volumes mounted at /data/<name>: [{"name": "data", "read_only": false}] (portal.storage).
+    volumes = models.JSONField(default=list, blank=True)
     gpus = models.DecimalField(max_digits=6, decimal_places=3, default=0)
     # All of a job's GPUs are on one node unless it asks for more: then `gpus / nodes` on each
     # of exactly `nodes` nodes, started as one gang with the rendezvous variables set.

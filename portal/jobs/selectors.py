@@ -54,6 +54,20 @@ def decayed_usage(project_ids, *, half_life_s: float, now: datetime | None = Non
     return dict(usage)
 
 
+def volume_mounts(job) -> dict:
+    """The job's volumes and checkpoint folder as paths below the operator's volumes root (the
+    agent joins them to its --volumes-root): the same folder for every attempt, on any node. The
+    checkpoints go to the first writable volume, else to the project's own checkpoint folder."""
+    from agents.sandbox.volumes import checkpoint_relpath, volume_relpath
+
+    org, project = job.project.organization.slug, job.project.slug
+    mounts = [{"name": m["name"], "read_only": bool(m.get("read_only")),
+               "path": volume_relpath(org, project, m["name"])} for m in job.volumes or []]
+    writable = next((m["name"] for m in mounts if not m["read_only"]), None)
+    return {"volumes": mounts, "checkpoint": {"volume": writable,
+                                              "path": checkpoint_relpath(org, project, job.pk, writable)}}
+
+
 def launch_spec(job_id: int, node_name: str) -> dict | None:
     """What the agent on `node_name` needs to start its part of the job, or None if the job
     no longer holds GPUs there."""
@@ -66,7 +80,8 @@ def launch_specs(pairs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
     from .models import HOLDING, Job
 
     ids = {job_id for _, job_id in pairs}
-    jobs = {j.pk: j for j in Job.objects.filter(pk__in=ids, state__in=HOLDING).select_related("project__quota", "node")}
+    jobs = {j.pk: j for j in Job.objects.filter(pk__in=ids, state__in=HOLDING).select_related(
+        "project__quota", "project__organization", "node")}
     allocs: dict[int, list] = defaultdict(list)
     for a in (Allocation.objects.filter(job_id__in=list(jobs), released_at__isnull=True).select_related("gpu__node")
               .order_by("gpu__node__name", "gpu__index")):
@@ -96,6 +111,7 @@ def launch_specs(pairs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
             "array_index": job.array_index, "gpu_fraction": fraction,
             "gpu_memory_mb": job.gpu_memory_mb or None, "rendezvous": rendezvous,
             "project_id": job.project_id,  # the docker sandbox runs each project under a uid of its own
+            **volume_mounts(job),
         }
     return out
 

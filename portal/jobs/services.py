@@ -98,7 +98,7 @@ def job_submit(*, actor: Actor, data: dict, idempotency_key: str = "") -> tuple[
                 env=v["env"], gpus=res["gpus"], nodes=res["nodes"], gpu_type=res["gpu_type"],
                 gpu_memory_mb=res["gpu_memory_mb"], cpus=res["cpus"], memory_mb=res["memory_mb"],
                 time_limit_s=v["time_limit"], priority=v["priority"], preemptible=v["preemptible"],
-                sandbox=v["sandbox"], network=v["network"], template=template,
+                sandbox=v["sandbox"], network=v["network"], template=template, volumes=v["volumes"],
             )
             # An array parent is never scheduled itself: its tasks carry the reasons.
             job = Job.objects.create(**common, array=v["array"], is_array_parent=bool(v["array"]),
@@ -221,7 +221,7 @@ def job_resubmit(*, actor: Actor, job: Job) -> Job:
         "resources": {"gpus": str(job.gpus), "nodes": job.nodes, "gpu_type": job.gpu_type,
                       "gpu_memory_mb": job.gpu_memory_mb, "cpus": str(job.cpus), "memory_mb": job.memory_mb},
         "time_limit": job.time_limit_s, "priority": job.priority, "preemptible": job.preemptible,
-        "sandbox": job.sandbox, "network": job.network, "array": job.array,
+        "sandbox": job.sandbox, "network": job.network, "array": job.array, "volumes": job.volumes,
     }
     if job.array_parent_id:
         raise InvalidInput("Resubmit the array job, not one of its tasks.", code="array_task")

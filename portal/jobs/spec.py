@@ -95,6 +95,13 @@ class DurationField(serializers.Field):
         return value
 
 
+class VolumeMountSerializer(StrictSerializer):
+    """One of the project's volumes, mounted at /data/<name> (portal.storage)."""
+
+    name = serializers.CharField(max_length=50)
+    read_only = serializers.BooleanField(default=False)
+
+
 class ResourcesSerializer(StrictSerializer):
     # gpus defaults to nodes x gpus_per_node, else 0 (a CPU-only job); see validate().
     gpus = serializers.DecimalField(max_digits=6, decimal_places=3, min_value=Decimal(0), required=False,
@@ -194,6 +201,8 @@ class JobSpecSerializer(StrictSerializer):
     array = serializers.CharField(max_length=64, required=False, allow_blank=True, default="")
     depends_on = serializers.ListField(child=serializers.IntegerField(min_value=1), required=False, default=list,
                                        max_length=100)
+    volumes = serializers.ListField(child=VolumeMountSerializer(), required=False, default=list, max_length=16,
+                                    help_text="The project's volumes to mount at /data/<name>.")
 
     def validate_image(self, value):
         if not IMAGE.match(value):
@@ -290,7 +299,29 @@ class JobSpecSerializer(StrictSerializer):
         data["time_limit"] = limit
         if data.get("network") and not quota.network_allowed:
             errors["network"] = ["This project does not allow network access for jobs."]
+        errors.update(_volume_errors(project, data.get("volumes") or [], data.get("sandbox")))
         return errors
+
+
+def _volume_errors(project, mounts: list[dict], sandbox: str | None) -> dict[str, list[str]]:
+    """Each named volume must be one of the project's, named once; kvm mounts none yet."""
+    if not mounts:
+        return {}
+    if sandbox == "kvm":
+        return {"volumes": ["The kvm sandbox cannot mount volumes yet; use the docker sandbox."]}
+    # Storage sits above jobs in the layers; the spec still has to know the project's volume names.
+    from portal.storage.selectors import project_volume_names
+
+    known = project_volume_names(project)
+    errors: dict[str, list[str]] = {}
+    seen = set()
+    for index, mount in enumerate(mounts):
+        if mount["name"] not in known:
+            errors[f"volumes.{index}.name"] = [f"Project {project.slug} has no volume named {mount['name']!r}."]
+        elif mount["name"] in seen:
+            errors[f"volumes.{index}.name"] = [f"Volume {mount['name']!r} is named twice."]
+        seen.add(mount["name"])
+    return errors
 
 
 def default_name(command: list[str]) -> str:

@@ -51,3 +51,8 @@ def volume_file_open(*, volume: Volume, path: str):
         os.close(fd)
         raise InvalidInput("Not a file (a folder or a special file).", field="path")
     return os.fdopen(fd, "rb"), st.st_size, parts[-1]
+
+
+def project_volume_names(project) -> set[str]:
+    """The names a job of ``project`` may mount (the job spec checks them)."""
+    return set(Volume.objects.filter(project=project).values_list("name", flat=True))

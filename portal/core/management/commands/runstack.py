@@ -125,7 +125,8 @@ class Command(BaseCommand):
         sandbox, why = best_sandbox()
         argv = [sys.executable, "-m", "agents", "--portal", f"http://{host}:{port}", "--token", token,
                 "--broker", settings.CELERY_BROKER_URL, "--name", LOCAL_NODE,
-                "--gpus", os.getenv("LOCAL_AGENT_GPUS", "sim:4xH100-80GB"), "--sandbox", sandbox]
+                "--gpus", os.getenv("LOCAL_AGENT_GPUS", "sim:4xH100-80GB"), "--sandbox", sandbox,
+                "--volumes-root", str(settings.VOLUMES_ROOT)]  # one machine: the portal's own tree
         if settings.CELERY_BROKER_URL.startswith("filesystem://"):
             argv += ["--broker-folder", settings.CELERY_BROKER_TRANSPORT_OPTIONS["data_folder_in"]]
         return argv, f"{sandbox} sandbox ({why})"

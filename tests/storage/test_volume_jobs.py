@@ -1,0 +1,137 @@
+"""Jobs with volumes on the real Docker engine: a job writes to its project's volume and the file
+downloads through the API; read-only mounts refuse writes; another tenant cannot name the volume;
+a checkpoint written by one attempt is there for the next, on another node."""
+import os
+import time
+import uuid
+
+import pytest
+from django.conf import settings
+
+from agents.sandbox import EXITED, RUNNING, LaunchSpec
+from agents.sandbox.docker_driver import DockerDriver
+from portal.jobs.models import Job
+from portal.jobs.selectors import volume_mounts
+from tests.agents.conftest import JOB_IMAGE, docker_client  # noqa: F401
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def drivers(docker_client):  # noqa: F811
+    """Docker drivers of named nodes sharing the volumes root; their containers go at the end."""
+    made = {}
+
+    def make(node="a"):
+        name = f"test-{os.getpid()}-{uuid.uuid4().hex[:6]}-{node}"
+        made[name] = DockerDriver(node=name, client=docker_client, volumes_root=str(settings.VOLUMES_ROOT))
+        return made[name]
+
+    yield make
+    for name in made:
+        for c in docker_client.containers.list(all=True, filters={"label": [f"gpuportal.node={name}"]}):
+            c.remove(force=True)
+
+
+def _submit(client, project, command, volumes, **extra):
+    return client.post("/api/v1/jobs/", {"project": project, "name": "v", "image": JOB_IMAGE,
+                                         "command": command, "volumes": volumes, **extra}, format="json")
+
+
+def _run(driver, job: Job) -> tuple[int, bytes]:
+    """Launch the job's current attempt as the agent would (its spec's volume part from the portal)."""
+    spec = LaunchSpec.from_dict({"image": job.image, "command": job.command, "cpus": 0.5, "memory_mb": 64,
+                                 "time_limit_s": 60, "project_id": job.project_id, **volume_mounts(job)},
+                                job_id=str(job.pk), attempt=job.attempt)
+    handle = driver.launch(spec)
+    deadline = time.monotonic() + 60
+    while (state := driver.poll(handle))[0] == RUNNING:
+        assert time.monotonic() < deadline, "the job is still running"
+        time.sleep(0.05)
+    assert state[0] == EXITED
+    return state[1], driver.read_logs(handle, 0)
+
+
+def test_a_job_writes_to_its_volume_and_the_file_downloads(api, demo, drivers):
+    alice = api("alice")
+    volume = alice.post("/api/v1/volumes/", {"project": "vision", "name": "x"}, format="json").json()
+    response = _submit(alice, "vision", ["sh", "-c", "id -u; echo result > /data/x/out.txt"], [{"name": "x"}])
+    assert response.status_code == 201, response.json()
+    job = Job.objects.get(pk=response.json()["id"])
+    assert job.volumes == [{"name": "x", "read_only": False}]
+    code, log = _run(drivers(), job)
+    assert code == 0, log
+    assert log.split()[0] == str(2000000 + demo.vision.pk).encode()
+    host = settings.VOLUMES_ROOT / "acme" / "vision" / "x" / "out.txt"
+    assert os.stat(host).st_uid == 2000000 + demo.vision.pk
+    download = api("dave").get(f"/api/v1/volumes/{volume['id']}/download/?path=out.txt")
+    assert download.status_code == 200 and b"".join(download.streaming_content) == b"result\n"
+    assert api("charlie").get(f"/api/v1/volumes/{volume['id']}/download/?path=out.txt").status_code == 404
+
+
+def test_a_read_only_mount_refuses_writes(api, demo, drivers):
+    alice = api("alice")
+    alice.post("/api/v1/volumes/", {"project": "vision", "name": "x"}, format="json")
+    (settings.VOLUMES_ROOT / "acme/vision/x/in.txt").write_text("input\n")
+    response = _submit(alice, "vision", ["sh", "-c", "cat /data/x/in.txt; echo no > /data/x/new.txt"],
+                       [{"name": "x", "read_only": True}])
+    job = Job.objects.get(pk=response.json()["id"])
+    code, log = _run(drivers(), job)
+    assert code != 0 and b"input\n" in log and b"Read-only file system" in log, log
+    assert not (settings.VOLUMES_ROOT / "acme/vision/x/new.txt").exists()
+
+
+def test_another_tenant_cannot_name_the_volume(api, demo):
+    api("alice").post("/api/v1/volumes/", {"project": "vision", "name": "x"}, format="json")
+    response = _submit(api("charlie"), "nlp", ["true"], [{"name": "x"}])
+    assert response.status_code == 400
+    assert response.json()["error"]["fields"] == {"volumes.0.name": ["Project nlp has no volume named 'x'."]}
+    # Naming vision itself is naming a project that does not exist for charlie.
+    response = _submit(api("charlie"), "vision", ["true"], [{"name": "x"}])
+    assert response.status_code in (400, 404) and "project" in response.json()["error"]["fields"]
+    assert not Job.objects.filter(volumes__contains=[{"name": "x"}]).exists()
+
+
+@pytest.mark.parametrize("volumes,field", [
+    ([{"name": "x"}, {"name": "x"}], "volumes.1.name"),
+    ([{"name": "x", "mode": "rw"}], "volumes.0.mode"),
+    ([{"name": "../x"}], "volumes.0.name"),
+    ("x", "volumes"),
+])
+def test_bad_volume_lists_are_400_naming_the_field(api, demo, volumes, field):
+    api("alice").post("/api/v1/volumes/", {"project": "vision", "name": "x"}, format="json")
+    response = _submit(api("alice"), "vision", ["true"], volumes)
+    assert response.status_code == 400 and field in response.json()["error"]["fields"], response.json()
+
+
+def test_the_kvm_sandbox_refuses_volumes(api, demo):
+    api("alice").post("/api/v1/volumes/", {"project": "vision", "name": "x"}, format="json")
+    response = _submit(api("alice"), "vision", ["true"], [{"name": "x"}], sandbox="kvm")
+    assert response.status_code == 400
+    assert "kvm sandbox cannot mount volumes" in response.json()["error"]["fields"]["volumes"][0]
+
+
+@pytest.mark.parametrize("volumes", [[{"name": "x"}], []], ids=["on-the-volume", "project-default"])
+def test_the_next_attempt_on_another_node_sees_the_checkpoint(api, demo, drivers, volumes):
+    from portal.jobs.reports import job_requeue_after_node_fault
+
+    api("alice").post("/api/v1/volumes/", {"project": "vision", "name": "x"}, format="json")
+    script = ('echo "dir=$GPUPORTAL_CHECKPOINT_DIR"; if [ -f "$GPUPORTAL_CHECKPOINT_DIR/step" ]; '
+              'then echo "resumed from $(cat $GPUPORTAL_CHECKPOINT_DIR/step)"; '
+              'else echo 41 > "$GPUPORTAL_CHECKPOINT_DIR/step"; fi')
+    job = Job.objects.get(pk=_submit(api("alice"), "vision", ["sh", "-c", script], volumes).json()["id"])
+    code, first = _run(drivers("a"), job)
+    assert code == 0 and b"resumed" not in first, first
+    expected = f"/data/x/.checkpoints/{job.pk}" if volumes else "/checkpoint"
+    assert f"dir={expected}\n".encode() in first
+    # Preempted (its node lost): the job goes back to the queue as attempt 2 and lands elsewhere.
+    Job.objects.filter(pk=job.pk).update(state="running")
+    job.refresh_from_db()
+    assert job_requeue_after_node_fault(job, "Node lost.") == "requeued"
+    job.refresh_from_db()
+    assert job.attempt == 2
+    code, second = _run(drivers("b"), job)
+    assert code == 0 and b"resumed from 41" in second, second
+    folder = settings.VOLUMES_ROOT / "acme/vision" / ("x" if volumes else "") / ".checkpoints" / str(job.pk)
+    assert (folder / "step").read_text() == "41\n"
+    assert os.stat(folder).st_uid == 2000000 + demo.vision.pk and os.stat(folder).st_mode & 0o777 == 0o770
