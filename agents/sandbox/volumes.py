@@ -146,3 +146,35 @@ def uid_range_of(raw: str) -> tuple[int, int]:
         return uid_range(raw, "GPUPORTAL_JOB_UIDS")
     except SandboxError as exc:
         raise VolumePathError(str(exc)) from None
+
+
+def plan_mounts(root: str, volumes: list[dict], checkpoint: dict | None, *,
+                owner: int | None) -> tuple[list[tuple[str, str, bool]], str | None, str | None]:
+    """A launch's volumes on this node: ``(host, container, read_only)`` binds, the folders made
+    (and owned by ``owner``) first, plus the checkpoint folder's container and host paths.
+
+    Without a volumes root a job naming volumes is refused (VolumePathError, said to its owner);
+    one naming none just gets no checkpoint folder.
+    """
+    if not root:
+        if volumes:
+            raise VolumePathError("this job mounts volumes but the node has no volumes root "
+                                  "(agent option --volumes-root)")
+        return [], None, None
+    binds = []
+    for volume in volumes:
+        name = volume.get("name") or ""
+        if not SLUG.match(name) or split_relpath(volume.get("path") or "")[-1:] != [name]:
+            raise VolumePathError(f"volume {name!r}: not a volume's path")
+        binds.append((prepare_dir(root, volume["path"], owner=owner), f"{MOUNT_ROOT}/{name}",
+                      bool(volume.get("read_only"))))
+    if not checkpoint or not checkpoint.get("path"):
+        return binds, None, None
+    host = prepare_dir(root, checkpoint["path"], owner=owner)
+    on = checkpoint.get("volume")
+    if on:
+        if not any(c == f"{MOUNT_ROOT}/{on}" and not ro for _, c, ro in binds):
+            raise VolumePathError(f"checkpoint: volume {on!r} is not mounted writable")
+        return binds, f"{MOUNT_ROOT}/{on}/{CHECKPOINTS}/{os.path.basename(host)}", host
+    binds.append((host, CHECKPOINT_MOUNT, False))
+    return binds, CHECKPOINT_MOUNT, host
