@@ -178,6 +178,11 @@ class Config:
     # is promoted to the first queue, so long jobs are not starved.
     las_thresholds_gpu_s: tuple[float, ...] = (3600.0,)
     las_starvation_factor: float = 8.0
+    # Our departure from Tiresias, which assumes checkpoints: a preempted job restarts from zero,
+    # so the las rule preempts a running job only while its current attempt has run at most this
+    # many GPU-seconds (None: no bound). Past it, restarting the job loses more than the waiting
+    # job gains (measured in docs/scheduler.md).
+    las_max_loss_gpu_s: float | None = 32 * 3600.0
     max_preempt_attempts: int = 64  # per pass; bounds the cost of a long guaranteed queue
     # Search depth, like Slurm's bf_max_job_test: after this many admitted jobs
     # failed to place, later jobs are only admission-checked and explained.

@@ -66,3 +66,14 @@ def test_no_preemption_within_the_same_queue_or_with_preemption_off():
     assert plan.preemptions == []
     plan = schedule(snapshot(cluster, [job("new", 8, project="bob")], run, **LAS, preemption=False))
     assert plan.preemptions == []
+
+
+def test_a_job_whose_attempt_has_run_past_the_loss_bound_is_not_preempted():
+    """8 GPUs x 5 h = 40 GPU-hours would be lost (jobs restart from zero): above the default
+    bound of 32 the las rule leaves it running; without a bound it is preempted."""
+    cluster = nodes(1)
+    run = [running(job("r", 8, project="x", time_limit=48 * H), [f"n0-{i}" for i in range(8)], start=NOW - 5 * H)]
+    plan = schedule(snapshot(cluster, [job("new", 8, project="bob")], run, **LAS))
+    assert plan.preemptions == []
+    plan = schedule(snapshot(cluster, [job("new", 8, project="bob")], run, **LAS, las_max_loss_gpu_s=None))
+    assert [p.job_id for p in plan.preemptions] == ["r"]
