@@ -20,7 +20,7 @@ import yaml
 from . import config, version
 from .client import ApiError, Client, ConnectionFailed
 from .output import (TERMINAL, Format, cluster_tables, emit_json, job_detail, job_efficiency, job_note, job_table,
-                     job_usage_table, project_detail, project_table, say, usage_group_table)
+                     job_usage_table, project_detail, project_table, say, table, usage_group_table)
 
 app = typer.Typer(
     name="gpuctl",
@@ -627,6 +627,86 @@ def quota(
     if output is Format.json:
         return emit_json(projects)
     say(project_table(projects) if projects else "You are in no project yet.")
+
+
+volumes_app = typer.Typer(help="Project volumes: persistent folders jobs see at /data/<name> (docs/storage.md).",
+                          no_args_is_help=True)
+app.add_typer(volumes_app, name="volumes")
+VolumeArg = Annotated[int, typer.Argument(metavar="VOLUME_ID", help="The volume's id (gpuctl volumes list).")]
+
+
+def volumes_command(name: str):
+    return lambda fn: volumes_app.command(name)(_handle_errors(fn))
+
+
+@volumes_command("create")
+def volumes_create(
+    project: Annotated[str, typer.Argument(help="The project.")],
+    name: Annotated[str, typer.Argument(help="The volume's name (lowercase letters, digits, hyphens).")],
+    quota_mb: Annotated[int | None, typer.Option("--quota-mb", min=1, help="Size quota for uploads.")] = None,
+    output: OutputOpt = Format.table,
+):
+    """Create a volume in a project (owners and admins)."""
+    body = {"project": project, "name": name, **({"quota_mb": quota_mb} if quota_mb else {})}
+    volume = _client().volume_create(body)
+    if output is Format.json:
+        return emit_json(volume)
+    say(f"Created volume {volume['id']} ({project}/{name}); jobs mount it with "
+        f"\"volumes\": [{{\"name\": \"{name}\"}}] at {volume['mount_path']}.")
+
+
+@volumes_command("list")
+def volumes_list(
+    project: Annotated[str | None, typer.Option("--project", "-p", help="Only this project's.")] = None,
+    output: OutputOpt = Format.table,
+):
+    """The volumes of your projects."""
+    rows = _client().volumes(project)
+    if output is Format.json:
+        return emit_json(rows)
+    say(table([[v["id"], v["project"], v["name"], v["quota_mb"], v["mount_path"]] for v in rows],
+              ["ID", "PROJECT", "NAME", "QUOTA_MB", "MOUNT"]) if rows else "No volumes.")
+
+
+@volumes_command("ls")
+def volumes_ls(volume_id: VolumeArg, path: Annotated[str, typer.Argument(help="A folder in the volume.")] = "",
+               output: OutputOpt = Format.table):
+    """List a folder of a volume."""
+    listing = _client().volume_files(volume_id, path)
+    if output is Format.json:
+        return emit_json(listing)
+    say(table([[e["type"], "" if e["size"] is None else e["size"], e["name"]] for e in listing["entries"]],
+              ["TYPE", "SIZE", "NAME"]) if listing["entries"] else "(empty)")
+
+
+@volumes_command("put")
+def volumes_put(volume_id: VolumeArg, source: Annotated[Path, typer.Argument(help="A local file.")],
+                path: Annotated[str, typer.Argument(help="Where in the volume.")], output: OutputOpt = Format.table):
+    """Upload a file into a volume (members)."""
+    try:
+        with open(source, "rb") as handle:
+            done = _client().volume_put(volume_id, path, handle)
+    except OSError as exc:
+        raise SpecError(f"{source}: {exc.strerror}") from None
+    return emit_json(done) if output is Format.json else say(f"Uploaded {done['size']} bytes to {done['path']}.")
+
+
+@volumes_command("get")
+def volumes_get(volume_id: VolumeArg, path: Annotated[str, typer.Argument(help="A file in the volume.")],
+                dest: Annotated[Path | None, typer.Option("--output-file", "-O",
+                                                          help="Where to write it (default: its name here).")] = None):
+    """Download a file from a volume."""
+    target = dest or Path(path.rstrip("/").rsplit("/", 1)[-1] or "download")
+    partial = target.with_name(target.name + ".part")
+    try:
+        with open(partial, "wb") as handle:
+            size = _client().volume_get(volume_id, path, handle)
+        partial.replace(target)
+    except OSError as exc:
+        raise SpecError(f"{target}: {exc.strerror}") from None
+    finally:
+        partial.unlink(missing_ok=True)
+    say(f"Wrote {size} bytes to {target}.", err=True)
 
 
 def main() -> None:

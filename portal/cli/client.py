@@ -212,3 +212,44 @@ class Client:
             if not data.get("next"):
                 return projects
             page += 1
+
+    # Volumes (docs/storage.md): files travel as raw bytes, streamed both ways.
+
+    def volumes(self, project: str | None = None) -> list[dict]:
+        return self.get("volumes/", project__slug=project, page_size=500)["results"]
+
+    def volume_create(self, body: dict) -> dict:
+        return self.post("volumes/", body)
+
+    def volume_files(self, volume_id: int, path: str) -> dict:
+        return self._raw("GET", f"volumes/{volume_id}/files/", path)
+
+    def volume_put(self, volume_id: int, path: str, stream) -> dict:
+        return self._raw("PUT", f"volumes/{volume_id}/files/", path, data=stream)
+
+    def volume_get(self, volume_id: int, path: str, out) -> int:
+        """Write the file into ``out`` (a binary file); returns the bytes written."""
+        return self._raw("GET", f"volumes/{volume_id}/download/", path, out=out)
+
+    def _raw(self, method: str, path: str, file_path: str, *, data=None, out=None):
+        url = f"{self.base_url}/api/v1/{path}"
+        try:
+            resp = self.session.request(method, url, params={"path": file_path}, data=data, stream=out is not None,
+                                        headers={"Content-Type": "application/octet-stream"} if data else None,
+                                        timeout=(10, self.timeout), allow_redirects=False)
+        except requests.RequestException as exc:
+            raise ConnectionFailed(self.base_url, _reason(exc)) from None
+        self.last_status = resp.status_code
+        with resp:
+            if out is None or not resp.ok:
+                try:
+                    return self._handle(resp, url)
+                except ApiError as exc:
+                    if exc.status == 404 and not exc.fields:
+                        exc.message = f"volume {path.split('/')[1]} not found (it does not exist or you may not see it)."
+                    raise
+            written = 0
+            for chunk in resp.iter_content(1024 * 1024):
+                out.write(chunk)
+                written += len(chunk)
+            return written
