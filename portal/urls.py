@@ -22,6 +22,7 @@ urlpatterns = [
     path("api/docs/", SpectacularSwaggerSplitView.as_view(url_name="schema"), name="api-docs"),
     path("", include("portal.accounts.urls")),
     path("", include("portal.tenancy.urls")),
+    path("projects/<slug:slug>/volumes/", include(("portal.storage.urls", "volumes"))),
     path("jobs/", include("portal.jobs.urls")),
     path("nodes/", include("portal.nodes.urls")),
     path("cluster/", ClusterView.as_view(), name="cluster"),

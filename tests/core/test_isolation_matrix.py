@@ -160,6 +160,16 @@ MATRIX = {
     # Staff submit only where they are members.
     "jobs:resubmit": [page("POST", "/jobs/{vision_job}/resubmit/", roles(302, 302, 302, 403, 404, 403))],
     "projects:detail": [page("GET", "/projects/vision/", PAGE_VISION)],
+    # An empty form is a 400 before any role matters; the service refuses an empty upload (302 with the
+    # message) to members and a viewer's or staff's (403).
+    "volumes:list": [page("GET", "/projects/vision/volumes/", PAGE_VISION),
+                     page("POST", "/projects/vision/volumes/", roles(302, 400, 400, 400, 404, 400))],
+    "volumes:browse": [page("GET", "/projects/vision/volumes/{vision_volume}/", PAGE_VISION)],
+    "volumes:download": [page("GET", "/projects/vision/volumes/{vision_volume}/download/?path=f.txt", PAGE_VISION)],
+    "volumes:upload": [page("POST", "/projects/vision/volumes/{vision_volume}/upload/",
+                            roles(302, 302, 302, 403, 404, 403))],
+    "volumes:delete": [page("POST", "/projects/vision/volumes/{vision_volume}/delete/",
+                            roles(302, 302, 403, 403, 404, 302))],
     "projects:member-add": [page("POST", "/projects/vision/members/", PAGE_VISION)],
     # An empty role is refused by the service with a message (302) for managers, 403 for the rest.
     "projects:member-role": [page("POST", "/projects/vision/members/dave/role/", roles(302, 302, 403, 403, 404, 302))],
