@@ -7,6 +7,8 @@
 
   var COLORS = ["#1f5fbf", "#c2410c", "#15803d", "#7e22ce", "#b91c1c", "#0e7490", "#a16207", "#4d7c0f"];
 
+  var WHOLE = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000];
+
   function pad(n) { return n < 10 ? "0" + n : "" + n; }
 
   // uPlot places time ticks on calendar boundaries of this clock: UTC, not the browser's zone.
@@ -49,9 +51,11 @@
   function valueAxis(label, opts) {
     opts = opts || {};
     var format = opts.format || function (v) { return number(v); };
-    return {label: label, labelSize: 18, size: opts.size || 64, side: opts.side == null ? 3 : opts.side,
-            scale: opts.scale || "y", grid: {show: opts.grid !== false},
-            values: function (u, splits) { return splits.map(format); }};
+    var axis = {label: label, labelSize: 18, size: opts.size || 64, side: opts.side == null ? 3 : opts.side,
+                scale: opts.scale || "y", grid: {show: opts.grid !== false},
+                values: function (u, splits) { return splits.map(format); }};
+    if (opts.whole) axis.incrs = WHOLE;  // counts (GPUs, jobs): no tick at 0.25 of a job
+    return axis;
   }
 
   function width(el) { return Math.max(280, Math.floor(el.clientWidth) - 16); }

@@ -34,7 +34,7 @@
                line("GPUs", "#6b7280", "GPUs", 0, {dash: [6, 4], points: {show: false}}),
                line("Allocated", C.COLORS[0], "GPUs", 2, {fill: "rgba(31,95,191,.08)", points: {show: false}}),
                line("Used", C.COLORS[2], "GPUs", 2, {points: {show: false}})],
-      axes: [C.timeAxis(), C.valueAxis("GPUs")],
+      axes: [C.timeAxis(), C.valueAxis("GPUs", {whole: true})],
     }, [f.t, f.gpus, f.allocated, f.used]);
   }
 
@@ -55,7 +55,7 @@
                min: {range: function (u, min, max) { return [0, Math.max(1, max || 0)]; }}},
       series: [timeSeries, line("Queued", C.COLORS[1], "jobs", 0, {points: {show: false}}),
                line("Mean wait", C.COLORS[3], "min", 1, {scale: "min", spanGaps: true})],
-      axes: [C.timeAxis(), C.valueAxis("Queued jobs"),
+      axes: [C.timeAxis(), C.valueAxis("Queued jobs", {whole: true}),
              C.valueAxis("Mean wait (min)", {scale: "min", side: 1, grid: false})],
     }, [f.t, f.queued, f.wait_min]);
   }
