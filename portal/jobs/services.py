@@ -48,6 +48,8 @@ def _submit_project_or_all_errors(actor: Actor, data: dict) -> Project:
         check = JobSpecSerializer(data=data, context={"project": None})
         errors = {} if check.is_valid() else dict(check.errors)
         errors.pop("project", None)
+        if not errors:
+            raise
         raise serializers.ValidationError({**exc.as_fields(), **errors}) from None
 
 
@@ -351,7 +353,8 @@ def job_update(*, actor: Actor, job: Job, time_limit: int | None = None, priorit
     if errors:
         raise serializers.ValidationError(errors)
     if not changes:
-        raise InvalidInput("Give time_limit, priority or resources.gpus to change.", code="nothing_to_update")
+        raise InvalidInput("Nothing to change: give a new time_limit, priority or resources.gpus.",
+                           code="nothing_to_update")
     who = actor.user.get_username() if actor.user else actor.label
     said = ", ".join(f"{k.removesuffix('_s')} {job_value_text(v)}" for k, v in changes.items()
                      if k != "gpu_memory_mb")

@@ -342,10 +342,7 @@ class JobUpdateView(PageMixin, View):
         try:
             if errors:
                 raise serializers.ValidationError(errors)
-            if not changes:
-                messages.info(request, "Nothing changed.")
-                return redirect(back)
-            job = job_update(actor=self.actor, job=job, **changes)
+            job = job_update(actor=self.actor, job=job, **changes)  # nothing changed: it says so
         except serializers.ValidationError as exc:
             messages.error(request, "Not updated: " + "; ".join(
                 f"{k}: {' '.join(str(m) for m in v)}" for k, v in validation_fields(exc).items()))

@@ -98,13 +98,26 @@ MATRIX = {
         e("POST", "/api/v1/jobs/", roles(401, 201, 201, 403, 400, 403), scope="submit", body={
             "project": "vision", "name": "m", "image": "gpuportal/busybox:latest", "command": ["true"]}),
     ],
-    "api:job-detail": [e("GET", "/api/v1/jobs/{vision_job}/", VISION_READ)],
+    "api:job-detail": [e("GET", "/api/v1/jobs/{vision_job}/", VISION_READ),
+                       # Update of alice's queued job (docs/jobs.md "Hold, release and update").
+                       e("PATCH", "/api/v1/jobs/{vision_job}/", roles(401, 200, 403, 403, 404, 200),
+                         scope="submit", body={"priority": "low"})],
     # The fixture job is alice's: bob (member) may cancel only his own jobs.
     "api:job-cancel": [e("POST", "/api/v1/jobs/{vision_job}/cancel/", roles(401, 202, 403, 403, 404, 202),
                          scope="submit")],
     "api:job-resubmit": [e("POST", "/api/v1/jobs/{vision_job}/resubmit/", roles(401, 201, 201, 403, 404, 403),
                            scope="submit")],
     "api:job-logs": [e("GET", "/api/v1/jobs/{vision_job}/logs/", VISION_READ)],
+    # Hold, release, update: alice's queued job; bob (member) acts only on his own, staff on any.
+    # Release of a job that is not held is a 409 for those allowed to try.
+    "api:job-hold": [e("POST", "/api/v1/jobs/{vision_job}/hold/", roles(401, 200, 403, 403, 404, 200),
+                       scope="submit")],
+    "api:job-release": [e("POST", "/api/v1/jobs/{vision_job}/release/", roles(401, 409, 403, 403, 404, 409),
+                          scope="submit")],
+    # Counts only: every signed-in user reads the cluster; accounting is scoped like usage.
+    "api:cluster": [e("GET", "/api/v1/cluster/", ALL_200)],
+    "api:usage-jobs": [e("GET", "/api/v1/usage/jobs/", ALL_200),
+                       e("GET", "/api/v1/usage/jobs/?project=vision", VISION_READ)],
     # Volumes: everyone in the project reads, members upload, owners and admins create and delete.
     "api:volume-list": [
         e("GET", "/api/v1/volumes/", ALL_200),
@@ -159,6 +172,10 @@ MATRIX = {
     "jobs:cancel": [page("POST", "/jobs/{vision_job}/cancel/", roles(302, 302, 403, 403, 404, 302))],
     # Staff submit only where they are members.
     "jobs:resubmit": [page("POST", "/jobs/{vision_job}/resubmit/", roles(302, 302, 302, 403, 404, 403))],
+    "jobs:hold": [page("POST", "/jobs/{vision_job}/hold/", roles(302, 302, 403, 403, 404, 302))],
+    "jobs:release": [page("POST", "/jobs/{vision_job}/release/", roles(302, 302, 403, 403, 404, 302))],
+    "jobs:update": [page("POST", "/jobs/{vision_job}/update/", roles(302, 302, 403, 403, 404, 302))],
+    "cluster": [page("GET", "/cluster/", PAGE_ALL)],
     "projects:detail": [page("GET", "/projects/vision/", PAGE_VISION)],
     # An empty form is a 400 before any role matters; the service refuses an empty upload (302 with the
     # message) to members and a viewer's or staff's (403).
