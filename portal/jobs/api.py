@@ -47,11 +47,13 @@ class JobSerializer(serializers.ModelSerializer):
     tasks = serializers.SerializerMethodField(help_text="Array parents: count of tasks per state.")
     warnings = serializers.ListField(child=serializers.CharField(), read_only=True,
                                      help_text="What the node could not enforce (e.g. a GPU share without CUDA MPS).")
+    volumes = serializers.ListField(child=serializers.DictField(), read_only=True,
+                                    help_text="The project's volumes mounted at /data/<name>: {name, read_only}.")
 
     class Meta:
         model = Job
         fields = ["id", "project", "user", "name", "image", "command", "env", "resources", "time_limit", "priority",
-                  "preemptible", "sandbox", "network", "array", "is_array_parent", "array_parent", "array_index",
+                  "preemptible", "sandbox", "network", "volumes", "array", "is_array_parent", "array_parent", "array_index",
                   "array_limit", "depends_on", "template", "resubmit_of", "state", "held", "slurm_code", "slurm_id", "attempt", "reason",
                   "queue_position", "node", "exit_code", "submitted_at", "started_at", "ended_at", "elapsed", "tasks",
                   "idle_since", "warnings"]

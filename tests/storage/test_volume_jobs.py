@@ -58,7 +58,7 @@ def test_a_job_writes_to_its_volume_and_the_file_downloads(api, demo, drivers):
     response = _submit(alice, "vision", ["sh", "-c", "id -u; echo result > /data/x/out.txt"], [{"name": "x"}])
     assert response.status_code == 201, response.json()
     job = Job.objects.get(pk=response.json()["id"])
-    assert job.volumes == [{"name": "x", "read_only": False}]
+    assert job.volumes == response.json()["volumes"] == [{"name": "x", "read_only": False}]
     code, log = _run(drivers(), job)
     assert code == 0, log
     assert log.split()[0] == str(2000000 + demo.vision.pk).encode()
