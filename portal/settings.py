@@ -370,6 +370,12 @@ SCHEDULER_QUOTAS = env_bool("SCHEDULER_QUOTAS", True)
 SCHEDULER_PLACEMENT = env_str("SCHEDULER_PLACEMENT", "bestfit")
 SCHEDULER_MIN_RUNTIME_S = env_int("SCHEDULER_MIN_RUNTIME_S", 600, minimum=0)
 SCHEDULER_FAIRSHARE_HALF_LIFE_S = env_int("SCHEDULER_FAIRSHARE_HALF_LIFE_S", 7 * 86400, minimum=60)
+# Kept from each node's registered CPUs and memory for its own system (agent, engine, kernel): the
+# scheduler places jobs, GPU or CPU-only, only while their cpus and memory_mb fit in the rest.
+NODE_RESERVED_CPUS = env_float("NODE_RESERVED_CPUS", 0.0)
+NODE_RESERVED_MEMORY_MB = env_int("NODE_RESERVED_MEMORY_MB", 1024, minimum=0)
+if NODE_RESERVED_CPUS < 0:
+    raise ImproperlyConfigured(f"NODE_RESERVED_CPUS: must be at least 0, got {NODE_RESERVED_CPUS}")
 LAUNCH_RESEND_S = env_int("LAUNCH_RESEND_S", 60, minimum=1)
 # A job assigned or starting this long that its node's heartbeats do not list (neither launching
 # nor running there) was lost on the way: it is requeued (portal/nodes/services.py).

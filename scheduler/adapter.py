@@ -21,7 +21,7 @@ from decimal import Decimal
 
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Count, F, Sum
+from django.db.models import F, Sum
 from django.utils import timezone
 
 from portal.core.crashpoints import crashpoint
@@ -66,6 +66,8 @@ def config_from_settings() -> core.Config:
         placement=settings.SCHEDULER_PLACEMENT,
         min_runtime_s=settings.SCHEDULER_MIN_RUNTIME_S,
         fairshare_half_life_s=settings.SCHEDULER_FAIRSHARE_HALF_LIFE_S,
+        node_reserved_cpus=settings.NODE_RESERVED_CPUS,
+        node_reserved_memory_mb=settings.NODE_RESERVED_MEMORY_MB,
     )
 
 
@@ -96,17 +98,22 @@ def _attained_gpu_s() -> dict[int, float]:
 def build_snapshot(now=None):
     """Returns (snapshot, context) where context maps core ids back to rows."""
     now = now or timezone.now()
-    nodes: dict[str, core.Node] = {}
+    # Every node that may hold jobs, GPUs or not: each job's CPUs and memory count against its node's.
+    nodes: dict[str, core.Node] = {
+        name: core.Node(name=name, pool=pool, gpus=[], sandbox=sandbox, cpus=float(cpus), memory_mb=memory,
+                        # New jobs only where the agent has proved it receives its queue (Node.schedulable).
+                        schedulable=node_state == NodeState.READY and verified is not None)
+        for name, pool, node_state, sandbox, verified, cpus, memory in Node.objects.filter(
+            state__in=[NodeState.READY, NodeState.DRAINING]).values_list(
+            "name", "pool", "state", "sandbox", "queue_verified_at", "cpus", "memory_mb")}
     gpu_rows = GPU.objects.filter(node__state__in=[NodeState.READY, NodeState.DRAINING]).values_list(
         "id", "node__name", "node__pool", "node__state", "index", "model", "memory_mb", "health", "mode",
         "node__sandbox", "node__queue_verified_at")
     gpu_node: dict[str, str] = {}
     for gid, node_name, pool, node_state, index, model, memory, health, mode, sandbox, verified in gpu_rows:
         node = nodes.get(node_name)
-        if node is None:
-            # New jobs only where the agent has proved it receives its queue (Node.schedulable).
-            node = nodes[node_name] = core.Node(name=node_name, pool=pool, gpus=[],
-                                                schedulable=node_state == NodeState.READY and verified is not None)
+        if node is None:  # a node that turned ready between the two reads: its jobs wait for the next pass
+            continue
         node.gpus.append(core.GPU(id=str(gid), node=node_name, index=index, model=model, memory_mb=memory,
                                   healthy=health == GPUHealth.HEALTHY, shared=mode == GPUMode.SHARED,
                                   sandbox=sandbox))
@@ -114,7 +121,7 @@ def build_snapshot(now=None):
 
     fields = ("id", "project__slug", "project__organization__slug", "user__username", "gpus", "submitted_at",
               "time_limit_s", "gpu_type", "gpu_memory_mb", "priority", "preemptible", "array_parent_id",
-              "array_limit", "started_at", "state_changed_at", "sandbox", "nodes")
+              "array_limit", "started_at", "state_changed_at", "sandbox", "nodes", "cpus", "memory_mb", "node__name")
 
     def to_core(row, deps_ok=True) -> core.Job:
         return core.Job(
@@ -124,7 +131,7 @@ def build_snapshot(now=None):
             gpu_memory_mb=row["gpu_memory_mb"], qos=QOS_VALUE[row["priority"]], preemptible=row["preemptible"],
             array_parent=str(row["array_parent_id"]) if row["array_parent_id"] else None,
             array_limit=row["array_limit"], deps_satisfied=deps_ok, sandbox=row["sandbox"], nodes=row["nodes"],
-            attained_gpu_s=attained.get(row["id"], 0.0),
+            attained_gpu_s=attained.get(row["id"], 0.0), cpus=float(row["cpus"]), memory_mb=row["memory_mb"],
         )
 
     config = config_from_settings()
@@ -140,7 +147,8 @@ def build_snapshot(now=None):
         start = min((r[4] for r in rows), default=row["state_changed_at"])
         running.append(core.Allocation(
             job=to_core(row), gpu_ids=[r[0] for r in rows], start_time=_epoch(start),
-            fractions={r[0]: r[1] for r in rows if r[2]}, borrowed=any(r[3] for r in rows)))
+            fractions={r[0]: r[1] for r in rows if r[2]}, borrowed=any(r[3] for r in rows),
+            node=None if rows else row["node__name"]))
 
     through = Job.depends_on.through
     blocked = set(through.objects.filter(from_job__state=JobState.QUEUED).exclude(
@@ -180,26 +188,6 @@ def build_snapshot(now=None):
     return snapshot, context
 
 
-def _cpu_node(context, sandbox: str) -> str | None:
-    """A CPU-only job runs on the ready node, of those offering its sandbox, with the fewest active jobs."""
-    load = context.get("cpu_load")
-    if load is None:
-        # Counted once per pass; each placement below adds to it.
-        kinds = context["node_sandbox"] = dict(Node.objects.filter(
-            state=NodeState.READY, queue_verified_at__isnull=False).values_list("name", "sandbox"))
-        load = context["cpu_load"] = dict.fromkeys(kinds, 0)
-        for name, count in Job.objects.filter(state__in=HOLDING, node__name__in=list(load)).values_list(
-                "node__name").annotate(n=Count("id")).order_by():
-            load[name] = count
-    hosts = core.sandbox_hosts(sandbox)
-    fits = [n for n in load if context["node_sandbox"][n] in hosts]
-    if not fits:
-        return None
-    name = min(fits, key=lambda n: (load[n], n))
-    load[name] += 1
-    return name
-
-
 def _start_times(starts, now) -> dict[str, object]:
     """When each start's allocations begin: the apply time, or the previous holder's release if
     that is later (a release committed after this pass began, or stamped by a web process whose
@@ -218,14 +206,7 @@ def _apply_start(start: core.Start, context, start_time) -> tuple[list[str], int
     # Nodes in the order of the job's GPUs: the first is the rendezvous master of a gang.
     node_names = list(dict.fromkeys(context["gpu_node"][g] for g in start.gpu_ids))
     if not node_names:
-        sandbox = context["queued"][start.job_id]["sandbox"]
-        cpu_node = _cpu_node(context, sandbox)
-        if cpu_node is None:
-            message = f"Asks for the {sandbox} sandbox, which no ready node offers now"
-            Job.objects.filter(pk=job_id, state=JobState.QUEUED).update(
-                reason_code=core.REASON_SANDBOX, reason_message=message, queue_position=None)
-            return None
-        node_names = [cpu_node]
+        node_names = [start.node]  # a CPU-only job: the core picked a node with room for it
     try:
         with transaction.atomic():
             shared = set(GPU.objects.filter(pk__in=gpu_ids, mode=GPUMode.SHARED).values_list("pk", flat=True))

@@ -27,6 +27,9 @@ REASON_SANDBOX = "sandbox"  # no schedulable node offers the sandbox the job ask
 # Enough matching GPUs are free, but not on one node (or not on `nodes` nodes with gpus_per_node each):
 # it would start only if split, which a job is never unless it asks for several nodes.
 REASON_FRAGMENTED = "fragmented"
+# No schedulable node has the CPUs or memory the job asks for (per node) free now, or at all, beside
+# the GPUs it would take there.
+REASON_NODE_RESOURCES = "node_resources"
 
 # Which node sandboxes (what its agent runs; "" before the agent first registers) run a job's
 # sandbox. A VM is never swapped for a container: a job that asked for kvm isolation gets it.
@@ -55,10 +58,17 @@ class GPU:
 
 @dataclass
 class Node:
+    """`cpus` and `memory_mb` are what its agent registered (0: not known yet, not accounted); every
+    job on it (GPU or CPU-only) counts against them, less Config's system reserve. `sandbox` is its
+    agent's, for CPU-only jobs (a GPU carries its node's too)."""
+
     name: str
     pool: str
     gpus: list[GPU]
     schedulable: bool = True  # False while draining/drained/down
+    cpus: float = 0.0
+    memory_mb: int = 0
+    sandbox: str = ""
 
 
 @dataclass
@@ -93,6 +103,9 @@ class Job:
     # (None: at submit). The `las` policy orders and preempts by them.
     attained_gpu_s: float = 0.0
     queued_since: float | None = None
+    # What its sandbox gets on each of its nodes (0: nothing accounted, as in traces without them).
+    cpus: float = 0.0
+    memory_mb: int = 0
 
     @property
     def gpus_per_node(self) -> int:
@@ -109,6 +122,7 @@ class Allocation:
     start_time: float
     fractions: dict[str, float] = field(default_factory=dict)
     borrowed: bool = False
+    node: str | None = None  # a CPU-only job's node (a GPU job's come from its GPUs)
 
 
 @dataclass
@@ -189,6 +203,10 @@ class Config:
     # Keeps a pass cheap on a full cluster with a long queue.
     max_failed_placements: int = 200
     explain: bool = True  # False (simulator): skip per-job reasons to save time
+    # Kept from every node's registered CPUs and memory for its system (the agent, the engine,
+    # the kernel): jobs get the rest.
+    node_reserved_cpus: float = 0.0
+    node_reserved_memory_mb: int = 0
 
 
 @dataclass
@@ -209,6 +227,7 @@ class Start:
     gpu_ids: list[str]
     fractions: dict[str, float]
     borrowed: bool
+    node: str | None = None  # where a CPU-only job runs (a GPU job runs where its GPUs are)
 
 
 @dataclass

@@ -10,6 +10,11 @@ thousandths of the GPU are still free, so packing a fraction is the same walk.
 
 Fractions are counted in integer thousandths (UNITS) so that the fractions
 placed on one GPU can never sum above 1.0 through float rounding.
+
+Every job also takes its `cpus` and `memory_mb` on each of its nodes: `room`
+holds what each node with a known size has left of them (less the system
+reserve), and a node without room for a job is passed over as if its GPUs were
+taken. CPU-only jobs go to the node with room that runs the fewest jobs.
 """
 from __future__ import annotations
 
@@ -31,6 +36,21 @@ def frac_units(job: Job, memory_mb: int) -> int:
     if job.gpu_memory_mb and memory_mb > 0:
         need = max(need, math.ceil(job.gpu_memory_mb * UNITS / memory_mb - 1e-6))
     return max(need, 1)
+
+
+def alloc_nodes(alloc: Allocation, node_of: dict[str, str]) -> list[str]:
+    """The nodes a running job takes CPUs and memory on: its GPUs' nodes, or a CPU-only job's own."""
+    if alloc.node is not None:
+        return [alloc.node]
+    return list(dict.fromkeys(node_of[g] for g in alloc.gpu_ids if g in node_of))
+
+
+def fmt_cpus(x: float) -> str:
+    return "no" if x <= 0 else f"{x:g}"
+
+
+def fmt_mem(mb: float) -> str:
+    return "no" if mb <= 0 else f"{mb / 1024:.3g} GiB" if mb >= 1024 else f"{int(mb)} MiB"
 
 
 def alloc_units(alloc: Allocation, gpu: GPU) -> int:
@@ -112,6 +132,11 @@ class ClusterState:
         self.total_free: dict[ClassKey, int] = {c: 0 for c in topo.classes}
         self.rem_buckets: dict[ClassKey, dict[int, dict[str, None]]] = {}
         self.classes = topo.classes
+        # node -> [CPUs, MiB] still free for jobs; only nodes of a known size (index_nodes).
+        self.room: dict[str, list[float]] = {}
+        self.size: dict[str, tuple[float, float]] = {}  # the same, with nothing running
+        self.jobs_on: dict[str, int] = {}  # active jobs per node: CPU-only jobs go to the least busy
+        self.nodes: list[Node] = []
         for cls, node, ids in topo.groups:
             free_ids = [i for i in ids if i not in used] if used else list(ids)
             self.free[cls][node] = free_ids
@@ -124,7 +149,8 @@ class ClusterState:
                 self.rem_buckets.setdefault(cls, {}).setdefault(UNITS - u, {})[gid] = None
 
     @classmethod
-    def build(cls, nodes: list[Node], running: list[Allocation], topo: Topology | None = None) -> ClusterState:
+    def build(cls, nodes: list[Node], running: list[Allocation], topo: Topology | None = None,
+              reserve: tuple[float, int] = (0.0, 0)) -> ClusterState:
         topo = topo or Topology.from_nodes(nodes)
         gpu = topo.gpu
         used: dict[str, int] = {}
@@ -138,7 +164,58 @@ class ClusterState:
                 for gid in a.gpu_ids:
                     if gid in gpu:
                         used[gid] = UNITS
-        return cls(topo, used)
+        state = cls(topo, used)
+        state.index_nodes(nodes, running, reserve)
+        return state
+
+    # -- node CPUs and memory ----------------------------------------------
+    def index_nodes(self, nodes: list[Node], running: list[Allocation], reserve: tuple[float, int]) -> None:
+        """Each node's CPUs and memory left for jobs: its size less `reserve` less what its running
+        jobs take (a figure of 0 is not known: not accounted)."""
+        self.nodes = nodes
+        node_of = {g.id: n.name for n in nodes for g in n.gpus}
+        for n in nodes:
+            self.jobs_on[n.name] = 0
+            if n.cpus > 0 or n.memory_mb > 0:
+                self.size[n.name] = (n.cpus - reserve[0] if n.cpus > 0 else math.inf,
+                                     n.memory_mb - reserve[1] if n.memory_mb > 0 else math.inf)
+                self.room[n.name] = list(self.size[n.name])
+        for a in running:
+            self.take_room(alloc_nodes(a, node_of), a.job)
+
+    def fits_room(self, node: str, job: Job | None) -> bool:
+        r = self.room.get(node) if job is not None else None
+        return r is None or (r[0] + 1e-6 >= job.cpus and r[1] >= job.memory_mb)
+
+    def take_room(self, nodes: Iterable[str], job: Job) -> None:
+        for node in nodes:
+            self.jobs_on[node] = self.jobs_on.get(node, 0) + 1
+            r = self.room.get(node)
+            if r is not None:
+                r[0] -= job.cpus
+                r[1] -= job.memory_mb
+
+    def cpu_nodes(self, job: Job, hosts: tuple[str, ...]) -> list[Node]:
+        """The nodes a CPU-only job may run on: schedulable, offering its sandbox, in its pool."""
+        return [n for n in self.nodes if n.schedulable and n.sandbox in hosts
+                and (job.pool is None or n.pool == job.pool)]
+
+    def place_cpu(self, job: Job, hosts: tuple[str, ...]) -> str | None:
+        """The node for a CPU-only job: of `cpu_nodes` those with room, the one running the fewest
+        jobs (the caller's start takes its room)."""
+        fits = [n.name for n in self.cpu_nodes(job, hosts) if self.fits_room(n.name, job)]
+        return min(fits, key=lambda n: (self.jobs_on[n], n)) if fits else None
+
+    def too_big(self, job: Job, nodes: Iterable[Node]) -> str | None:
+        """Why `job` fits none of `nodes` even with nothing running there (their size less the
+        reserve), or None when one could hold it or a size is not known."""
+        sizes = [self.size.get(n.name) for n in nodes]
+        if not sizes or None in sizes or (job.cpus <= 0 and job.memory_mb <= 0):
+            return None
+        if any(c + 1e-6 >= job.cpus and m >= job.memory_mb for c, m in sizes):
+            return None
+        c, m = max(sizes)
+        return f"the largest has {fmt_cpus(c)} CPUs and {fmt_mem(m)} of memory for jobs"
 
     # -- queries ---------------------------------------------------------
     def free_units(self, gid: str) -> int:
@@ -231,13 +308,15 @@ class ClusterState:
             self._set_used(gid, old, old - units)
 
     # -- placement --------------------------------------------------------
-    def place_whole(self, g: int, classes: list[ClassKey], mode: str, nodes: int = 1) -> list[str] | None:
+    def place_whole(self, g: int, classes: list[ClassKey], mode: str, nodes: int = 1,
+                    job: Job | None = None) -> list[str] | None:
         """All-or-nothing placement of `g` whole GPUs on exactly `nodes` nodes of one
         class, `g // nodes` on each; a single-node job is never split. Best fit takes
         the nodes left with the least over, spread the least used then the coolest.
-        Takes the GPUs and returns them, the first node's first (the gang's master)."""
+        Only nodes with room for `job`'s CPUs and memory. Takes the GPUs and returns
+        them, the first node's first (the gang's master)."""
         if nodes > 1:
-            return self._place_gang(g // nodes, nodes, classes, mode)
+            return self._place_gang(g // nodes, nodes, classes, mode, job)
         best = None  # (score, cls, node)
         for cls in classes:
             if self.total_free[cls] < g:
@@ -247,27 +326,30 @@ class ClusterState:
                 for k in range(g, len(b)):
                     for node in b[k]:
                         score = self.node_load(cls, node)
-                        if best is None or score < best[0]:
+                        if (best is None or score < best[0]) and self.fits_room(node, job):
                             best = (score, cls, node)
             else:
                 for k in range(g, len(b)):
-                    if b[k]:
+                    node = next((n for n in b[k] if self.fits_room(n, job)), None)
+                    if node is not None:
                         if best is None or k - g < best[0]:
-                            best = (k - g, cls, next(iter(b[k])))
+                            best = (k - g, cls, node)
                         break
         if best is None:
             return None
         _, cls, node = best
         return self._take_on_node(cls, node, g, mode)
 
-    def _place_gang(self, per: int, nodes: int, classes: list[ClassKey], mode: str) -> list[str] | None:
+    def _place_gang(self, per: int, nodes: int, classes: list[ClassKey], mode: str,
+                    job: Job | None = None) -> list[str] | None:
         best = None  # (score, cls, [node, ...])
         for cls in classes:
             if self.total_free[cls] < per * nodes:
                 continue
             b = self.buckets[cls]
             if mode == "spread":
-                cands = sorted((self.node_load(cls, n), n) for k in range(per, len(b)) for n in b[k])
+                cands = sorted((self.node_load(cls, n), n) for k in range(per, len(b)) for n in b[k]
+                               if self.fits_room(n, job))
                 if len(cands) < nodes:
                     continue
                 chosen = cands[:nodes]
@@ -277,6 +359,8 @@ class ClusterState:
                 picked, score = [], 0
                 for k in range(per, len(b)):
                     for n in b[k]:
+                        if not self.fits_room(n, job):
+                            continue
                         picked.append(n)
                         score += k - per
                         if len(picked) == nodes:
@@ -314,6 +398,14 @@ class ClusterState:
             self.take(gid)
         return chosen
 
+    def _free_nodes(self, cls: ClassKey, job: Job, most_first: bool):
+        """(wholly free GPUs, node) of a class's nodes with room for `job`, by that count."""
+        b = self.buckets[cls]
+        for k in (range(len(b) - 1, 0, -1) if most_first else range(1, len(b))):
+            for n in b[k]:
+                if self.fits_room(n, job):
+                    yield k, n
+
     def place_fraction(self, job: Job, classes: list[ClassKey], mode: str) -> tuple[str, int] | None:
         """Pack a fractional job on one shared GPU. Best fit: the partly used
         GPU left with the least room, else a wholly free one on the busiest
@@ -328,26 +420,27 @@ class ClusterState:
                 continue
             rb = self.rem_buckets.get(cls) or {}
             cand = None
+            room = (lambda gid: self.fits_room(self.gpu[gid].node, job)) if self.room else (lambda gid: True)
+            whole = self._free_nodes(cls, job, most_first=mode == "spread")
             if mode == "spread":
-                if self.total_free[cls]:
-                    b = self.buckets[cls]
-                    k = next(k for k in range(len(b) - 1, 0, -1) if b[k])
-                    node = next(iter(b[k]))
-                    cand = (-(k + 1) * UNITS, self.free[cls][node][0])
+                k_node = next(whole, None)
+                if k_node is not None:
+                    cand = (-(k_node[0] + 1) * UNITS, self.free[cls][k_node[1]][0])
                 else:
-                    top = max((u for u in rb if u >= need and rb[u]), default=None)
-                    if top is not None:
-                        cand = (-top, next(iter(rb[top])))
+                    for top in sorted((u for u in rb if u >= need and rb[u]), reverse=True):
+                        gid = next((i for i in rb[top] if room(i)), None)
+                        if gid is not None:
+                            cand = (-top, gid)
+                            break
             else:
                 for u in range(need, UNITS):
-                    ids = rb.get(u)
-                    if ids:
-                        cand = (u - need, next(iter(ids)))
+                    gid = next((i for i in rb.get(u) or () if room(i)), None)
+                    if gid is not None:
+                        cand = (u - need, gid)
                         break
-                if cand is None and self.total_free[cls]:
-                    b = self.buckets[cls]
-                    k = next(k for k in range(1, len(b)) if b[k])
-                    cand = (UNITS - need + k, self.free[cls][next(iter(b[k]))][0])
+                k_node = next(whole, None) if cand is None else None
+                if k_node is not None:
+                    cand = (UNITS - need + k_node[0], self.free[cls][k_node[1]][0])
             if cand is not None and (best is None or cand[0] < best[0]):
                 best = (cand[0], cand[1], need)
         if best is None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 from .admission import EPS, Tally, admit, fmt_duration, fmt_gpus
 from .backfill import Held, could_use, earliest_start, release_timeline, reserve, with_released
 from .model import (
-    REASON_FRAGMENTED, REASON_PREEMPTING, REASON_PRIORITY, REASON_RESERVATION, REASON_RESOURCES, REASON_SANDBOX,
-    REASON_UNPLACEABLE,
+    REASON_FRAGMENTED, REASON_NODE_RESOURCES, REASON_PREEMPTING, REASON_PRIORITY, REASON_RESERVATION,
+    REASON_RESOURCES, REASON_SANDBOX, REASON_UNPLACEABLE,
     Allocation, Job, Plan, Preemption, ProjectQuota, Reason, Snapshot, Start, sandbox_hosts,
 )
 from .ordering import las_queue_running, las_queue_waiting, order_queue
-from .placement import UNITS, ClassKey, ClusterState, Topology, frac_units
+from .placement import UNITS, ClassKey, ClusterState, Topology, fmt_mem, frac_units
 from .preempt import VictimPool
 
 
@@ -20,7 +20,8 @@ class _Pass:
         self.snap = snap
         self.cfg = snap.config
         self.now = snap.now
-        self.state = ClusterState.build(snap.nodes, snap.running, topology)
+        self.state = ClusterState.build(snap.nodes, snap.running, topology,
+                                        reserve=(self.cfg.node_reserved_cpus, self.cfg.node_reserved_memory_mb))
         self.tally = Tally.from_running(snap.running)
         self.models = self.state.topo.models
         self.capacity = self.state.topo.capacity
@@ -35,6 +36,7 @@ class _Pass:
         self.preempt_attempts = 0
         self.preempt_failed: dict[tuple, tuple[float, int]] = {}  # (project, classes) -> (min gpus, max qos)
         self._classes: dict[tuple, list[ClassKey]] = {}
+        self._too_big: dict[tuple, str | None] = {}  # (classes, cpus, memory) -> why no node could hold it
         self.failed = 0  # admitted jobs that could not be placed, for max_failed_placements
         self.blocked_head: Job | None = None
         # Explain only: job id -> (ids of the reservations holding GPUs it would fit on, seconds
@@ -65,7 +67,7 @@ class _Pass:
     def place(self, job: Job, classes: list[ClassKey], mode: str):
         """(gpu_ids, fractions) taken from the free index, or None."""
         if job.gpus >= 1:
-            ids = self.state.place_whole(int(job.gpus), classes, mode, job.nodes)
+            ids = self.state.place_whole(int(job.gpus), classes, mode, job.nodes, job)
             return (ids, {}) if ids else None
         got = self.state.place_fraction(job, classes, mode)
         return ([got[0]], {got[0]: job.gpus}) if got else None
@@ -88,12 +90,49 @@ class _Pass:
         Only under multifactor: fifo keeps submit order whatever the quota, las attained service."""
         return self.cfg.quotas and self.policy_of(job) == "multifactor"
 
-    def start(self, job: Job, ids: list[str], fractions: dict[str, float]) -> None:
+    def start(self, job: Job, ids: list[str], fractions: dict[str, float], node: str | None = None) -> None:
         proj = self.snap.projects.get(job.project)
         borrowed = self.cfg.quotas and self.tally.borrowed(job, proj)
-        self.plan.starts.append(Start(job.id, ids, fractions, borrowed))
+        self.plan.starts.append(Start(job.id, ids, fractions, borrowed, node))
         self.tally.add(job)
-        self.started.append(Allocation(job, ids, self.now, fractions, borrowed))
+        self.state.take_room([node] if node else dict.fromkeys(self.state.gpu[g].node for g in ids), job)
+        self.started.append(Allocation(job, ids, self.now, fractions, borrowed, node))
+
+    # -- node CPUs and memory -----------------------------------------------
+    @staticmethod
+    def needs(job: Job) -> str:
+        parts = [f"{job.cpus:g} CPU{'' if job.cpus == 1 else 's'}"] if job.cpus > 0 else []
+        parts += [f"{fmt_mem(job.memory_mb)} of memory"] if job.memory_mb > 0 else []
+        return " and ".join(parts)
+
+    def start_cpu_only(self, job: Job) -> None:
+        """A CPU-only job starts at once on a node with room for it, or waits saying why."""
+        hosts = sandbox_hosts(job.sandbox)
+        node = self.state.place_cpu(job, hosts)
+        if node is not None:
+            self.start(job, [], {}, node)
+            return
+        cands = self.state.cpu_nodes(job, hosts)
+        if not cands:
+            self.codes[job.id] = (REASON_SANDBOX, f"Asks for the {job.sandbox} sandbox, which no ready node offers now")
+        elif (why := self.state.too_big(job, cands)) is not None:
+            self.codes[job.id] = (REASON_NODE_RESOURCES, f"Asks for {self.needs(job)} on one node, more than any "
+                                                         f"node offering its sandbox has: {why}")
+        else:
+            self.codes[job.id] = (REASON_NODE_RESOURCES, f"Waiting for {self.needs(job)} on one node: no node "
+                                                         f"offering its sandbox has that much free now")
+
+    def room_blocked(self, job: Job, classes: list[ClassKey]) -> bool:
+        """After `job` failed to place: were its GPUs free, so that CPUs or memory kept it off them?"""
+        st = self.state
+        if not st.room or (job.cpus <= 0 and job.memory_mb <= 0):
+            return False
+        if job.gpus < 1:
+            return any(c[3] and (st.total_free[c] or any(
+                ids and u >= frac_units(job, c[2]) for u, ids in (st.rem_buckets.get(c) or {}).items()))
+                for c in classes)
+        per = job.gpus_per_node
+        return any(sum(1 for ids in st.free[c].values() if len(ids) >= per) >= job.nodes for c in classes)
 
     def might_fit(self, job: Job) -> bool:
         """Cheap upper bound used only when nobody reads reasons: False when
@@ -314,6 +353,15 @@ class _Pass:
             return (REASON_SANDBOX, f"Asks for the {job.sandbox} sandbox, which no schedulable node "
                                     f"with GPUs offers now")
         topo = self.state.topo
+        if classes and self.state.size and (job.cpus > 0 or job.memory_mb > 0):
+            key = (tuple(classes), job.cpus, job.memory_mb)
+            if key not in self._too_big:  # jobs asking alike share the answer: refused() runs for every job
+                near = {node for cls, node, _ in topo.groups if cls in classes}
+                self._too_big[key] = self.state.too_big(job, [n for n in self.state.nodes if n.name in near])
+            why = self._too_big[key]
+            if why is not None:
+                return (REASON_NODE_RESOURCES, f"Asks for {self.needs(job)} beside its GPUs on each node, more "
+                                               f"than any node with such GPUs has: {why}")
         if not classes or not any(topo.fits(c, per, nodes) for c in classes):
             if classes and nodes == 1 and max(self.capacity[c] for c in classes) >= need:
                 biggest = max(topo.sizes[c][0] for c in classes)
@@ -348,7 +396,7 @@ class _Pass:
             self.codes[job.id] = refusal
             return
         if job.gpus <= EPS:
-            self.start(job, [], {})
+            self.start_cpu_only(job)
             return
         classes = self.classes_for(job)
         blocking = self.blocking(job)
@@ -369,6 +417,14 @@ class _Pass:
                 self.start(job, *got)
                 return
             self.failed += 1
+            if self.room_blocked(job, classes):
+                # GPUs would do, CPUs or memory beside them do not: no reservation of GPUs helps that.
+                if blocking == "strict":
+                    self.blocked_head = job
+                self.codes[job.id] = (REASON_NODE_RESOURCES, f"Waiting for {self.needs(job)} beside its "
+                                                             f"{fmt_gpus(job.gpus)}: the nodes where they are free "
+                                                             f"have not that much free now")
+                return
             free = state.fragmented_free(job, classes)
             if free:
                 self.plan.fragmented[job.id] = free

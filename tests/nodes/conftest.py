@@ -24,7 +24,7 @@ def starting(demo, sent):
     agent = APIClient()
     agent.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
     inventory = [{"index": 0, "uuid": "GPU-start-0", "model": "NVIDIA H100 80GB HBM3", "memory_mb": 81559}]
-    assert agent.post("/api/agent/v1/register", {"name": "gpu-01", "cpus": 8, "memory_mb": 1, "sandbox": "docker",
+    assert agent.post("/api/agent/v1/register", {"name": "gpu-01", "cpus": 8, "memory_mb": 65536, "sandbox": "docker",
                                                  "gpus": inventory}, format="json").status_code == 200
     agent.job, _ = job_submit(actor=Actor(user=demo.users["alice"]), data={
         "project": "vision", "name": "j", "image": "gpuportal/busybox:latest", "command": ["true"],

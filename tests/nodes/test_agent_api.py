@@ -158,7 +158,7 @@ def test_unenforceable_gpu_share_is_said_on_the_job(demo, api, monkeypatch):
     node, secret = node_add(actor=Actor(user=demo.users["admin"]), name="gpu-s", gpus="1xA100-80GB", shared=True)
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
-    body = {"name": "gpu-s", "cpus": 8, "memory_mb": 1, "sandbox": "docker",
+    body = {"name": "gpu-s", "cpus": 8, "memory_mb": 65536, "sandbox": "docker",
             "gpus": [{"index": 0, "uuid": "GPU-s0", "model": "NVIDIA A100 80GB", "memory_mb": 81920}],
             "capabilities": {"mps": False}}
     assert post(client, "register", body).status_code == 200

@@ -75,7 +75,7 @@ def test_a_registration_without_the_problem_puts_the_gpus_back_but_not_other_fau
 
 def test_an_unusable_reason_that_is_too_long_is_a_400(agent):
     r = agent.post("/api/agent/v1/register", format="json", data={
-        "name": "gpu-nort", "cpus": 32, "memory_mb": 1, "sandbox": "docker", "gpus": INVENTORY,
+        "name": "gpu-nort", "cpus": 32, "memory_mb": 262144, "sandbox": "docker", "gpus": INVENTORY,
         "gpus_unusable": "x" * 151})
     assert r.status_code == 400 and "gpus_unusable" in r.json()["error"]["fields"]
     assert GPU.objects.filter(node=agent.node, health="unhealthy").count() == 0

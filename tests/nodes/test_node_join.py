@@ -38,7 +38,7 @@ def agent(demo, sent, django_capture_on_commit_callbacks):
 
 
 def register(agent):
-    r = agent.post("/api/agent/v1/register", {"name": "gpu-01", "cpus": 8, "memory_mb": 1024, "sandbox": "docker",
+    r = agent.post("/api/agent/v1/register", {"name": "gpu-01", "cpus": 8, "memory_mb": 65536, "sandbox": "docker",
                                               "gpus": INVENTORY}, format="json")
     assert r.status_code == 200, r.content
     return r

@@ -33,7 +33,7 @@ def agent(demo):
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
     client.node = node
-    r = client.post("/api/agent/v1/register", {"name": "out-01", "cpus": 4, "memory_mb": 1024, "sandbox": "docker",
+    r = client.post("/api/agent/v1/register", {"name": "out-01", "cpus": 4, "memory_mb": 16384, "sandbox": "docker",
                                                 "gpus": INVENTORY}, format="json")
     assert r.status_code == 200
     return client
