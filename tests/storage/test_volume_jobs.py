@@ -135,3 +135,35 @@ def test_the_next_attempt_on_another_node_sees_the_checkpoint(api, demo, drivers
     folder = settings.VOLUMES_ROOT / "acme/vision" / ("x" if volumes else "") / ".checkpoints" / str(job.pk)
     assert (folder / "step").read_text() == "41\n"
     assert os.stat(folder).st_uid == 2000000 + demo.vision.pk and os.stat(folder).st_mode & 0o777 == 0o770
+
+
+def test_the_launch_sent_to_the_node_carries_the_volumes_and_checkpoint(demo, sent, django_capture_on_commit_callbacks):
+    """What the scheduler puts on the node's queue is what the agent builds its LaunchSpec from."""
+    from portal.core.context import Actor
+    from portal.jobs.services import job_submit
+    from portal.nodes.services import node_add
+    from portal.storage.services import volume_create
+    from scheduler.adapter import run_pass
+
+    alice = Actor(user=demo.users["alice"])
+    node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="2xH100-80GB")
+    volume_create(actor=alice, project=demo.vision, name="ref")
+    volume_create(actor=alice, project=demo.vision, name="out")
+    job, _ = job_submit(actor=alice, data={"project": "vision", "image": JOB_IMAGE, "command": ["true"],
+                                           "volumes": [{"name": "ref", "read_only": True}, {"name": "out"}]})
+    with django_capture_on_commit_callbacks(execute=True):
+        run_pass()
+    (task, node, args), = sent
+    assert task == "agent.launch" and args[:2] == [str(job.pk), 1]
+    assert args[2]["volumes"] == [{"name": "ref", "read_only": True, "path": "acme/vision/ref"},
+                                  {"name": "out", "read_only": False, "path": "acme/vision/out"}]
+    assert args[2]["checkpoint"] == {"volume": "out", "path": f"acme/vision/out/.checkpoints/{job.pk}"}
+    spec = LaunchSpec.from_dict(args[2], job_id=args[0], attempt=args[1])
+    assert spec.volumes == args[2]["volumes"] and spec.project_id == demo.vision.pk
+
+
+@pytest.fixture
+def sent(monkeypatch):
+    calls = []
+    monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args, **kw: calls.append((task, node, args)))
+    return calls
