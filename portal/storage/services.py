@@ -9,7 +9,7 @@ from django.db import IntegrityError, transaction
 
 from portal.core.context import Actor
 from agents.sandbox.volumes import chown_if_allowed
-from portal.core.errors import Forbidden, InvalidInput, ServiceError
+from portal.core.errors import Conflict, Forbidden, InvalidInput, ServiceError
 from portal.core.querysets import check_token_project, user_can
 from portal.core.services import audit_record
 from portal.tenancy.models import Project
@@ -57,7 +57,14 @@ def volume_create(*, actor: Actor, project: Project, name: str, quota_mb: int | 
 
 def volume_delete(*, actor: Actor, volume: Volume) -> None:
     """Remove the volume and every file in it (rmtree does not follow symlinks)."""
+    from portal.jobs.models import ACTIVE, Job
+
     _require(actor, "manage", volume.project, "delete volumes")
+    users = Job.objects.filter(project=volume.project, state__in=ACTIVE, volumes__contains=[{"name": volume.name}])
+    if users.exists():
+        ids = ", ".join(str(pk) for pk in users.values_list("pk", flat=True)[:5])
+        raise Conflict(f"Volume {volume.name} is named by jobs not yet ended ({ids}); cancel them or wait.",
+                       code="volume_in_use")
     base = os.path.join(files.root(), *files.volume_parts(volume))
     with transaction.atomic():
         audit_record(actor=actor, action="volume.delete", obj=volume, project=volume.project)

@@ -167,3 +167,35 @@ def sent(monkeypatch):
     calls = []
     monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args, **kw: calls.append((task, node, args)))
     return calls
+
+
+def test_a_volume_named_by_an_unfinished_job_is_not_deleted(api, demo):
+    from portal.jobs.models import JobState
+    from portal.jobs.states import transition
+
+    alice = api("alice")
+    volume = alice.post("/api/v1/volumes/", {"project": "vision", "name": "x"}, format="json").json()
+    job = _submit(alice, "vision", ["true"], [{"name": "x"}]).json()
+    response = alice.delete(f"/api/v1/volumes/{volume['id']}/")
+    assert response.status_code == 409 and response.json()["error"]["code"] == "volume_in_use"
+    assert str(job["id"]) in response.json()["error"]["message"]
+    assert (settings.VOLUMES_ROOT / "acme/vision/x").is_dir()
+    assert transition(job["id"], to=JobState.CANCELLED, from_states={JobState.QUEUED})
+    assert alice.delete(f"/api/v1/volumes/{volume['id']}/").status_code == 204
+
+
+def test_the_process_sandbox_names_the_host_folders(demo, tmp_path, monkeypatch):
+    """No mounts there: the job is told where its volume and checkpoint folder are."""
+    from agents.sandbox.process_driver import ProcessDriver
+    from portal.core.context import Actor
+    from portal.jobs.services import job_submit
+    from portal.storage.services import volume_create
+
+    monkeypatch.setenv("GPUPORTAL_VOLUMES_ROOT", str(settings.VOLUMES_ROOT))
+    volume_create(actor=Actor(user=demo.users["alice"]), project=demo.vision, name="my-data")
+    job, _ = job_submit(actor=Actor(user=demo.users["alice"]), data={
+        "project": "vision", "image": JOB_IMAGE, "volumes": [{"name": "my-data"}],
+        "command": ["sh", "-c", 'echo "$GPUPORTAL_VOLUME_MY_DATA|$GPUPORTAL_CHECKPOINT_DIR"']})
+    code, log = _run(ProcessDriver(node="p", state_dir=str(tmp_path / "state")), job)
+    root = os.path.realpath(settings.VOLUMES_ROOT)
+    assert code == 0 and log.decode().strip() == f"{root}/acme/vision/my-data|{root}/acme/vision/my-data/.checkpoints/{job.pk}"
