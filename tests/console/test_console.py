@@ -70,6 +70,7 @@ def test_staff_sees_charts_and_numbers(clock, busy, client):
     assert html.count('data-chart="') == 4 and html.count("<details>") == 2
     assert 'id="console-data" type="application/json"' in html and "<svg" not in html
     assert "Xid error 79" in html  # unhealthy GPUs
+    assert 'href="/console/" aria-current="page">Console</a>' in html  # staff reach it from the top bar
     assert "vision" in html  # idle-but-allocated row and revenue by project
     # The heat map: a number and a colour step per GPU (the held GPU idles, the other runs at 88 %).
     assert re.search(r'<th scope="row">gpu-01</th>(<td class="heat-0">0</td><td class="heat-9">88</td>|'
