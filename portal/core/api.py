@@ -5,6 +5,7 @@ from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.core.exceptions import RequestDataTooBig
 from django.http import Http404
 from rest_framework import exceptions, serializers, viewsets
+from rest_framework.fields import _UnvalidatedField
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
@@ -87,10 +88,24 @@ def holds_nul(value) -> bool:
     return False
 
 
+def nul_escapes_checks(field, value) -> bool:
+    """A NUL character that this field's own validation would let through to PostgreSQL (which
+    cannot store or compare one: a 500): a slug lookup, free-form JSON, or a dict's keys (DRF
+    checks a DictField's values only). Text fields refuse NUL themselves, with their own message."""
+    if isinstance(field, (serializers.RelatedField, serializers.JSONField)):
+        return holds_nul(value)
+    if isinstance(field, (serializers.DictField, serializers.ListField)):
+        if isinstance(field.child, (_UnvalidatedField, serializers.DictField, serializers.ListField,
+                                    serializers.JSONField)):
+            return holds_nul(value)
+        return isinstance(field, serializers.DictField) and isinstance(value, Mapping) and any(
+            isinstance(key, str) and "\x00" in key for key in value)
+    return False
+
+
 class StrictSerializerMixin:
     """Refuse unknown and read-only keys instead of silently dropping them (mass assignment),
-    and NUL characters in any field but a text field that opted out of DRF's own check (a
-    slug lookup, a JSON column or a list would carry one into PostgreSQL: a 500)."""
+    and NUL characters that a field's own checks would let through (nul_escapes_checks)."""
 
     def to_internal_value(self, data):
         if isinstance(data, Mapping):
@@ -104,7 +119,7 @@ class StrictSerializerMixin:
                         isinstance(value, str) or (value is None and self.fields[key].allow_null)
                     ):
                         errors[key] = ["Expected a string."]
-                    elif not isinstance(self.fields[key], serializers.CharField) and holds_nul(value):
+                    elif nul_escapes_checks(self.fields[key], value):
                         errors[key] = ["Null characters are not allowed."]
                     continue
                 errors[key] = ["This field is read-only."] if key in readonly else ["Unknown field."]

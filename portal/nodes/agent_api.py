@@ -118,6 +118,7 @@ class JobKeySerializer(serializers.Serializer):
     state = serializers.CharField(max_length=16)
 
 
+@extend_schema_field({"oneOf": [{"type": "number", "minimum": 0, "maximum": 1e11}, {"type": "string", "maxLength": 40}]})
 class TimestampField(serializers.Field):
     """Epoch seconds or an ISO 8601 string; the ingest puts a skewed or unreadable one at now."""
 

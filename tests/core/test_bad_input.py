@@ -330,7 +330,7 @@ def test_times_in_query_filters_are_taken_as_utc(admin, when, status):
     ("/api/v1/jobs/", {"project": "vis\x00ion", "name": "j", "image": "gpuportal/busybox:latest",
                        "command": ["true"]}, "project"),
     ("/api/v1/jobs/", {"project": "vision", "name": "j", "image": "gpuportal/busybox:latest",
-                       "command": ["true"], "env": {"A": "x\x00y"}}, "env"),
+                       "command": ["true"], "env": {"A\x00": "x"}}, "env"),
     ("/api/v1/job-templates/", {"project": "\x00", "name": "t", "spec": {}}, "project"),
     ("/api/v1/job-templates/", {"project": "vision", "name": "t", "spec": {"env": {"\x00": "1"}}}, "spec"),
     ("/api/v1/projects/vision/members/", {"username": "char\x00lie", "role": "member"}, "username"),

@@ -31,7 +31,7 @@ from portal.nodes.services import node_add
 from portal.tenancy.services import membership_add
 from tests.conftest import make_token
 
-EXAMPLES = int(os.environ.get("GPUPORTAL_FUZZ_EXAMPLES", "8"))
+EXAMPLES = int(os.environ.get("GPUPORTAL_FUZZ_EXAMPLES", "5"))
 IMAGE = "gpuportal/busybox:latest"
 
 
