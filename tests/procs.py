@@ -7,6 +7,7 @@ it here, inside a fixture whose cleanup calls `stop_process` whatever happened.
 import os
 import signal
 import subprocess
+import time
 
 
 def start_process(argv, **kwargs) -> subprocess.Popen:
@@ -31,3 +32,14 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
         except (ProcessLookupError, PermissionError):
             pass
         return
+
+
+def wait_for(pred, timeout, what):
+    """Poll `pred` every 0.2 s until it returns something true (returned), else fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

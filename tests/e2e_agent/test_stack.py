@@ -6,7 +6,6 @@ real VM per job for the kvm sandbox).
 import os
 import subprocess
 import sys
-import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -22,21 +21,11 @@ from portal.jobs.models import Job
 from portal.nodes.models import Node
 from portal.nodes.services import node_add, nodes_reap
 from tests.conftest import make_token
-from tests.procs import start_process, stop_process
+from tests.procs import start_process, stop_process, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = "gpuportal/busybox:latest"
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def wait_for(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def _db_url() -> str:

@@ -1,0 +1,264 @@
+"""A whole gpuportal installation of its own, for the fault suite: a throwaway PostgreSQL cluster
+and a redis-server on free ports, the portal under gunicorn with deploy's config, a Celery
+worker and beat, and four agents (process sandbox, simulated GPUs).
+
+Every process runs in its own process group (tests.procs) and `close()` stops all of them, the
+jobs' sandboxes included, whatever happened. The process sandbox starts each job in a session of
+its own, so a job outlives its agent's death; `close()` finds the jobs by the ground-truth
+folder named on their command line.
+"""
+import glob
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+from tests.procs import start_process, stop_process, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+AGENTS = 4
+GPUS_PER_AGENT = 4
+# Fast timers so a case takes seconds, with the portal's own rule between them kept
+# (NODE_TIMEOUT_S >= AGENT_LEASE_S + AGENT_FENCE_GRACE_S + 2).
+# An agent restarted after 8 s (the issue's case) is back within NODE_TIMEOUT_S.
+TIMERS = {"NODE_HEARTBEAT_INTERVAL_S": "1", "AGENT_LEASE_S": "6", "AGENT_FENCE_GRACE_S": "1",
+          "NODE_TIMEOUT_S": "10", "NODE_REAP_INTERVAL_S": "1", "LAUNCH_RESEND_S": "3"}
+
+BOOTSTRAP = """
+import json
+from django.core.management import call_command
+from django.contrib.auth import get_user_model
+from portal.accounts.services import token_issue
+from portal.core.context import Actor
+from portal.nodes.services import node_add
+call_command("migrate", verbosity=0)
+call_command("seed_demo", verbosity=0)
+admin = get_user_model().objects.get(username="admin")
+alice = get_user_model().objects.get(username="alice")
+out = {"nodes": {}}
+for i in range(1, %(agents)d + 1):
+    out["nodes"]["fault-%%02d" %% i] = node_add(actor=Actor(user=admin), name="fault-%%02d" %% i)[1]
+out["token"] = token_issue(actor=Actor(user=alice), user=alice, name="faults", scopes=["read", "submit"])[1]
+print("BOOTSTRAP " + json.dumps(out))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pg_bin(name: str) -> str:
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    if not found:
+        raise RuntimeError(f"{name}: no PostgreSQL server binaries under /usr/lib/postgresql")
+    return found[-1]
+
+
+class Cluster:
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.truth = tmp / "truth"  # the jobs' own start/tick/end records
+        self.truth.mkdir(exist_ok=True)
+        self.pgdata = tmp / "pgdata"
+        self.pg_port, self.redis_port, self.web_port = free_port(), free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.web_port}"
+        self.dsn = f"host=127.0.0.1 port={self.pg_port} user=postgres dbname=gpuportal"
+        self.procs: dict[str, tuple[subprocess.Popen, object]] = {}
+        self.pg_user = None  # initdb refuses root: the cluster then belongs to postgres
+        self.nodes: dict[str, str] = {}
+        self.token = ""
+        self.env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "DJANGO_"))},
+            "DATABASE_URL": f"postgres://postgres@127.0.0.1:{self.pg_port}/gpuportal",
+            "CELERY_BROKER_URL": f"redis://127.0.0.1:{self.redis_port}/0",
+            "REDIS_URL": f"redis://127.0.0.1:{self.redis_port}/1",
+            "GPUPORTAL_VAR_DIR": str(tmp / "var"), "DEBUG": "1", "SECRET_KEY": "fault-suite",
+            "DJANGO_SETTINGS_MODULE": "portal.settings", "GPUPORTAL_TEST_NODES_SKIP_QUEUE_PROBE": "0",
+            "GPUPORTAL_TEST_FAST_HASHER": "1", "API_USER_RATE": "100000/min", "LOG_LEVEL": "INFO",
+            "GUNICORN_BIND": f"127.0.0.1:{self.web_port}", "GUNICORN_WORKERS": "2", "GUNICORN_THREADS": "4",
+            "GUNICORN_CONTROL_SOCKET": str(tmp / "gunicorn.ctl"), "GUNICORN_LOG_LEVEL": "warning",
+            **TIMERS,
+        }
+
+    # -- processes ---------------------------------------------------------------------------
+    def start(self, key: str, argv: list[str], **kw) -> subprocess.Popen:
+        log = open(self.tmp / f"{key}.log", "a+")
+        proc = start_process(argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, **kw)
+        self.procs[key] = (proc, log)
+        return proc
+
+    def stop(self, key: str, grace_s: float = 10.0) -> None:
+        proc, log = self.procs.pop(key)
+        stop_process(proc, grace_s)
+        log.close()
+
+    def kill(self, key: str) -> None:
+        """SIGKILL the process group, as a crash would (the jobs' sandboxes are not in it)."""
+        proc, log = self.procs.pop(key)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+        log.close()
+
+    def signal(self, key: str, sig: int) -> None:
+        os.killpg(self.procs[key][0].pid, sig)
+
+    def log(self, key: str) -> str:
+        path = self.tmp / f"{key}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def _as_pg(self, argv: list[str]) -> list[str]:
+        return ["runuser", "-u", self.pg_user, "--", *argv] if self.pg_user else argv
+
+    # -- PostgreSQL and Redis ----------------------------------------------------------------
+    def start_postgres(self) -> None:
+        if not self.pgdata.exists():
+            self.pg_user = "postgres" if os.geteuid() == 0 else None
+            self.pgdata.mkdir()
+            if self.pg_user:
+                shutil.chown(self.pgdata, self.pg_user)
+                self.tmp.chmod(0o755)  # postgres must reach its data folder
+            subprocess.run(self._as_pg([pg_bin("initdb"), "-D", str(self.pgdata), "-U", "postgres", "-A", "trust",
+                                        "--no-sync", "-E", "UTF8"]), check=True, capture_output=True)
+        # fsync off: a throwaway cluster; what is tested is the restart, not the disk.
+        opts = f"-p {self.pg_port} -k {self.pgdata} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
+        subprocess.run(self._as_pg([pg_bin("pg_ctl"), "-D", str(self.pgdata), "-l", str(self.pgdata / "server.log"),
+                                    "-o", opts, "-w", "-t", "60", "start"]), check=True, capture_output=True)
+
+    def stop_postgres(self, mode: str = "fast") -> None:
+        subprocess.run(self._as_pg([pg_bin("pg_ctl"), "-D", str(self.pgdata), "-m", mode, "-w", "stop"]),
+                       capture_output=True)
+
+    def start_redis(self) -> None:
+        # No persistence: a restart loses every queued message, like F-06 and F-07 together.
+        seen = self.log("redis").count("Ready to accept connections")  # the log is kept across restarts
+        self.start("redis", ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no"])
+        wait_for(lambda: self.log("redis").count("Ready to accept connections") > seen, 30, "redis-server")
+
+    # -- the portal --------------------------------------------------------------------------
+    def bootstrap(self) -> None:
+        subprocess.run(self._as_pg([os.path.join(os.path.dirname(pg_bin("initdb")), "createdb"), "-h", "127.0.0.1",
+                                    "-p", str(self.pg_port), "-U", "postgres", "gpuportal"]), check=True)
+        out = subprocess.run([PY, "-c", "import django; django.setup()\n" + BOOTSTRAP % {"agents": AGENTS}],
+                             cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=240)
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("BOOTSTRAP ")), None)
+        assert line, out.stdout[-2000:] + out.stderr[-4000:]
+        data = json.loads(line[len("BOOTSTRAP "):])
+        self.nodes, self.token = data["nodes"], data["token"]
+
+    def start_web(self) -> None:
+        self.start("web", [PY, "-m", "gunicorn", "-c", "deploy/gunicorn.conf.py", "portal.wsgi:application"])
+        wait_for(self.api_ok, 60, f"gunicorn; log:\n{self.log('web')[-2000:]}")
+
+    def start_worker(self) -> None:
+        self.start("worker", [PY, "-m", "celery", "-A", "portal", "worker", "-Q", "scheduler,default", "-P", "solo",
+                              "-n", "faults@%h", "--loglevel", "INFO"])
+
+    def start_beat(self) -> None:
+        self.start("beat", [PY, "-m", "celery", "-A", "portal", "beat", "-s", str(self.tmp / "beat-schedule"),
+                            "--loglevel", "WARNING"])
+
+    def start_portal(self) -> None:
+        self.start_web()
+        self.start_worker()
+        self.start_beat()
+
+    def stop_portal(self, kill: bool) -> None:
+        for key in ("web", "worker", "beat"):
+            (self.kill if kill else self.stop)(key)
+
+    def api_ok(self) -> bool:
+        try:
+            return requests.get(f"{self.url}/api/v1/jobs/?limit=1", headers=self.headers(), timeout=3).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    # -- agents ------------------------------------------------------------------------------
+    def start_agent(self, name: str) -> None:
+        self.start(name, [PY, "-m", "agents", "--portal", self.url, "--token", self.nodes[name],
+                          "--broker", self.env["CELERY_BROKER_URL"], "--name", name,
+                          "--gpus", f"sim:{GPUS_PER_AGENT}xH100-80GB", "--sandbox", "process", "--gpu-scrub", "off",
+                          "--state-dir", str(self.tmp / "agents" / name), "--stop-grace", "1", "--concurrency", "8"])
+
+    def agent_alive(self, name: str) -> bool:
+        return name in self.procs and self.procs[name][0].poll() is None
+
+    def wait_nodes_ready(self, names, timeout=90) -> None:
+        names = list(names)
+        wait_for(lambda: set(names) <= set(self.sql(
+            "SELECT name FROM nodes_node WHERE state = 'ready' AND queue_verified_at IS NOT NULL "
+            "AND last_heartbeat_at > now() - interval '3 seconds'", col=0)), timeout,
+            f"nodes {names} to be ready; agent log:\n{self.log(names[0])[-3000:]}")
+
+    def start_all(self) -> None:
+        self.start_postgres()
+        self.start_redis()
+        self.bootstrap()
+        self.start_portal()
+        for name in self.nodes:
+            self.start_agent(name)
+        self.wait_nodes_ready(self.nodes, timeout=150)
+
+    # -- database ----------------------------------------------------------------------------
+    def sql(self, query: str, params=(), col: int | None = None):
+        import psycopg
+
+        with psycopg.connect(self.dsn, connect_timeout=5, autocommit=True) as conn:
+            rows = conn.execute(query, params).fetchall()
+        return [r[col] for r in rows] if col is not None else rows
+
+    def meter(self) -> dict:
+        """Run the metering service to now (what beat's billing.meter_usage does every minute)."""
+        out = subprocess.run([PY, "-c", "import django, json; django.setup()\n"
+                              "from portal.billing.services import usage_meter\nprint(json.dumps(usage_meter()))"],
+                             cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    # -- cleanup -----------------------------------------------------------------------------
+    def job_pids(self) -> list[int]:
+        """Live job processes of this cluster: a `start` line names its shell's pid."""
+        pids = []
+        for f in self.truth.iterdir():
+            for line in f.read_text().splitlines():
+                parts = line.split()
+                if parts and parts[0] == "start" and len(parts) >= 4:
+                    pid = int(parts[3])
+                    try:
+                        if str(self.truth).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                            pids.append(pid)
+                    except OSError:
+                        pass
+        return pids
+
+    def close(self) -> None:
+        for key in list(self.procs):
+            try:
+                os.killpg(self.procs[key][0].pid, signal.SIGCONT)  # a frozen agent cannot stop otherwise
+            except ProcessLookupError:
+                pass
+            self.stop(key, grace_s=5)
+        for pid in self.job_pids():
+            try:
+                os.killpg(os.getpgid(pid), signal.SIGKILL)  # the sandbox's own session
+            except ProcessLookupError:
+                pass
+        if self.pgdata.exists():
+            self.stop_postgres("immediate")
