@@ -55,8 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--installation", default=env("GPUPORTAL_INSTALLATION") or "",
                     help="a short name of this portal installation, for hosts whose Docker engine or libvirtd "
                          "serves agents of several installations: sandbox names and adoption go by it and the node")
-    ap.add_argument("--state-dir", default=env("GPUPORTAL_AGENT_STATE_DIR") or "/var/lib/gpuportal-agent",
-                    help="the agent's own folder (kvm: per-launch initrd, kernel and console)")
+    ap.add_argument("--state-dir", default=env("GPUPORTAL_AGENT_STATE_DIR") or None,
+                    help="the agent's own folder (kvm: per-launch initrd, kernel, console and exit records; "
+                         "process: each job's folder and exit code); default /var/lib/gpuportal-agent as root, "
+                         "else ~/.local/state/gpuportal-agent")
     ap.add_argument("--volumes-root", default=env("GPUPORTAL_VOLUMES_ROOT") or "",
                     help="the project volumes' tree, at the same path as the portal's VOLUMES_ROOT (a shared "
                          "filesystem on several nodes); jobs naming volumes are refused on a node without it")
@@ -103,6 +105,8 @@ def main(argv=None) -> int:
             extra = {"pci_bus_ids": {g.index: g.pci_bus_id for g in probe.inventory()},
                      "egress_allow": args.egress_allow, "state_dir": args.state_dir,
                      "installation": args.installation}
+        elif args.sandbox == "process":
+            extra = {"state_dir": args.state_dir}
         elif args.sandbox == "docker":
             extra = {"gang_network_driver": args.gang_network_driver,
                      "gang_network_internal": args.gang_network_internal,

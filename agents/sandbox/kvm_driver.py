@@ -17,12 +17,15 @@ writes the serial console to ``<state_dir>/<name>.log`` (``kvm_console``
 joins virtlogd's rotations); ``read_logs`` returns only what lies between the
 two markers (no kernel noise). ``poll`` reads the exit code once the domain is
 gone, from the second serial port (``<name>.exit``), which only init can
-write: the job writes the console, so a marker there proves nothing.
+write: the job writes the console, so a marker there proves nothing. A record
+per attempt (``<name>.json``, written before its VM starts) outlives the VM:
+an attempt whose VM ended while the agent was down is adopted from it, its
+real exit code reported once, then its files go (``list_own``, ``remove``).
 
 Each VM's QEMU runs under a uid of its own (``GPUPORTAL_KVM_VM_UIDS``);
 per-launch files (a copy of the kernel, the initrd with the job's
 environment, the console) live in a folder only the agent controls
-(``kvm_domain.private_dir``). A job with network reaches the public internet
+(``kvm_domain.driver_dir``). A job with network reaches the public internet
 only: QEMU's user-mode network makes the guest's connections the VM uid's
 sockets on the node, and the egress policy (``egress.py``) matches that uid.
 
@@ -74,7 +77,7 @@ from agents.sandbox import kvm_image
 from agents.sandbox.egress import EgressError, Firewall, parse_allow
 from agents.sandbox.kvm_console import console_files, read_console
 from agents.sandbox.kvm_domain import (
-    METADATA_NS, check_gpu, create_private, domain_xml, kvm_works, private_dir,
+    METADATA_NS, check_gpu, create_private, domain_xml, driver_dir, kvm_works,
 )
 from agents.sandbox.kvm_image import EXIT_MARKER, START_MARKER
 
@@ -93,8 +96,6 @@ MAX_IMAGE_ENTRIES = 500_000
 CONVERT_TIMEOUT_S = 900
 # Docker's PATH for an image that sets none.
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-# Where the agent keeps its state (each driver a folder of its own in it), unless --state-dir says.
-DEFAULT_STATE_DIR = "/var/lib/gpuportal-agent"
 # Each VM's QEMU runs under a uid of its own from this range (never libvirt's shared qemu user): one QEMU
 # cannot touch another's memory or files, and the egress policy matches a VM's traffic by its uid. Two
 # agents on one host need disjoint ranges.
@@ -157,8 +158,7 @@ class KvmDriver:
         self.job_network = job_network
         # Per-launch files (the initrd with the job's environment, the kernel, the console) live in a folder
         # of this node's under the agent's state dir, never in a shared predictable path.
-        agent_dir = state_dir or os.environ.get("GPUPORTAL_AGENT_STATE_DIR") or DEFAULT_STATE_DIR
-        self.state_dir = private_dir(Path(agent_dir) / f"kvm-{re.sub(r'[^A-Za-z0-9_.-]', '_', node)}")
+        self.state_dir = driver_dir("kvm", node, state_dir, mode=0o711)
         self.log_dir = self.state_dir  # the consoles are there too
         # QEMU runs under a uid of its own: libvirt hands it the per-job kernel and initrd by ownership,
         # but every folder above them must let it through (the driver's own is 0711, never listable).
@@ -205,6 +205,7 @@ class KvmDriver:
                             "'qemu' (TCG software emulation: jobs run, several times slower)", why)
         else:
             self.domain_type = domain_type
+        self.prune_records()
         if not uri.startswith("test:"):
             self.prune_image_cache()  # what an earlier run left: dropped images, a crash's leftovers
             log.info("kvm sandbox: libvirt domain type %r (configured)", domain_type)
@@ -240,9 +241,14 @@ class KvmDriver:
             # A stale console or exit record from an earlier VM of this name must not be read as this one's.
             self._remove_console(name)
             try:
+                # Before the VM: a VM that ends while the agent is down leaves no domain to find, only this.
+                self._write_record(spec, name, started)
                 self._create(spec, name, buses, kernel, initrd, console, started, extra_mb, uid)
-            except SandboxError:
+            except (SandboxError, OSError) as exc:
                 self._remove_console(name)  # a failed start's console and exit files are litter too
+                _unlink(self._record_path(name))
+                if isinstance(exc, OSError):  # the record could not be written (a full disk)
+                    raise SandboxError(f"could not write the VM's record on node {self.node}: {exc}") from None
                 raise
             finally:
                 # QEMU has read them into guest memory by now (or the start failed): they are litter.
@@ -566,6 +572,20 @@ class KvmDriver:
             pass  # already gone
 
     def list_own(self) -> list[tuple[str, int, SandboxHandle]]:
+        """Our live VMs (by their metadata), and the attempts whose VM ended while no agent watched:
+        their record, console and exit files are still here, so ``poll`` gives their real exit code."""
+        out = self._list_live()
+        live = {h.ref for _, _, h in out}
+        for name, rec in self._records():
+            if name in live or not self._ran(name):
+                continue  # a launch that never got its VM started ends with its launch, not here
+            out.append((rec["job_id"], rec["attempt"], SandboxHandle(
+                driver=self.name, ref=name, job_id=rec["job_id"], attempt=rec["attempt"],
+                started_at=rec["started_at"], time_limit_s=rec.get("time_limit_s"),
+                gpu_indexes=rec.get("gpu_indexes", []))))
+        return out
+
+    def _list_live(self) -> list[tuple[str, int, SandboxHandle]]:
         out = []
         for dom in self.conn.listAllDomains():
             if not dom.name().startswith("gpuportal-"):
@@ -601,8 +621,49 @@ class KvmDriver:
 
     def _remove_files(self, name: str) -> None:
         self._remove_console(name)
-        for suffix in (".initrd", ".kernel"):
+        for suffix in (".initrd", ".kernel", ".json"):
             _unlink(self.state_dir / f"{name}{suffix}")
+
+    # -- the durable record of each attempt (what a restarted agent adopts once its VM is gone) ---------
+
+    def _record_path(self, name: str) -> Path:
+        return self.state_dir / f"{name}.json"
+
+    def _write_record(self, spec: LaunchSpec, name: str, started: float) -> None:
+        with create_private(self._record_path(name)) as f:
+            f.write(json.dumps({"job_id": spec.job_id, "attempt": spec.attempt, "started_at": started,
+                                "time_limit_s": spec.time_limit_s, "gpu_indexes": list(spec.gpu_indexes),
+                                "node": self.node, "installation": self.installation}).encode())
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _records(self) -> list[tuple[str, dict]]:
+        """(VM name, record) of every attempt this driver launched and has not removed yet."""
+        out = []
+        for p in sorted(self.state_dir.glob("gpuportal-*.json")):
+            try:
+                rec = json.loads(p.read_bytes())
+                rec["attempt"] = int(rec["attempt"])
+                rec["job_id"], rec["started_at"] = str(rec["job_id"]), float(rec["started_at"])
+            except (OSError, ValueError, KeyError, TypeError):
+                log.warning("kvm sandbox: unreadable record %s left alone", p)
+                continue
+            if rec.get("node") == self.node and rec.get("installation", "") == self.installation:
+                out.append((p.name[: -len(".json")], rec))
+        return out
+
+    def _ran(self, name: str) -> bool:
+        """Whether the VM of this name ever started: libvirt made its console (or init wrote its exit)."""
+        return any(f.exists() for f in console_files(self.state_dir / f"{name}.log")) or \
+            (self.state_dir / f"{name}.exit").exists()
+
+    def prune_records(self) -> list[str]:
+        """At start: records of launches whose VM never started (the agent died in between) go."""
+        live = {h.ref for _, _, h in self._list_live()}
+        gone = [name for name, _ in self._records() if name not in live and not self._ran(name)]
+        for name in gone:
+            self._remove_files(name)
+        return gone
 
     def _remove_console(self, name: str) -> None:
         for f in [*console_files(self.state_dir / f"{name}.log"), self.state_dir / f"{name}.exit"]:

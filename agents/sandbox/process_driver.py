@@ -5,9 +5,16 @@ of the machine. It exists so a laptop can run the whole stack, and it warns at
 every start. Each job gets its own session (so its own process group, which
 ``stop`` signals as a whole), a scratch directory and a log file.
 
-A small JSON record per sandbox under ``state_dir`` lets a restarted agent
-find jobs it started (``list_own``); their exit codes are lost with the
-parent, so an adopted job that ends reports no exit code.
+Each job's folder lives in the agent's state folder (``<state>/process-<node>``,
+made 0700 and never followed through a link: ``kvm_domain.driver_dir``), with a
+small JSON record that lets a restarted agent find the jobs it started
+(``list_own``). The job runs under a tiny wrapper (``WRAPPER``) that waits for
+it and writes its exit code to ``exit`` in that folder (atomically, by rename)
+before it exits itself, so a job that ends while no agent is its parent (the
+agent restarted) still has its real exit code for the adopting agent. A job
+killed with its wrapper (SIGKILL to the group) leaves no code: it reads as
+unknown. The job runs as the agent's user and could write that file itself:
+this sandbox fences nothing.
 """
 
 from __future__ import annotations
@@ -18,16 +25,40 @@ import os
 import shutil
 import signal
 import subprocess
-import tempfile
+import sys
 import time
 from pathlib import Path
 
 from agents.sandbox import EXITED, RUNNING, LaunchSpec, SandboxError, SandboxHandle, job_env, sandbox_name
+from agents.sandbox.kvm_domain import driver_dir
 from agents.sandbox.volumes import MOUNT_ROOT, VolumePathError, plan_mounts
 
 log = logging.getLogger(__name__)
 
 LOG_READ_MAX_BYTES = 1024 * 1024  # one read_logs call returns at most this; the agent reads on
+
+# The job's parent: runs argv[2:], then writes its exit code (128 + signal for a signal death, as a shell
+# and Docker say it) to argv[1] by rename, and exits with it. Signals to the job's group reach the job;
+# the wrapper only notes them, so it outlives the job to write the code. Run with -I (no PYTHON* variables
+# from the job's environment, no user site).
+WRAPPER = """
+import os, signal, subprocess, sys
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(s, lambda *_: None)
+path, argv = sys.argv[1], sys.argv[2:]
+try:
+    rc = subprocess.call(argv)
+except OSError as exc:
+    print(f"gpuportal: could not start {argv[0]!r}: {exc}", file=sys.stderr, flush=True)
+    rc = 127
+rc = 128 - rc if rc < 0 else rc
+with open(path + ".tmp", "w") as f:
+    f.write(f"{rc}\\n")
+    f.flush()
+    os.fsync(f.fileno())
+os.replace(path + ".tmp", path)
+sys.exit(rc)
+"""
 
 
 class ProcessDriver:
@@ -35,8 +66,8 @@ class ProcessDriver:
 
     def __init__(self, *, node: str, state_dir: str | None = None):
         self.node = node
-        self.state_dir = Path(state_dir or Path(tempfile.gettempdir()) / f"gpuportal-process-{node}")
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        # state_dir is the agent's (--state-dir); the driver's own folder is made private in it.
+        self.state_dir = driver_dir("process", node, state_dir)
         self._children: dict[str, subprocess.Popen] = {}
 
     def launch(self, spec: LaunchSpec) -> SandboxHandle:
@@ -68,21 +99,28 @@ class ProcessDriver:
                 env["GPUPORTAL_VOLUME_" + container.rsplit("/", 1)[1].upper().replace("-", "_")] = host
         if checkpoint_dir:
             env["GPUPORTAL_CHECKPOINT_DIR"] = checkpoint_dir
+        exe = spec.command[0]
+        found = os.access(workdir / exe, os.X_OK) if "/" in exe else shutil.which(exe, path=env["PATH"])
+        if not found:  # said here, at launch, rather than as the wrapper's exit code 127
+            shutil.rmtree(root, ignore_errors=True)
+            raise SandboxError(f"could not start {exe!r}: no such executable")
         with open(root / "log", "wb") as logf:
             try:
-                p = subprocess.Popen(spec.command, cwd=workdir, env=env, stdin=subprocess.DEVNULL,
+                p = subprocess.Popen([sys.executable, "-I", "-c", WRAPPER, str(root / "exit"), *spec.command],
+                                     cwd=workdir, env=env, stdin=subprocess.DEVNULL,
                                      stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
             except OSError as exc:
                 shutil.rmtree(root, ignore_errors=True)
-                raise SandboxError(f"could not start {spec.command[0]!r}: {exc}") from None
+                raise SandboxError(f"could not start {exe!r}: {exc}") from None
         handle = SandboxHandle(driver=self.name, ref=ref, job_id=spec.job_id, attempt=spec.attempt,
                                started_at=time.time(), time_limit_s=spec.time_limit_s,
                                gpu_indexes=list(spec.gpu_indexes))
-        (root / "record.json").write_text(json.dumps({
+        (root / "record.json.tmp").write_text(json.dumps({
             "job_id": spec.job_id, "attempt": spec.attempt, "pid": p.pid,
             "start_ticks": _start_ticks(p.pid), "started_at": handle.started_at,
             "time_limit_s": spec.time_limit_s, "node": self.node, "gpu_indexes": spec.gpu_indexes,
         }))
+        os.replace(root / "record.json.tmp", root / "record.json")  # list_own never reads half a record
         self._children[ref] = p
         return handle
 
@@ -97,7 +135,8 @@ class ProcessDriver:
         rec = self._record(handle.ref)
         if rec and _alive(rec["pid"], rec.get("start_ticks")):
             return RUNNING, None
-        return EXITED, None
+        # Not our child (adopted after a restart): the wrapper wrote the code before it exited.
+        return EXITED, self._exit_code(handle.ref)
 
     def read_logs(self, handle: SandboxHandle, offset: int) -> bytes:
         try:
@@ -144,6 +183,12 @@ class ProcessDriver:
             self.stop(handle, 0)
         self._children.pop(handle.ref, None)
         shutil.rmtree(self.state_dir / handle.ref, ignore_errors=True)
+
+    def _exit_code(self, ref: str) -> int | None:
+        try:
+            return int((self.state_dir / ref / "exit").read_text())
+        except (OSError, ValueError):
+            return None  # killed with its wrapper, or gone: unknown
 
     def _record(self, ref: str) -> dict | None:
         try:

@@ -186,7 +186,7 @@ def test_output_over_virtlogds_rotation_size_comes_back_whole_and_the_files_go(v
     out = d.read_logs(h, 0)
     assert len(out) > 2 * 2**20 and out == "".join(f"{i}\n" for i in range(1, 330001)).encode()
     assert sorted(p.name.removeprefix(h.ref) for p in d.state_dir.iterdir() if p.name.startswith(h.ref)) == [
-        ".exit", ".log", ".log.0", ".log.archive", ".log.archived"]
+        ".exit", ".json", ".log", ".log.0", ".log.archive", ".log.archived"]
     d.remove(h)
     assert [p.name for p in d.state_dir.iterdir() if p.name.startswith(h.ref)] == []
 
@@ -305,8 +305,11 @@ def test_stop_destroys_a_vm_whose_job_ignores_sigterm_and_list_own_finds_it(vm_d
     with pytest.raises(Exception, match="[Dd]omain not found"):
         d.conn.lookupByName(h.ref)  # destroyed: a transient domain is gone
     assert d.poll(h) == (EXITED, None)  # no exit marker: it was killed
-    assert d.read_logs(h, 0) == b"up\n" and d.list_own() == []
+    assert d.read_logs(h, 0) == b"up\n"
+    # Its record stays until removed: an agent restarted now would still find it and report it.
+    assert [found.ref for _, _, found in d.list_own()] == [h.ref]
     d.remove(h)
+    assert d.list_own() == []
 
 
 def test_stop_presses_the_power_button_and_the_job_gets_sigterm(vm_driver):

@@ -119,6 +119,36 @@ def test_lifecycle_on_the_libvirt_test_driver(kvm, tmp_path):
     assert kvm.list_own() == []
 
 
+def test_an_attempt_whose_vm_ended_while_the_agent_was_down_is_adopted_with_its_exit_code(kvm, tmp_path):
+    """list_own sees live VMs only through libvirt; an ended one leaves its record, console and exit
+    files, from which a restarted agent reports the real code once (then remove clears them). No exit
+    record: the code is unknown, never 0. A record whose VM never started is not adopted and goes."""
+    from agents.sandbox.kvm_driver import KvmDriver
+
+    def restarted():
+        return KvmDriver(node="n1", uri="test:///default", domain_type="test", state_dir=str(tmp_path))
+
+    handles = {j: kvm.launch(make_spec(job_id=j, gpu_indexes=[0], gpu_uuids=["GPU-a"])) for j in ("ok", "bad", "lost")}
+    for j, h in handles.items():
+        (kvm.state_dir / f"{h.ref}.log").write_bytes(b"GPUPORTAL-JOB-START\nout\nGPUPORTAL-JOB-EXIT rc=0\n")
+        kvm.conn.lookupByName(h.ref).destroy()  # the VM powers off while no agent runs
+    (kvm.state_dir / f"{handles['ok'].ref}.exit").write_bytes(b"GPUPORTAL-JOB-EXIT rc=0 oom_kill=0\n")
+    (kvm.state_dir / f"{handles['bad'].ref}.exit").write_bytes(b"GPUPORTAL-JOB-EXIT rc=3 oom_kill=0\n")
+    never = kvm.launch(make_spec(job_id="never"))
+    kvm.conn.lookupByName(never.ref).destroy()  # a launch that died before its VM started: no console
+    d = restarted()
+    assert not (d.state_dir / f"{never.ref}.json").exists()
+    found = {job: h for job, _, h in d.list_own()}
+    assert sorted(found) == ["bad", "lost", "ok"]
+    assert found["ok"].gpu_indexes == [0] and abs(found["ok"].started_at - handles["ok"].started_at) < 0.01
+    assert d.poll(found["ok"]) == (EXITED, 0) and d.read_logs(found["ok"], 0) == b"out\n"
+    assert d.poll(found["bad"]) == (EXITED, 3)
+    assert d.poll(found["lost"]) == (EXITED, None)
+    for h in found.values():
+        d.remove(h)
+    assert d.list_own() == [] and restarted().list_own() == [] and list(d.state_dir.iterdir()) == []
+    d.conn.close()
+
 def test_two_agents_on_one_libvirtd_run_the_same_attempt_and_adopt_only_their_own(kvm, tmp_path):
     """A second agent (another node, or another installation with the same node name) sharing libvirtd:
     the same job attempt starts on each, and each finds only its own VMs after a restart."""

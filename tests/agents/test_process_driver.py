@@ -62,14 +62,17 @@ def test_sigterm_ends_a_cooperative_job_quickly(driver):
 
 
 def test_list_own_survives_an_agent_restart(driver, tmp_path):
-    h = driver.launch(make_spec(job_id="j9", attempt=2, command=["sleep", "300"]))
+    h = driver.launch(make_spec(job_id="j9", attempt=2, command=["sh", "-c", "echo ready; exec sleep 300"]))
+    deadline = time.monotonic() + 5
+    while b"ready" not in driver.read_logs(h, 0) and time.monotonic() < deadline:
+        time.sleep(0.02)
     again = ProcessDriver(node="p", state_dir=str(tmp_path))
     ((job, attempt, h2),) = again.list_own()
     assert (job, attempt, h2.ref) == ("j9", 2, h.ref)
     assert again.poll(h2) == (RUNNING, None)
     again.stop(h2, grace_s=2)
     driver.poll(h)  # reap our child so it is not left a zombie
-    assert again.poll(h2) == (EXITED, None)  # not our child: no exit code
+    assert again.poll(h2) == (EXITED, 143)  # not our child: the wrapper recorded its code
     again.remove(h2)
     assert again.list_own() == []
 
