@@ -2,7 +2,7 @@ from collections import Counter, defaultdict
 from decimal import Decimal
 
 import django_filters
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field
 from rest_framework import mixins, serializers, status
 from rest_framework.decorators import action
 from rest_framework.response import Response
@@ -24,6 +24,18 @@ class JobEventSerializer(serializers.ModelSerializer):
     class Meta:
         model = JobEvent
         fields = ["state", "attempt", "message", "at"]
+
+
+class JobResourcesSerializer(serializers.Serializer):
+    """What a job holds or asks for (the schema of JobSerializer.resources)."""
+
+    gpus = serializers.FloatField(help_text="All of the job's GPUs (a fraction below 1: a share of one GPU).")
+    nodes = serializers.IntegerField(help_text="Nodes it spans: 1 unless it asked for more.")
+    gpus_per_node = serializers.FloatField(help_text="GPUs on each of its nodes.")
+    gpu_type = serializers.CharField()
+    gpu_memory_mb = serializers.IntegerField()
+    cpus = serializers.FloatField()
+    memory_mb = serializers.IntegerField()
 
 
 class JobSerializer(serializers.ModelSerializer):
@@ -62,6 +74,7 @@ class JobSerializer(serializers.ModelSerializer):
                         "idle_since": {"help_text": "Set while every GPU of the running job has stayed under "
                                                     "the idle threshold (GPU_IDLE_UTIL_PCT, GPU_IDLE_MINUTES)."}}
 
+    @extend_schema_field(JobResourcesSerializer)
     def get_resources(self, job) -> dict:
         return {"gpus": count_or_fraction(job.gpus), "nodes": job.nodes,
                 "gpus_per_node": count_or_fraction(job.gpus_per_node),
