@@ -382,10 +382,13 @@ class _Pass:
             self.codes[job.id] = self.behind_head()
         elif self.failed >= self.cfg.max_failed_placements:
             self.codes[job.id] = self.not_examined()
-        else:
+        elif job.gpus < 1:
+            self.codes[job.id] = (REASON_RESOURCES, f"Waiting for {fmt_gpus(job.gpus)}: no shared GPU has room now")
+        else:  # might_fit: fewer GPUs free, of any kind, than it asks for, even counting reserved ones
             free = self.state.free_whole_total()
-            self.codes[job.id] = (REASON_RESOURCES, f"Waiting for {fmt_gpus(job.gpus)}: {free} whole GPU(s) are "
-                                                    f"free now, of any kind, and the reserved ones cannot be used")
+            held = sum(sum(h.classes.values()) for h in self.helds)
+            self.codes[job.id] = (REASON_RESOURCES, f"Waiting for {fmt_gpus(job.gpus)}: {free} whole GPU(s) free now "
+                                                    f"and {held} reserved for higher-priority jobs")
 
     def consider(self, job: Job, proj: ProjectQuota | None, borrowing: bool) -> None:
         """Steps 3a, 3b and 3d-3g for one job (the caller did 3c)."""

@@ -59,6 +59,7 @@ def test_jobs_that_cannot_start_do_not_use_up_the_search_depth_in_either_mode():
     assert started(on) == started(off) == {"short": ["n1-7"]}
     assert [r.job_id for r in on.reservations] == ["head"]
     assert on.waiting["big0"].code == "resources"
+    assert on.waiting["big0"].message == "Waiting for 4 GPUs: 1 whole GPU(s) free now and 0 reserved for higher-priority jobs"
 
 
 def test_past_the_search_depth_a_job_is_told_it_was_not_examined_not_given_a_hint():
