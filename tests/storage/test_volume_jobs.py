@@ -12,6 +12,7 @@ from agents.sandbox import EXITED, RUNNING, LaunchSpec
 from agents.sandbox.docker_driver import DockerDriver
 from portal.jobs.models import Job
 from portal.jobs.selectors import volume_mounts
+from portal.storage.models import Volume
 from tests.agents.conftest import JOB_IMAGE, docker_client  # noqa: F401
 
 pytestmark = pytest.mark.django_db
@@ -199,3 +200,23 @@ def test_the_process_sandbox_names_the_host_folders(demo, tmp_path, monkeypatch)
     code, log = _run(ProcessDriver(node="p", state_dir=str(tmp_path / "state")), job)
     root = os.path.realpath(settings.VOLUMES_ROOT)
     assert code == 0 and log.decode().strip() == f"{root}/acme/vision/my-data|{root}/acme/vision/my-data/.checkpoints/{job.pk}"
+
+
+def test_another_projects_uid_cannot_read_the_folder_even_on_a_shared_mount(api, demo, docker_client):  # noqa: F811
+    """Defence beyond the mounts: were a project's tree visible to another tenant's job (an operator's
+    mistake, a shared filesystem mounted whole), that job's uid still cannot read it: 0770, owned by
+    the project's uid and gid."""
+    api("alice").post("/api/v1/volumes/", {"project": "vision", "name": "x"}, format="json")
+    volume_id = Volume.objects.get(name="x").pk
+    api("alice").put(f"/api/v1/volumes/{volume_id}/files/?path=secret.txt", data=b"vision only",
+                     content_type="application/octet-stream")
+    tree = str(settings.VOLUMES_ROOT / "acme" / "vision")
+
+    def read_as(project):
+        uid = 2000000 + project.pk
+        return docker_client.containers.run(
+            JOB_IMAGE, ["sh", "-c", "cat /v/x/secret.txt 2>&1; true"], user=f"{uid}:{uid}", network_mode="none",
+            volumes={tree: {"bind": "/v", "mode": "ro"}}, remove=True)
+
+    assert read_as(demo.vision) == b"vision only"
+    assert b"Permission denied" in read_as(demo.nlp)
