@@ -1,4 +1,3 @@
-from django.http import FileResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, serializers, status
@@ -10,6 +9,7 @@ from portal.core.context import actor_from_request
 from portal.core.numbers import parse_int
 from portal.tenancy.models import Project, slug_validator
 
+from .files import download_response
 from .models import Volume
 from .selectors import volume_file_open, volume_list_dir
 from .services import volume_create, volume_delete, volume_file_put
@@ -115,7 +115,4 @@ class VolumeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenantView
     @action(detail=True, methods=["get"])
     def download(self, request, pk=None):
         """The file at `path`, as an attachment."""
-        handle, size, name = volume_file_open(volume=self.get_object(), path=self._path(request))
-        response = FileResponse(handle, as_attachment=True, filename=name, content_type="application/octet-stream")
-        response["Content-Length"] = str(size)
-        return response
+        return download_response(*volume_file_open(volume=self.get_object(), path=self._path(request)))

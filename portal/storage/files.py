@@ -8,6 +8,7 @@ import os
 import stat
 
 from django.conf import settings
+from django.http import FileResponse
 
 from agents.sandbox.volumes import VolumePathError, open_dir, project_uid, split_relpath, uid_range_of, volume_relpath
 from portal.core.errors import InvalidInput, NotFound
@@ -93,3 +94,10 @@ def usage_bytes(volume) -> int:
             if stat.S_ISREG(st.st_mode):
                 total += st.st_size
     return total
+
+
+def download_response(handle, size: int, name: str) -> FileResponse:
+    """A volume's file as an attachment: never rendered by the browser whatever it holds."""
+    response = FileResponse(handle, as_attachment=True, filename=name, content_type="application/octet-stream")
+    response["Content-Length"] = str(size)
+    return response

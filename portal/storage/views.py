@@ -4,7 +4,7 @@ import io
 from django import forms
 from django.conf import settings
 from django.contrib import messages
-from django.http import FileResponse, Http404
+from django.http import Http404
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.utils.http import urlencode
@@ -16,6 +16,7 @@ from portal.core.pages import PageMixin, refused, scoped_or_404
 from portal.core.querysets import user_can
 from portal.tenancy.models import Project, slug_validator
 
+from .files import download_response
 from .models import Volume
 from .selectors import volume_file_open, volume_list_dir
 from .services import TooLarge, volume_create, volume_delete, volume_file_put
@@ -133,6 +134,4 @@ class VolumeDownloadView(PageMixin, View):
             if exc.status == 404:
                 raise Http404(exc.message) from None
             return refused(request, exc, back=volume_url(volume))
-        response = FileResponse(handle, as_attachment=True, filename=name, content_type="application/octet-stream")
-        response["Content-Length"] = str(size)
-        return response
+        return download_response(handle, size, name)
