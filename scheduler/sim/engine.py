@@ -204,7 +204,7 @@ class Simulator:
                     if rec.first_start is None:
                         rec.first_start = now
                     rec.wait_s += now - (rec.queued_at if rec.queued_at is not None else rec.trace.submit)
-                    running[job.id] = Allocation(job, s.gpu_ids, now, s.fractions, s.borrowed)
+                    running[job.id] = Allocation(job, s.gpu_ids, now, s.fractions, s.borrowed, s.node)
                     allocated += job.gpus
                     victimable += s.borrowed or job.preemptible
                     run_gpus[job.project] = run_gpus.get(job.project, 0.0) + job.gpus
