@@ -118,6 +118,7 @@ class JobFilter(django_filters.FilterSet):
     submitted_after = UtcDateTimeFilter(field_name="submitted_at", lookup_expr="gte")
     submitted_before = UtcDateTimeFilter(field_name="submitted_at", lookup_expr="lt")
     active = django_filters.BooleanFilter(method="filter_active")
+    held = django_filters.BooleanFilter(field_name="held", help_text="true: only held jobs (see .../hold/)")
     tasks = django_filters.BooleanFilter(method="filter_tasks", help_text="false: hide array tasks (default shows all)")
 
     class Meta:

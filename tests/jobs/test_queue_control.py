@@ -57,6 +57,11 @@ def test_hold_of_an_array_holds_its_queued_tasks(cluster, api):
     assert api("bob").post(url(parent, "hold")).status_code == 200
     run_pass()
     assert set(parent.tasks.values_list("state", "held", "reason_code")) == {("queued", True, "held")}
+    held = api("bob").get("/api/v1/jobs/?held=true").json()
+    assert held["count"] == 4 and {j["slurm_id"] for j in held["results"]} == {
+        str(parent.pk), f"{parent.pk}_0", f"{parent.pk}_1", f"{parent.pk}_2"}
+    r = api("bob").patch(url(parent), {"time_limit": 600}, format="json")
+    assert r.status_code == 200 and set(parent.tasks.values_list("time_limit_s", flat=True)) == {600}
     assert api("bob").post(url(parent, "release")).status_code == 200
     run_pass()
     assert set(parent.tasks.values_list("state", flat=True)) == {"assigned"}
