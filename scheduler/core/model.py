@@ -54,6 +54,9 @@ class GPU:
     shared: bool = False
     load: float = 0.0
     sandbox: str = ""  # its node's
+    # Interconnect domains the probe reported: (NVLink/NVSwitch group, PCIe switch, NUMA node), each
+    # an id within its node or None when not known; None: no topology at all (see placement.TOPO_LEVELS).
+    topo: tuple | None = None
 
 
 @dataclass

@@ -53,6 +53,32 @@ def fmt_mem(mb: float) -> str:
     return "no" if mb <= 0 else f"{mb / 1024:.3g} GiB" if mb >= 1024 else f"{int(mb)} MiB"
 
 
+# How closely a set of GPUs of one node is linked: the tightest interconnect domain holding all of
+# them (GPU.topo's levels, then none in common). Lower is better.
+TOPO_LEVELS = ("nvlink", "pcie", "numa", "system")
+
+
+def topo_level(gpus: list[GPU]) -> int | None:
+    """Index in TOPO_LEVELS of the tightest domain holding every one of `gpus` (one node's), or None
+    when they are fewer than two or one has no reported topology."""
+    if len(gpus) < 2 or any(g.topo is None for g in gpus):
+        return None
+    for level in range(len(TOPO_LEVELS) - 1):
+        first = gpus[0].topo[level]
+        if first is not None and all(g.topo[level] == first for g in gpus):
+            return level
+    return len(TOPO_LEVELS) - 1
+
+
+def topo_score(gpus: list[GPU]) -> int | None:
+    """A placement's topology score: the worst `topo_level` over its nodes (None: not known)."""
+    per_node: dict[str, list[GPU]] = {}
+    for g in gpus:
+        per_node.setdefault(g.node, []).append(g)
+    levels = [lv for lv in (topo_level(gs) for gs in per_node.values()) if lv is not None]
+    return max(levels) if levels else None
+
+
 def alloc_units(alloc: Allocation, gpu: GPU) -> int:
     """Thousandths of `gpu` that a running allocation holds."""
     frac = alloc.fractions.get(gpu.id)
@@ -388,8 +414,26 @@ class ClusterState:
         free = max((self.total_free.get(c, 0) for c in classes), default=0)
         return free if free >= g else 0
 
+    def _best_linked(self, ids: list[str], k: int) -> list[str]:
+        """Of a node's free GPUs, those of the tightest domain (TOPO_LEVELS) that has `k` of them
+        free, the one with the fewest free first (best fit: larger domains stay whole for larger
+        jobs); all of them when the probe reported no topology."""
+        gpu = self.gpu
+        if k < 2 or len(ids) <= k or any(gpu[i].topo is None for i in ids):
+            return ids
+        for level in range(len(TOPO_LEVELS) - 1):
+            domains: dict[object, list[str]] = {}
+            for i in ids:
+                d = gpu[i].topo[level]
+                if d is not None:
+                    domains.setdefault(d, []).append(i)
+            fits = [m for m in domains.values() if len(m) >= k]
+            if fits:
+                return min(fits, key=lambda m: (len(m), gpu[m[0]].index))
+        return ids
+
     def _take_on_node(self, cls: ClassKey, node: str, k: int, mode: str) -> list[str]:
-        ids = self.free[cls][node]
+        ids = self._best_linked(self.free[cls][node], k)
         if mode == "spread":
             chosen = sorted(ids, key=lambda i: (self.gpu[i].load, self.gpu[i].index))[:k]
         else:
