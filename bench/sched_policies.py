@@ -68,7 +68,7 @@ def main() -> None:
     print(f"{Path(a.trace).name}, days {a.start_day if a.start_day is not None else 'all'}"
           f"{f' +{a.days:g}' if a.days else ''}, {a.gpus} GPUs, {core[0]['jobs']} jobs "
           f"(reference: {refs[0]['jobs']}), las thresholds {', '.join(f'{h:g}' for h in a.threshold_gpu_h)} "
-          f"GPU-h, starvation factor {a.starve:g}; util = multifactor's allocation in the window")
+          f"GPU-h, starvation factor {a.starve:g}")
     head = f"{'policy':<38}{'jct_mean_h':>11}{'wait_h':>8}{'lost_gpu_h':>11}{'lost_%':>8}{'preempt':>8}{'fair_max':>9}"
     print(head)
     print("-" * len(head))
