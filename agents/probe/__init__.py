@@ -26,6 +26,9 @@ class GpuInfo:
     model: str
     memory_mb: int
     pci_bus_id: str
+    # Interconnect domains within the node, {"nvlink": id, "pcie": id, "numa": id} (an id: the
+    # lowest GPU index in that domain, or the NUMA node; None where not known). None: not read.
+    topology: dict | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -8,6 +8,7 @@ sample, on the GPUs that support Xid events.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -40,6 +41,52 @@ def _process_name(pid: int) -> str:
         return ""
 
 
+def _components(n: int, linked) -> list[int]:
+    """Each of n GPUs' group: the lowest index it is linked to, directly or through others."""
+    group = list(range(n))
+    for i in range(n):
+        for j in range(i + 1, n):
+            if group[j] != group[i] and linked(i, j):
+                old, new = sorted((group[i], group[j]), reverse=True)
+                group = [new if g == old else g for g in group]
+    return group
+
+
+def _numa_node(h, bus_id: str) -> int | None:
+    try:
+        node = pynvml.nvmlDeviceGetNumaNodeId(h)
+    except (pynvml.NVMLError, AttributeError):  # older drivers / bindings: the kernel knows too
+        try:
+            node = int(Path(f"/sys/bus/pci/devices/{bus_id[-12:].lower()}/numa_node").read_text())
+        except (OSError, ValueError):
+            return None
+    return node if node >= 0 else None
+
+
+def read_topology(handles, bus_ids: list[str]) -> list[dict]:
+    """Per GPU: its NVLink group (GPUs joined by NVLink peer-to-peer), PCIe switch (GPUs whose
+    common PCIe ancestor is a switch, not a host bridge) and NUMA node. A level NVML cannot tell is
+    None for every GPU: a topology the probe could not read only loses its placement hint."""
+    n = len(handles)
+    levels = {}
+    checks = {
+        "nvlink": lambda i, j: pynvml.nvmlDeviceGetP2PStatus(handles[i], handles[j], pynvml.NVML_P2P_CAPS_INDEX_NVLINK)
+        == pynvml.NVML_P2P_STATUS_OK,
+        "pcie": lambda i, j: pynvml.nvmlDeviceGetTopologyCommonAncestor(handles[i], handles[j])
+        <= pynvml.NVML_TOPOLOGY_MULTIPLE,
+    }
+    for name, linked in checks.items():
+        try:
+            group = _components(n, linked)
+        except Exception as exc:  # NVMLError, or a binding without the call
+            log.warning("GPU topology: %s links unavailable (%s)", name, exc)
+            group = None
+        # No link at all says nothing about closeness: leave the level out rather than n singletons.
+        levels[name] = group if group is not None and len(set(group)) < n else [None] * n
+    numa = [_numa_node(h, b) for h, b in zip(handles, bus_ids)]
+    return [{"nvlink": levels["nvlink"][i], "pcie": levels["pcie"][i], "numa": numa[i]} for i in range(n)]
+
+
 class NvmlProbe:
     kind = "nvml"
 
@@ -48,6 +95,12 @@ class NvmlProbe:
         self._lock = threading.Lock()
         self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
         self._inventory = [self._info(i, h) for i, h in enumerate(self._handles)]
+        try:
+            topology = read_topology(self._handles, [g.pci_bus_id for g in self._inventory])
+        except Exception as exc:  # the topology is a placement hint: never worth failing the agent for
+            log.warning("GPU topology unavailable (%s)", exc)
+        else:
+            self._inventory = [dataclasses.replace(g, topology=t) for g, t in zip(self._inventory, topology)]
         self._uuid_by_index = {g.index: g.uuid for g in self._inventory}
         self._warned: set[tuple[str, str]] = set()
         self._events = self._register_xid_events()

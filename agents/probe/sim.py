@@ -51,6 +51,9 @@ class SimProbe:
                 memory_mb=mem_gb * 1024,
                 # Spread over buses the way 8-GPU boards are: one GPU per PCIe switch.
                 pci_bus_id=f"{i // 8:08X}:{0x18 + 0x10 * (i % 8):02X}:00.0",
+                # An 8-GPU board in the shape of HGX: two NVLink groups of 4, each on its own CPU
+                # socket (NUMA node), two GPUs per PCIe switch.
+                topology={"nvlink": i // 4 * 4, "pcie": i // 2 * 2, "numa": i // 4},
             )
             for i in range(count)
         ]

@@ -45,12 +45,20 @@ GPU_UUID = r"^(?!gone-)[A-Za-z0-9][A-Za-z0-9._:/-]{0,63}$"
 CAPABILITY = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 
 
+class GpuTopologySerializer(StrictSerializer):
+    # A domain id per level (agents/probe: the lowest GPU index in it, or the NUMA node); null: unknown.
+    nvlink = serializers.IntegerField(min_value=0, max_value=MAX_INT32, required=False, allow_null=True, default=None)
+    pcie = serializers.IntegerField(min_value=0, max_value=MAX_INT32, required=False, allow_null=True, default=None)
+    numa = serializers.IntegerField(min_value=0, max_value=MAX_INT32, required=False, allow_null=True, default=None)
+
+
 class GpuInventorySerializer(StrictSerializer):
     index = serializers.IntegerField(min_value=0, max_value=MAX_GPUS - 1)
     uuid = serializers.RegexField(GPU_UUID, max_length=64)
     model = serializers.CharField(max_length=128)
     memory_mb = serializers.IntegerField(min_value=0, max_value=MAX_GPU_MEMORY_MB)
     pci_bus_id = serializers.CharField(max_length=32, required=False, allow_blank=True, default="")
+    topology = GpuTopologySerializer(required=False, allow_null=True, default=None)
 
 
 class RegisterSerializer(StrictSerializer):

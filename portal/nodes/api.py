@@ -14,7 +14,7 @@ from .services import node_drain, node_undrain
 class GPUSerializer(serializers.ModelSerializer):
     class Meta:
         model = GPU
-        fields = ["index", "uuid", "model", "memory_mb", "pci_bus_id", "mode", "health", "health_reason"]
+        fields = ["index", "uuid", "model", "memory_mb", "pci_bus_id", "topology", "mode", "health", "health_reason"]
 
 
 class NodeSerializer(serializers.ModelSerializer):

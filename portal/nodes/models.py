@@ -75,6 +75,9 @@ class GPU(models.Model):
     model = models.CharField(max_length=64)  # e.g. H100-80GB
     memory_mb = models.PositiveIntegerField()
     pci_bus_id = models.CharField(max_length=32, blank=True)
+    # What the probe read of its interconnect: {"nvlink": id, "pcie": id, "numa": id} (an id or None
+    # per level; {} when not reported). The scheduler keeps a job's GPUs in the tightest domain.
+    topology = models.JSONField(default=dict, blank=True)
     mode = models.CharField(max_length=8, choices=GPUMode.choices, default=GPUMode.WHOLE)
     health = models.CharField(max_length=10, choices=GPUHealth.choices, default=GPUHealth.HEALTHY)
     health_reason = models.CharField(max_length=200, blank=True)

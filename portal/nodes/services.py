@@ -141,7 +141,7 @@ def agent_register(*, node: Node, name: str, cpus: int, memory_mb: int, sandbox:
             index = int(g["index"])
             seen.add(index)
             fields = {"uuid": str(g["uuid"])[:64], "model": _model_name(g), "memory_mb": int(g.get("memory_mb") or 0),
-                      "pci_bus_id": str(g.get("pci_bus_id") or "")[:32]}
+                      "pci_bus_id": str(g.get("pci_bus_id") or "")[:32], "topology": dict(g.get("topology") or {})}
             if index in existing:
                 gpu = existing[index]
                 changed = [k for k, v in fields.items() if getattr(gpu, k) != v]

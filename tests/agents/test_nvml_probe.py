@@ -159,3 +159,31 @@ def test_scrub_does_not_count_the_mps_server_as_a_leftover(nvml, monkeypatch):
     monkeypatch.setattr(subprocess, "run", lambda cmd, env, **kw: subprocess.CompletedProcess(
         cmd, 0, json.dumps(out), ""))
     assert NvmlProbe().scrub([0]) == {}
+
+
+def test_topology_groups_nvlink_peers_and_reads_numa_nodes(nvml, monkeypatch):
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetP2PStatus", lambda a, b, cap: pynvml.NVML_P2P_STATUS_OK
+                        if cap == pynvml.NVML_P2P_CAPS_INDEX_NVLINK else 1)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetTopologyCommonAncestor", lambda a, b: pynvml.NVML_TOPOLOGY_SYSTEM)
+
+    def numa(h):
+        if h.i == 1:
+            raise err(pynvml.NVML_ERROR_NOT_SUPPORTED)  # and no such PCI device in this machine's sysfs
+        return 1
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetNumaNodeId", numa)
+    inv = NvmlProbe().inventory()
+    # Both on one NVLink; no PCIe switch shared (their common ancestor is the system): not reported.
+    assert [g.topology for g in inv] == [{"nvlink": 0, "pcie": None, "numa": 1},
+                                         {"nvlink": 0, "pcie": None, "numa": None}]
+    assert inv[0].as_dict()["topology"] == {"nvlink": 0, "pcie": None, "numa": 1}
+
+
+def test_a_topology_nvml_cannot_read_is_left_out_and_the_probe_still_starts(nvml, monkeypatch):
+    def broken(*a):
+        raise err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+    for name in ("nvmlDeviceGetP2PStatus", "nvmlDeviceGetNumaNodeId"):
+        monkeypatch.setattr(pynvml, name, broken)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetTopologyCommonAncestor", lambda a, b: pynvml.NVML_TOPOLOGY_SINGLE)
+    inv = NvmlProbe().inventory()
+    assert [g.topology for g in inv] == [{"nvlink": None, "pcie": 0, "numa": None}] * 2
+    assert len(NvmlProbe().sample()) == 2

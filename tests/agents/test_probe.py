@@ -113,3 +113,10 @@ def test_make_probe_sim_and_bad_option():
     assert len(make_probe("sim:2xH100-80GB").inventory()) == 2
     with pytest.raises(ValueError):
         make_probe("cuda")
+
+
+def test_sim_reports_an_hgx_like_topology():
+    topo = [g.topology for g in SimProbe("8xH100-80GB", node_name="n").inventory()]
+    assert [t["nvlink"] for t in topo] == [0, 0, 0, 0, 4, 4, 4, 4]
+    assert [t["pcie"] for t in topo] == [0, 0, 2, 2, 4, 4, 6, 6]
+    assert [t["numa"] for t in topo] == [0, 0, 0, 0, 1, 1, 1, 1]

@@ -276,3 +276,17 @@ def test_a_job_its_node_could_not_start_is_requeued_not_failed(node, placed, set
     post(node, f"jobs/{placed.pk}/events", {"attempt": 2, "state": "failed", "node_problem": problem})
     placed.refresh_from_db()
     assert placed.state == "node_fail"
+
+
+def test_register_keeps_each_gpus_topology_and_refuses_a_bad_one(node, api):
+    inventory = [dict(g, topology={"nvlink": 0, "pcie": g["index"], "numa": None}) for g in INVENTORY]
+    body = {"name": "gpu-01", "cpus": 16, "memory_mb": 65536, "sandbox": "docker", "gpus": inventory}
+    assert post(node, "register", body).status_code == 200
+    assert [g.topology for g in GPU.objects.filter(node=node.node).order_by("index")] == [
+        {"nvlink": 0, "pcie": 0, "numa": None}, {"nvlink": 0, "pcie": 1, "numa": None}]
+    r = api(token=None, username="admin").get(f"/api/v1/nodes/{node.node.name}/")
+    assert r.status_code == 200 and r.json()["gpus"][1]["topology"] == {"nvlink": 0, "pcie": 1, "numa": None}
+    for topology, field in (({"nvlink": -1}, "nvlink"), ({"switch": 3}, "switch"), ("nvlink", "topology")):
+        r = post(node, "register", dict(body, gpus=[dict(inventory[0], topology=topology), inventory[1]]))
+        assert r.status_code == 400 and field in str(r.json()["error"]["fields"]), r.json()
+    assert GPU.objects.get(node=node.node, index=0).topology == {"nvlink": 0, "pcie": 0, "numa": None}
