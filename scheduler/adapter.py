@@ -15,7 +15,7 @@
 """
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from datetime import timedelta
 from decimal import Decimal
 
@@ -108,16 +108,18 @@ def build_snapshot(now=None):
             "name", "pool", "state", "sandbox", "queue_verified_at", "cpus", "memory_mb")}
     gpu_rows = GPU.objects.filter(node__state__in=[NodeState.READY, NodeState.DRAINING]).values_list(
         "id", "node__name", "node__pool", "node__state", "index", "model", "memory_mb", "health", "mode",
-        "node__sandbox", "node__queue_verified_at")
+        "node__sandbox", "node__queue_verified_at", "topology")
     gpu_node: dict[str, str] = {}
-    for gid, node_name, pool, node_state, index, model, memory, health, mode, sandbox, verified in gpu_rows:
+    core_gpus: dict[str, core.GPU] = {}
+    for gid, node_name, pool, node_state, index, model, memory, health, mode, sandbox, verified, topo in gpu_rows:
         node = nodes.get(node_name)
         if node is None:  # a node that turned ready between the two reads: its jobs wait for the next pass
             continue
         node.gpus.append(core.GPU(id=str(gid), node=node_name, index=index, model=model, memory_mb=memory,
                                   healthy=health == GPUHealth.HEALTHY, shared=mode == GPUMode.SHARED,
-                                  sandbox=sandbox))
+                                  sandbox=sandbox, topo=_topo(topo)))
         gpu_node[str(gid)] = node_name
+        core_gpus[str(gid)] = node.gpus[-1]
 
     fields = ("id", "project__slug", "project__organization__slug", "user__username", "gpus", "submitted_at",
               "time_limit_s", "gpu_type", "gpu_memory_mb", "priority", "preemptible", "array_parent_id",
@@ -184,8 +186,22 @@ def build_snapshot(now=None):
         now=_epoch(now), nodes=list(nodes.values()), running=running, queued=queued, projects=projects, orgs=orgs,
         usage={slug: usage.get(pid, 0.0) for slug, pid in project_ids.items()}, config=config,
     )
-    context = {"gpu_node": gpu_node, "queued": {str(r["id"]): r for r in queued_rows}, "holding": holding}
+    context = {"gpu_node": gpu_node, "gpus": core_gpus, "queued": {str(r["id"]): r for r in queued_rows}, "holding": holding}
     return snapshot, context
+
+
+def _topo(reported: dict | None) -> tuple | None:
+    """GPU.topology (what the probe read) as the core's (nvlink, pcie, numa) domains."""
+    if not reported:
+        return None
+    return tuple(reported.get(level) for level in core.TOPO_LEVELS[:-1])
+
+
+def _placement_topology(start: core.Start, context) -> str:
+    """The Job.placement_topology of a start: its topology score's name, or "" when not known."""
+    gpus = context["gpus"]
+    level = core.topo_score([gpus[g] for g in start.gpu_ids if g in gpus])
+    return "" if level is None else core.TOPO_LEVELS[level]
 
 
 def _start_times(starts, now) -> dict[str, object]:
@@ -221,6 +237,7 @@ def _apply_start(start: core.Start, context, start_time) -> tuple[list[str], int
             node_id = Node.objects.filter(name=node_names[0]).values_list("pk", flat=True).first()
             if not transition(job_id, to=JobState.ASSIGNED, from_states={JobState.QUEUED}, node_id=node_id,
                               reason_code="", reason_message="", queue_position=None,
+                              placement_topology=_placement_topology(start, context),
                               message=f"Assigned to {', '.join(node_names)}"):
                 return None
             attempt = Job.objects.values_list("attempt", flat=True).get(pk=job_id)
@@ -263,6 +280,11 @@ def _apply_whole_starts(starts, context, start_times):
                 Allocation(job_id=job_id, attempt=attempt, gpu_id=int(g), fraction=Decimal(1),
                            borrowed=by_job[job_id].borrowed, started_at=start_times[str(job_id)])
                 for job_id, attempt in moved.items() for g in by_job[job_id].gpu_ids], batch_size=2000)
+            by_topology = defaultdict(list)
+            for job_id in moved:
+                by_topology[_placement_topology(by_job[job_id], context)].append(job_id)
+            for name, ids in by_topology.items():  # a handful of values: one UPDATE each
+                Job.objects.filter(pk__in=ids).update(placement_topology=name)
     except IntegrityError as exc:
         log.warning("bulk start refused by the database (%s); retrying one by one", exc)
         return [], starts
@@ -389,6 +411,8 @@ def run_pass() -> dict:
     return {
         "started": started, "preempted": len(plan.preemptions), "waiting": len(plan.waiting),
         "fragmented": len(plan.fragmented),
+        # Multi-GPU starts by how closely their GPUs are linked (the core's topology score).
+        "placements_by_topology": dict(Counter(t for t in (_placement_topology(s, context) for s in plan.starts) if t)),
         "reasons_written": reasons, "dependents_cancelled": cancelled, "queued": len(snapshot.queued),
         "build_s": round(t_built - t0, 4), "core_s": round(t_planned - t_built, 4),
         "apply_s": round(t_applied - t_planned, 4), "commit_publish_s": round(t_published - t_applied, 4),

@@ -67,9 +67,12 @@ class JobSerializer(serializers.ModelSerializer):
         fields = ["id", "project", "user", "name", "image", "command", "env", "resources", "time_limit", "priority",
                   "preemptible", "sandbox", "network", "volumes", "array", "is_array_parent", "array_parent", "array_index",
                   "array_limit", "depends_on", "template", "resubmit_of", "state", "held", "slurm_code", "slurm_id", "attempt", "reason",
-                  "queue_position", "node", "exit_code", "submitted_at", "started_at", "ended_at", "elapsed", "tasks",
+                  "queue_position", "node", "placement_topology", "exit_code", "submitted_at", "started_at", "ended_at", "elapsed", "tasks",
                   "idle_since", "warnings"]
-        extra_kwargs = {"held": {"help_text": "Held (POST .../hold/): stays queued with reason `held` and is not "
+        extra_kwargs = {"placement_topology": {"help_text": "How closely its GPUs are linked: nvlink (one NVLink "
+                                                            "group), pcie (one PCIe switch), numa (one NUMA node), "
+                                                            "system (across them); empty when not known."},
+                        "held": {"help_text": "Held (POST .../hold/): stays queued with reason `held` and is not "
                                               "scheduled until released (POST .../release/)."},
                         "idle_since": {"help_text": "Set while every GPU of the running job has stayed under "
                                                     "the idle threshold (GPU_IDLE_UTIL_PCT, GPU_IDLE_MINUTES)."}}

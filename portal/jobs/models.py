@@ -96,6 +96,9 @@ class Job(models.Model):
     reason_message = models.CharField(max_length=300, blank=True)
     queue_position = models.PositiveIntegerField(null=True, blank=True)
     node = models.ForeignKey("nodes.Node", null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
+    # How closely its latest placement's GPUs are linked (scheduler.core.placement.TOPO_LEVELS: nvlink,
+    # pcie, numa, system; the worst of a gang's nodes); "" for one GPU, or GPUs without a reported topology.
+    placement_topology = models.CharField(max_length=8, blank=True)
     exit_code = models.IntegerField(null=True, blank=True)
     submitted_at = models.DateTimeField(auto_now_add=True, db_index=True)
     started_at = models.DateTimeField(null=True, blank=True)
@@ -117,6 +120,11 @@ class Job(models.Model):
 
     def __str__(self) -> str:
         return f"job {self.pk} {self.name}"
+
+    @property
+    def placement_topology_label(self) -> str:
+        return {"nvlink": "one NVLink group", "pcie": "one PCIe switch", "numa": "one NUMA node",
+                "system": "across NUMA nodes"}.get(self.placement_topology, "")
 
     @property
     def gpus_per_node(self):

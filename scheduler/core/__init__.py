@@ -4,12 +4,12 @@ from .model import (
     Preemption, ProjectQuota, Reason, Reservation, Snapshot, Start, sandbox_hosts,
 )
 from .ordering import decay_usage
-from .placement import Topology
+from .placement import TOPO_LEVELS, Topology, topo_score
 from .scheduling import schedule
 
 __all__ = [
     "GPU", "Allocation", "Config", "Job", "Node", "OrgQuota", "Plan", "Preemption", "ProjectQuota",
     "REASON_FRAGMENTED", "REASON_NODE_RESOURCES", "REASON_SANDBOX", "Reason", "Reservation", "Snapshot", "Start",
-    "Topology", "decay_usage",
+    "TOPO_LEVELS", "Topology", "decay_usage", "topo_score",
     "sandbox_hosts", "schedule",
 ]
