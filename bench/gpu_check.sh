@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU (the `device` tool, when a task draws one):
-#  1. the agent's NVML probe: inventory and a few samples as JSON
+#  1. the agent's NVML probe: inventory and a few samples as JSON, then the GPU topology it reads
 #     (python -m agents.probe --gpus nvml; nvml, not auto: a silent fall-back
 #     to simulated GPUs would hide exactly what this check is for);
 #  2. the residue test of docs/reliability.md G-03 on GPU 0, through libcuda only
@@ -22,6 +22,10 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   nvidia-smi --query-gpu=index,uuid,name,memory.total,pci.bus_id,driver_version --format=csv >&2 || true
 fi
 "$PY" -m agents.probe --gpus nvml --samples "${1:-5}" --interval "${2:-1}"
+echo "== topology the NVML probe reads (per GPU: nvlink group, pcie switch, numa node; nvidia-smi topo -m to compare)" >&2
+"$PY" -c 'from agents.probe.nvml import NvmlProbe
+for g in NvmlProbe().inventory(): print({"gpu": g.index, "pci_bus_id": g.pci_bus_id, "topology": g.topology})'
+if command -v nvidia-smi >/dev/null 2>&1; then nvidia-smi topo -m >&2 || true; fi
 echo "== kvm passthrough: each GPU's PCI address is an NVIDIA GPU in sysfs" >&2
 "$PY" - <<'EOF'
 import pynvml as n
