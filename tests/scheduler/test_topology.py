@@ -18,7 +18,7 @@ def dgx(name: str = "n0", per: int = 8, group: int = 4) -> Node:
                                   for k in range(per)])
 
 
-def test_a_two_gpu_job_lands_inside_one_nvlink_group_and_on_one_pcie_switch_when_it_can():
+def test_a_two_gpu_job_lands_inside_one_nvlink_group():
     node = dgx()
     busy = [running(job("r0", 1), ["n0-0"]), running(job("r4", 1), ["n0-4"])]
     plan = schedule(snapshot([node], [job("a", 2)], busy))
@@ -44,11 +44,11 @@ def test_best_fit_within_a_node_keeps_the_larger_group_whole():
     assert started(plan)["a"] == ["n0-2", "n0-3"] and started(plan)["b"] == ["n0-4", "n0-5", "n0-6", "n0-7"]
 
 
-def test_no_group_has_room_falls_back_to_the_numa_node_then_any():
+def test_when_no_nvlink_group_or_pcie_switch_has_room_one_numa_node_does():
     node = Node("n0", "default", [GPU(f"n0-{k}", "n0", k, "H100", 81920, topo=(k, k // 2, k // 4)) for k in range(8)])
-    plan = schedule(snapshot([node], [job("a", 3)], [running(job("r", 1), ["n0-0"])]))
-    # No NVLink group or PCIe switch holds 3; NUMA node 0 has exactly 3 free (best fit), node 1 stays whole.
-    assert started(plan)["a"] == ["n0-1", "n0-2", "n0-3"]
+    plan = schedule(snapshot([node], [job("a", 3)], [running(job("r", 1), ["n0-4"])]))
+    # No NVLink group or PCIe switch holds 3; NUMA node 1 has exactly 3 free (best fit), node 0 stays whole.
+    assert started(plan)["a"] == ["n0-5", "n0-6", "n0-7"]
     assert topo_score([g for g in node.gpus if g.id in started(plan)["a"]]) == TOPO_LEVELS.index("numa")
 
 
