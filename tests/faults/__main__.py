@@ -14,11 +14,14 @@ from tests.faults.faults import FAULTS, run_case, table
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.faults", description=__doc__)
-    parser.add_argument("faults", nargs="*", choices=[[], *FAULTS], help="faults to run (default: all)")
+    parser.add_argument("faults", nargs="*", metavar="FAULT", help=f"faults to run (default: all): {', '.join(FAULTS)}")
     parser.add_argument("--full", action="store_true", help="every fault with the full load")
     parser.add_argument("--jobs", type=int, default=None, help="jobs submitted before each fault")
     parser.add_argument("--keep", action="store_true", help="keep the cluster's folder (logs, ground truth)")
     args = parser.parse_args()
+    unknown = [f for f in args.faults if f not in FAULTS]
+    if unknown:
+        parser.error(f"unknown fault(s) {', '.join(unknown)}; choose from {', '.join(FAULTS)}")
     faults = args.faults or list(FAULTS)
     jobs = args.jobs or (24 if args.full else 10)
     tmp = Path(tempfile.mkdtemp(prefix="gpuportal-faults-"))

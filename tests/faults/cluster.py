@@ -92,9 +92,9 @@ class Cluster:
         }
 
     # -- processes ---------------------------------------------------------------------------
-    def start(self, key: str, argv: list[str], **kw) -> subprocess.Popen:
+    def start(self, key: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         log = open(self.tmp / f"{key}.log", "a+")
-        proc = start_process(argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, **kw)
+        proc = start_process(argv, cwd=ROOT, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
         self.procs[key] = (proc, log)
         return proc
 
@@ -164,9 +164,11 @@ class Cluster:
         self.start("web", [PY, "-m", "gunicorn", "-c", "deploy/gunicorn.conf.py", "portal.wsgi:application"])
         wait_for(self.api_ok, 60, f"gunicorn; log:\n{self.log('web')[-2000:]}")
 
-    def start_worker(self) -> None:
+    def start_worker(self, crashpoint: str = "") -> None:
+        """`crashpoint`: the worker SIGKILLs itself there (portal/core/crashpoints.py), e.g. mid-pass."""
         self.start("worker", [PY, "-m", "celery", "-A", "portal", "worker", "-Q", "scheduler,default", "-P", "solo",
-                              "-n", "faults@%h", "--loglevel", "INFO"])
+                              "-n", "faults@%h", "--loglevel", "INFO"],
+                   env={"GPUPORTAL_CRASHPOINTS": "1", "GPUPORTAL_CRASHPOINT": crashpoint} if crashpoint else None)
 
     def start_beat(self) -> None:
         self.start("beat", [PY, "-m", "celery", "-A", "portal", "beat", "-s", str(self.tmp / "beat-schedule"),

@@ -121,13 +121,18 @@ def agent_restarted_after_8s(c: Cluster, target: str) -> float:
 
 
 def worker_killed_mid_pass(c: Cluster, target: str) -> float:
-    # Passes run on every submit: a burst keeps the worker inside one when it dies.
+    # The worker SIGKILLs itself inside a pass: before its commit (nothing may be half-applied),
+    # then between the commit and the launch's publish (the launch must be re-sent).
     load = Load(c, seed=7)
-    for _ in range(4):
-        load.submit()
+    c.stop("worker")
+    for point in ("schedule.before_commit", "schedule.after_commit_before_publish"):
+        c.start_worker(crashpoint=point)
+        load.submit()  # a submit asks for a pass
+        proc = c.procs["worker"][0]
+        wait_for(lambda: proc.poll() is not None, 60, f"the worker to die at {point}")
+        assert proc.returncode == -signal.SIGKILL, f"the worker exited {proc.returncode}, not at {point}"
+        c.procs.pop("worker")[1].close()
     c.extra_accepted = load.accepted
-    c.kill("worker")
-    time.sleep(2)
     c.start_worker()
     return time.monotonic()
 
