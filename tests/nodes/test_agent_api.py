@@ -290,3 +290,13 @@ def test_register_keeps_each_gpus_topology_and_refuses_a_bad_one(node, api):
         r = post(node, "register", dict(body, gpus=[dict(inventory[0], topology=topology), inventory[1]]))
         assert r.status_code == 400 and field in str(r.json()["error"]["fields"]), r.json()
     assert GPU.objects.get(node=node.node, index=0).topology == {"nvlink": 0, "pcie": 0, "numa": None}
+
+
+def test_the_simulated_probes_inventory_registers_with_its_topology(node):
+    from agents.probe.sim import SimProbe
+
+    gpus = [g.as_dict() for g in SimProbe("8xH100-80GB", node_name="gpu-01").inventory()]
+    body = {"name": "gpu-01", "cpus": 16, "memory_mb": 65536, "sandbox": "docker", "gpus": gpus}
+    assert post(node, "register", body).status_code == 200
+    topo = [g.topology for g in GPU.objects.filter(node=node.node).order_by("index")]
+    assert topo[3] == {"nvlink": 0, "pcie": 2, "numa": 0} and topo[4] == {"nvlink": 4, "pcie": 4, "numa": 1}
