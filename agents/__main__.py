@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import threading
+import time
 
 from agents.client import PortalClient, PortalError
 from agents.probe import make_probe
@@ -131,6 +132,8 @@ def main(argv=None) -> int:
     for t in threads:
         t.start()
 
+    from celery import signals
+
     from agents.tasks import app, bind_agent
 
     bind_agent(agent)
@@ -141,6 +144,10 @@ def main(argv=None) -> int:
         app.conf.broker_transport_options = {"data_folder_in": folder, "data_folder_out": folder}
     queue = f"node.{args.name}"
     log.info("consuming Celery queue %s on %s", queue, args.broker.split("@")[-1])
+    asked_to_stop = threading.Event()
+    # Celery sends this for SIGINT/SIGTERM/SIGQUIT, never for an "Unrecoverable error" of its own
+    # (kombu can die reconnecting after a broker restart): that one must not end the agent.
+    signals.worker_shutting_down.connect(lambda **_: asked_to_stop.set(), weak=False)
     try:
         # Threads pool: tasks must run in this process, where the Agent lives.
         # No banner unless debugging: the line above says what it consumes.
@@ -154,7 +161,25 @@ def main(argv=None) -> int:
             t.join(timeout=5)
         agent.join_stops(timeout=args.stop_grace + 5)
         log.info("agent stopped; sandboxes left running for the next start to adopt")
-    return 0
+    if asked_to_stop.is_set():
+        return 0
+    return restart_after_consumer_failure(argv)
+
+
+def restart_after_consumer_failure(argv) -> int:
+    """The Celery consumer ended without being asked to (an "Unrecoverable error"): start the
+    agent afresh in this process, which adopts its running sandboxes as any start does. Celery
+    cannot be restarted inside one process (its event loop stays closed), hence exec. Called
+    with an explicit argv (tests), it returns 1 instead of replacing the caller."""
+    if argv is not None:
+        return 1
+    restarts = int(os.environ.get("GPUPORTAL_AGENT_RESTARTS", "0"))
+    delay = min(2 ** restarts, 30)
+    log.warning("the Celery consumer stopped by itself; starting the agent again in %d s", delay)
+    time.sleep(delay)
+    os.environ["GPUPORTAL_AGENT_RESTARTS"] = str(restarts + 1)
+    os.execv(sys.executable, [sys.executable, "-m", "agents", *sys.argv[1:]])
+    return 1  # not reached
 
 
 if __name__ == "__main__":

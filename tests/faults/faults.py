@@ -177,10 +177,6 @@ KNOWN = {
     "agent-sigstop-past-lease": (
         "no two attempts at once: a frozen agent cannot fence; the portal requeues after NODE_TIMEOUT_S while "
         "the old sandbox runs on until the agent is continued and finds its lease gone"),
-    "redis-restarted": (
-        "no agent exits by itself: an agent whose Celery consumer holds an unacknowledged launch when the broker "
-        "goes away dies in kombu's reconnect (AttributeError: 'NoneType' object has no attribute 'hostname', "
-        "'Unrecoverable error'); agents/__main__.py then exits and leaves its node to be reaped"),
 }
 
 

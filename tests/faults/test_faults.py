@@ -14,8 +14,7 @@ import pytest
 from tests.faults.cluster import Cluster
 from tests.faults.faults import KNOWN, run_case, table
 
-# Three faults fit in make test's 3 minutes; redis-restarted (KNOWN, but not every run hits the
-# crash) and the others run in the full suite.
+# Three faults fit in make test's 3 minutes; the others run in the full suite (python -m tests.faults).
 SHORT = ["agent-sigkill-kept-down", "agent-restarted-after-8s", "postgres-restarted"]
 
 
