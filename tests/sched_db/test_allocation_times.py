@@ -3,7 +3,7 @@ so billed GPU time equals allocated time (reliability INV-2, INV-5)."""
 import threading
 
 import pytest
-from django.db import connection, connections
+from django.db import connections
 
 from portal.core.context import Actor
 from portal.jobs.models import Allocation, Job
@@ -14,16 +14,6 @@ from scheduler import adapter
 
 IMAGE = "gpuportal/busybox:latest"
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def _needs_postgres():
-    assert connection.vendor == "postgresql", "these tests need PostgreSQL: set DATABASE_URL (make test does)"
-
-
-@pytest.fixture
-def quiet(monkeypatch):
-    monkeypatch.setattr("scheduler.dispatch._send", lambda *a, **k: None)
 
 
 def submit(demo, name):

@@ -4,7 +4,6 @@ more service."""
 from datetime import timedelta
 
 import pytest
-from django.db import connection
 
 from portal.core.context import Actor
 from portal.jobs.models import Allocation, Job
@@ -15,18 +14,6 @@ from scheduler import adapter, core
 
 IMAGE = "gpuportal/busybox:latest"
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def _needs_postgres():
-    assert connection.vendor == "postgresql", "these tests need PostgreSQL: set DATABASE_URL (make test does)"
-
-
-@pytest.fixture
-def sent(monkeypatch):
-    calls = []
-    monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args: calls.append((task, node, args)))
-    return calls
 
 
 def submit(demo, name, gpus):

@@ -2,7 +2,6 @@
 against what its node registered, less NODE_RESERVED_CPUS / NODE_RESERVED_MEMORY_MB; a job that
 fits no node waits with the reason `node_resources`."""
 import pytest
-from django.db import connection
 
 from portal.core.context import Actor
 from portal.jobs.models import Job
@@ -15,15 +14,8 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture(autouse=True)
-def _needs_postgres():
-    assert connection.vendor == "postgresql", "these tests need PostgreSQL: set DATABASE_URL (make test does)"
-
-
-@pytest.fixture(autouse=True)
-def sent(monkeypatch):
-    calls = []
-    monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args: calls.append((task, node, args)))
-    return calls
+def _sent(sent):
+    return sent
 
 
 @pytest.fixture

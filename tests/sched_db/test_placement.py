@@ -1,28 +1,15 @@
 """Placement through the whole pass on PostgreSQL: a job's GPUs stay on one node unless it asks
 for several; a job that fits only if split waits 'fragmented'; a multi-node job is one gang."""
 import pytest
-from django.db import connection
 
 from portal.core.context import Actor
-from portal.jobs.models import Allocation, Job
+from portal.jobs.models import Allocation
 from portal.jobs.services import job_cancel, job_submit
 from portal.nodes.services import node_add
 from scheduler.adapter import run_pass
 
 IMAGE = "gpuportal/busybox:latest"
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def _needs_postgres():
-    assert connection.vendor == "postgresql", "these tests need PostgreSQL: set DATABASE_URL (make test does)"
-
-
-@pytest.fixture
-def sent(monkeypatch):
-    calls = []
-    monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args: calls.append((task, node, args)))
-    return calls
 
 
 @pytest.fixture

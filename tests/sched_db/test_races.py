@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 from django.conf import settings
-from django.db import IntegrityError, connection, connections, transaction
+from django.db import IntegrityError, connections, transaction
 from django.utils import timezone
 
 from portal.core.context import Actor
@@ -23,16 +23,6 @@ from scheduler.adapter import run_pass
 
 IMAGE = "gpuportal/busybox:latest"
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture(autouse=True)
-def _needs_postgres():
-    assert connection.vendor == "postgresql", "these tests need PostgreSQL: set DATABASE_URL (make test does)"
-
-
-@pytest.fixture
-def quiet(monkeypatch):
-    monkeypatch.setattr("scheduler.dispatch._send", lambda *a, **k: None)
 
 
 def _submit(demo, n, gpus, user="alice", project="vision"):
