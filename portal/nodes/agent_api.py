@@ -14,6 +14,7 @@ from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from agents.protocol import EVENT_STATES, PROTOCOL_VERSION, protocol_major
 from portal.core.api import StrictSerializer, _flatten
 from portal.jobs.reports import job_append_log, job_confirm, job_report
 
@@ -70,6 +71,21 @@ class RegisterSerializer(StrictSerializer):
     capabilities = serializers.DictField(child=serializers.BooleanField(), required=False, default=dict)
     # Why the agent's sandbox cannot give its GPUs to jobs (docker without the NVIDIA runtime); "" = it can.
     gpus_unusable = serializers.CharField(max_length=150, required=False, allow_blank=True, default="")
+    # The agent's agents.protocol.PROTOCOL_VERSION; an agent older than the field sends none and speaks 1.x.
+    protocol_version = serializers.CharField(max_length=16, required=False, allow_blank=True, default="")
+
+    def validate_protocol_version(self, value):
+        if not value:
+            return value
+        try:
+            major = protocol_major(value)
+        except ValueError:
+            raise serializers.ValidationError(f"{value!r} is not a MAJOR.MINOR version like '1.0'.") from None
+        if major != protocol_major(PROTOCOL_VERSION):
+            raise serializers.ValidationError(
+                f"This portal speaks agent protocol {PROTOCOL_VERSION}; an agent speaking {value} cannot "
+                "register. Install the agent that matches this portal.")
+        return value
 
     def validate_gpus(self, gpus):
         # Two entries for one index or one UUID would write one GPU twice (a unique-key 500).
@@ -93,15 +109,19 @@ class RegisterSerializer(StrictSerializer):
 class RegisterView(AgentView):
     @extend_schema(request=RegisterSerializer, responses=inline_serializer("Registered", {
         "node": serializers.CharField(), "heartbeat_interval_s": serializers.FloatField(),
-        "lease_s": serializers.FloatField(), "fence_grace_s": serializers.FloatField()}))
+        "lease_s": serializers.FloatField(), "fence_grace_s": serializers.FloatField(),
+        "protocol_version": serializers.CharField()}))
     def post(self, request):
         data = RegisterSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        node = agent_register(node=self.node, **data.validated_data)
+        fields = dict(data.validated_data)
+        fields.pop("protocol_version")  # checked above; the node keeps no copy
+        node = agent_register(node=self.node, **fields)
         # The agent stops its sandboxes when no heartbeat was answered for lease_s (SIGTERM, then
         # SIGKILL after fence_grace_s): NODE_TIMEOUT_S covers both (portal/settings.py).
         return Response({"node": node.name, "heartbeat_interval_s": settings.NODE_HEARTBEAT_INTERVAL_S,
-                         "lease_s": settings.AGENT_LEASE_S, "fence_grace_s": settings.AGENT_FENCE_GRACE_S})
+                         "lease_s": settings.AGENT_LEASE_S, "fence_grace_s": settings.AGENT_FENCE_GRACE_S,
+                         "protocol_version": PROTOCOL_VERSION})
 
 
 class ProbeSerializer(StrictSerializer):
@@ -200,15 +220,18 @@ def samples_check(samples: list[dict]) -> tuple[list[dict], list[int], list[dict
     """The samples that pass SampleSerializer with their positions in the batch, and
     [{position, gpu_uuid, errors}] for the rest."""
     good, positions, refused = [], [], []
+    # One serializer for the batch: building one per sample deep-copies its fields each time (a
+    # third of a heartbeat's CPU); its fields keep no state between calls (the items are dicts,
+    # SampleListField's children, so is_valid's null-data case cannot arise).
+    checker = SampleSerializer()
     for position, sample in enumerate(samples):
-        checked = SampleSerializer(data=sample)
-        if checked.is_valid():
-            good.append(dict(checked.validated_data))
+        try:
+            good.append(dict(checker.run_validation(sample)))
             positions.append(position)
-        else:
+        except serializers.ValidationError as exc:
             uuid = sample.get("gpu_uuid")
             refused.append({"position": position, "gpu_uuid": uuid if isinstance(uuid, str) else None,
-                            "errors": _flatten(checked.errors)})
+                            "errors": _flatten(exc.detail)})
     return good, positions, refused
 
 
@@ -245,9 +268,6 @@ class ConfirmView(AgentView):
         return Response({"spec": job_confirm(node=self.node, job_id=job_id, **data.validated_data)})
 
 
-AGENT_EVENT_STATES = ["starting", "running", "succeeded", "failed", "timeout", "oom", "cancelled"]
-
-
 class ScrubFailureSerializer(StrictSerializer):
     gpu_index = serializers.IntegerField(min_value=0, max_value=1023)
     message = serializers.CharField(max_length=500)
@@ -255,7 +275,7 @@ class ScrubFailureSerializer(StrictSerializer):
 
 class EventSerializer(StrictSerializer):
     attempt = serializers.IntegerField(min_value=0, max_value=MAX_ATTEMPT)
-    state = serializers.ChoiceField(choices=AGENT_EVENT_STATES)
+    state = serializers.ChoiceField(choices=EVENT_STATES)
     exit_code = serializers.IntegerField(min_value=-MAX_INT32 - 1, max_value=MAX_INT32, required=False,
                                          allow_null=True, default=None)
     message = serializers.CharField(max_length=2000, required=False, allow_blank=True, default="")
