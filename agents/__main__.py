@@ -22,6 +22,7 @@ import time
 
 from agents.client import PortalClient, PortalError
 from agents.probe import make_probe
+from agents.protocol import DEFAULT_SANDBOX, NODE_SANDBOXES
 from agents.sandbox import SandboxError, make_driver
 from agents.worker import Agent
 
@@ -38,7 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="folder of a filesystem:// broker (the embedded default); must match the portal's")
     ap.add_argument("--name", default=env("GPUPORTAL_NODE_NAME") or os.uname().nodename)
     ap.add_argument("--gpus", default="auto", help="auto | nvml | sim:<N>x<MODEL>-<MEM>GB")
-    ap.add_argument("--sandbox", default="docker", choices=["docker", "kvm", "process"])
+    ap.add_argument("--sandbox", default=DEFAULT_SANDBOX, choices=NODE_SANDBOXES)
     ap.add_argument("--gang-network-driver", choices=["auto", "bridge", "overlay"],
                     default=env("GPUPORTAL_GANG_NETWORK_DRIVER") or "auto",
                     help="docker: the network a multi-node gang's parts share when its project allows "

@@ -30,12 +30,12 @@ import urllib.parse
 import requests
 
 from agents import __version__
+from agents.protocol import EVENT_STATES, PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 
 API_PREFIX = "/api/agent/v1"
 EVENT_MESSAGE_MAX, NODE_PROBLEM_MAX = 2000, 500  # the agent API's limits on a job event's texts
-JOB_EVENT_STATES = ("starting", "running", "succeeded", "failed", "timeout", "oom", "cancelled")
 
 
 class PortalError(Exception):
@@ -131,7 +131,7 @@ class PortalClient:
         """-> {node, heartbeat_interval_s, lease_s}. ``gpus_unusable``: why the sandbox cannot give
         this node's GPUs to jobs ("" when it can); the portal keeps GPU jobs off them."""
         body = {"name": name, "cpus": cpus, "memory_mb": memory_mb, "sandbox": sandbox, "gpus": gpus,
-                "capabilities": capabilities or {}}
+                "capabilities": capabilities or {}, "protocol_version": PROTOCOL_VERSION}
         if gpus_unusable:
             body["gpus_unusable"] = gpus_unusable
         return self._post("/register", body)
@@ -154,7 +154,7 @@ class PortalClient:
         """Report a state. A terminal report names the GPUs the agent could not
         scrub (``[{"gpu_index", "message"}]``): the portal takes them out of service;
         ``node_problem`` (a sandbox that could not be killed) drains the node."""
-        if state not in JOB_EVENT_STATES:
+        if state not in EVENT_STATES:
             raise ValueError(f"unknown job event state {state!r}")
         # Within the portal's field limits: a report refused for its length would leave the job running there.
         body = {"attempt": attempt, "state": state, "exit_code": exit_code, "message": message[:EVENT_MESSAGE_MAX]}

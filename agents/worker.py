@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 
 from agents.client import PortalError, PortalUnreachable, StaleAttempt
+from agents.protocol import DEFAULT_SANDBOX, NODE_SANDBOXES, sandbox_hosts
 from agents.sandbox import OOM, RUNNING, LaunchSpec, SandboxError, SandboxHandle
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,6 @@ Key = tuple[str, int]
 STOPPED = "stopped"  # _gpus_ready: a stop arrived while the launch waited
 # Log chunks refused (or log reads failed) in a row before the agent gives that part of the log up.
 LOG_REFUSALS = 3
-# Which of our drivers may run a job asking for a sandbox (as scheduler.core.SANDBOX_HOSTS says).
-SANDBOX_HOSTS = {"docker": ("docker", "process"), "kvm": ("kvm",)}
 
 
 @dataclass
@@ -203,9 +202,8 @@ class Agent:
             log.info("job %s attempt %s: portal says stale, starting nothing", job_id, attempt)
             return "stale"
         # The confirmed spec comes from the portal's database at this moment; it wins.
-        wanted = {**(spec or {}), **confirmed}.get("sandbox") or "docker"
-        if self.driver.name in ("docker", "process", "kvm") and self.driver.name not in SANDBOX_HOSTS.get(
-                wanted, (wanted,)):
+        wanted = {**(spec or {}), **confirmed}.get("sandbox") or DEFAULT_SANDBOX
+        if self.driver.name in NODE_SANDBOXES and self.driver.name not in sandbox_hosts(wanted):
             # The scheduler never places it so; a node re-registered with another sandbox might.
             return self._launch_failed(job_id, attempt, f"the job asks for the {wanted} sandbox; node {self.name} "
                                                         f"runs {self.driver.name} sandboxes")

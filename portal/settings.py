@@ -316,7 +316,7 @@ SPECTACULAR_SETTINGS = {
     "ENUM_NAME_OVERRIDES": {
         "JobStateEnum": "portal.jobs.models.JobState",
         "NodeStateEnum": "portal.nodes.models.NodeState",
-        "AgentEventStateEnum": "portal.nodes.agent_api.AGENT_EVENT_STATES",
+        "AgentEventStateEnum": "agents.protocol.EVENT_STATES",
     },
 }
 

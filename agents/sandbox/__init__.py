@@ -19,6 +19,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from agents.protocol import RENDEZVOUS_KEYS, is_reserved_env
+
 log = logging.getLogger(__name__)
 
 # Sandbox states as ``poll`` reports them. ``oom`` is an exit caused by the
@@ -34,12 +36,6 @@ LABEL_NODE = "gpuportal.node"
 LABEL_TIME_LIMIT = "gpuportal.time_limit_s"
 LABEL_GPUS = "gpuportal.gpus"  # host GPU indexes, comma-separated
 LABEL_INSTALLATION = "gpuportal.installation"  # set where agents of several installations share an engine
-
-# Env names a tenant may not set: they steer the GPU stack or the dynamic
-# loader (the NVIDIAScape escape used LD_PRELOAD). The portal refuses them at
-# submit; drivers drop them again so a bug there cannot become an escape.
-RESERVED_ENV_PREFIXES = ("CUDA_", "NVIDIA_", "LD_", "GPUPORTAL_")
-RENDEZVOUS_KEYS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "LOCAL_WORLD_SIZE")
 
 
 class SandboxError(Exception):
@@ -163,7 +159,7 @@ def job_env(spec: LaunchSpec, *, visible_devices: list[str]) -> dict[str, str]:
     """
     env = {}
     for k, v in (spec.env or {}).items():
-        if k.upper().startswith(RESERVED_ENV_PREFIXES):
+        if is_reserved_env(k):  # the portal refuses these at submit: dropping them again stops a bug there
             log.warning("job %s: dropping reserved env name %s", spec.job_id, k)
             continue
         env[str(k)] = str(v)

@@ -5,6 +5,7 @@ import shlex
 
 from django import forms
 
+from agents.protocol import DEFAULT_SANDBOX, JOB_SANDBOXES
 from portal.core.numbers import parse_int
 
 from .models import JobState, Priority
@@ -46,7 +47,7 @@ class JobSubmitForm(forms.Form):
                                  help_text="Seconds, or 90m, 2h, 1d, 1-00:00:00. Empty: the project default.")
     priority = forms.ChoiceField(choices=Priority.choices, initial=Priority.NORMAL, label="Priority")
     preemptible = forms.BooleanField(required=False, label="Preemptible (cheaper; may be stopped and requeued)")
-    sandbox = forms.ChoiceField(choices=[("docker", "docker"), ("kvm", "kvm")], initial="docker", label="Sandbox")
+    sandbox = forms.ChoiceField(choices=[(s, s) for s in JOB_SANDBOXES], initial=DEFAULT_SANDBOX, label="Sandbox")
     network = forms.BooleanField(required=False, label="Network access (if the project allows it)")
     array = forms.CharField(required=False, max_length=64, label="Array",
                             help_text="Run as an array: 0-99, 1,3,5, with an optional %N cap on tasks at once.")

@@ -11,6 +11,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import F
 
+from agents.protocol import TERMINAL_EVENT_STATES
 from portal.core.errors import Conflict
 from portal.core.numbers import parse_int, parse_ints
 
@@ -18,7 +19,8 @@ from .models import HOLDING, TERMINAL, Allocation, Job, JobLogChunk, JobState
 
 log = logging.getLogger(__name__)
 
-AGENT_TERMINAL = {JobState.SUCCEEDED, JobState.FAILED, JobState.TIMEOUT, JobState.OOM, JobState.CANCELLED}
+# The states an agent's report ends an attempt with: the contract's (agents/protocol.py), as JobStates.
+AGENT_TERMINAL = frozenset(JobState(s) for s in TERMINAL_EVENT_STATES)
 
 
 def job_nodes(job: Job) -> set[str]:

@@ -13,6 +13,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 from rest_framework.fields import SkipField
 
+from agents.protocol import DEFAULT_SANDBOX, JOB_SANDBOXES, RESERVED_ENV_PREFIXES, is_reserved_env
 from portal.core.api import StrictCharField, StrictSerializer
 from portal.core.text import plain_name
 
@@ -22,11 +23,6 @@ from .models import Priority
 MAX_NODES = 256
 # Fractions a shared GPU is cut into; anything else would fragment it.
 SHARED_GPU_FRACTIONS = (Decimal("0.125"), Decimal("0.25"), Decimal("0.5"))
-# Env names a job may not set, in any letter case: the agent drops these prefixes whatever their
-# case (agents/sandbox job_env) and sets the rendezvous names of a gang itself; refusing them here
-# says so at submit instead of dropping them silently. tests/jobs/test_submit.py keeps both lists equal.
-RESERVED_ENV_PREFIXES = ("CUDA_", "NVIDIA_", "LD_", "GPUPORTAL_")
-RESERVED_ENV_NAMES = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "LOCAL_WORLD_SIZE"}
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 IMAGE = re.compile(r"^[a-z0-9][a-z0-9._/-]{0,200}(:[A-Za-z0-9._-]{1,128})?(@sha256:[0-9a-f]{64})?$")
 ARRAY = re.compile(r"^(?P<items>\d{1,7}(-\d{1,7})?(,\d{1,7}(-\d{1,7})?)*)(%(?P<limit>\d{1,6}))?$")
@@ -196,7 +192,7 @@ class JobSpecSerializer(StrictSerializer):
     time_limit = DurationField(required=False)
     priority = serializers.ChoiceField(choices=Priority.choices, default=Priority.NORMAL)
     preemptible = serializers.BooleanField(default=False)
-    sandbox = serializers.ChoiceField(choices=[("docker", "docker"), ("kvm", "kvm")], default="docker")
+    sandbox = serializers.ChoiceField(choices=JOB_SANDBOXES, default=DEFAULT_SANDBOX)
     network = serializers.BooleanField(default=False)
     array = serializers.CharField(max_length=64, required=False, allow_blank=True, default="")
     depends_on = serializers.ListField(child=serializers.IntegerField(min_value=1), required=False, default=list,
@@ -215,7 +211,9 @@ class JobSpecSerializer(StrictSerializer):
         for name in value:
             if not ENV_NAME.match(name):
                 raise serializers.ValidationError(f"{name!r} is not a valid variable name.")
-            if name.upper().startswith(RESERVED_ENV_PREFIXES) or name.upper() in RESERVED_ENV_NAMES:
+            # The agent drops these again (agents/protocol.py is the one list); refusing them here
+            # says so at submit instead of dropping them silently.
+            if is_reserved_env(name):
                 raise serializers.ValidationError(
                     f"{name} is reserved: the portal sets {', '.join(p + '*' for p in RESERVED_ENV_PREFIXES)} "
                     "and the rendezvous variables itself.")

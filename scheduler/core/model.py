@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from agents import protocol
+from agents.protocol import DEFAULT_SANDBOX
+
 # Reason codes, defined once so the adapter, CLI and tests grep the same names.
 REASON_QUOTA_PROJECT = "quota_project"  # project max GPUs reached
 REASON_QUOTA_ORG = "quota_org"  # organization max GPUs reached
@@ -31,13 +34,14 @@ REASON_FRAGMENTED = "fragmented"
 # the GPUs it would take there.
 REASON_NODE_RESOURCES = "node_resources"
 
-# Which node sandboxes (what its agent runs; "" before the agent first registers) run a job's
-# sandbox. A VM is never swapped for a container: a job that asked for kvm isolation gets it.
-SANDBOX_HOSTS = {"docker": ("", "docker", "process"), "kvm": ("kvm",)}
+# A node's sandbox before its agent first registers: it counts as one running the default sandbox.
+UNREGISTERED_SANDBOX = ""
 
 
 def sandbox_hosts(sandbox: str) -> tuple[str, ...]:
-    return SANDBOX_HOSTS.get(sandbox, (sandbox,))
+    """The node sandboxes that run a job's sandbox: the agent contract's table (agents/protocol.py)."""
+    hosts = protocol.sandbox_hosts(sandbox)
+    return (UNREGISTERED_SANDBOX, *hosts) if DEFAULT_SANDBOX in hosts else hosts
 
 
 @dataclass

@@ -249,15 +249,6 @@ def test_reserved_env_names_are_refused_in_any_case(alice, name):
     assert Job.objects.count() == 0
 
 
-def test_reserved_env_names_match_what_the_agent_drops_and_sets():
-    from agents.sandbox import RENDEZVOUS_KEYS
-    from agents.sandbox import RESERVED_ENV_PREFIXES as AGENT_PREFIXES
-    from portal.jobs.spec import RESERVED_ENV_NAMES, RESERVED_ENV_PREFIXES
-
-    assert set(RESERVED_ENV_PREFIXES) == set(AGENT_PREFIXES)
-    assert RESERVED_ENV_NAMES == set(RENDEZVOUS_KEYS)
-
-
 @pytest.mark.parametrize("value", ["a\nB=1", "a\r\nb", "a\x00b", "\n"])
 def test_env_values_are_single_lines(alice, value):
     r = submit(alice, spec(env={"OK": "fine", "EVIL": value}))
