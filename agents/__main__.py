@@ -113,7 +113,7 @@ def main(argv=None) -> int:
             extra = {"gang_network_driver": args.gang_network_driver,
                      "gang_network_internal": args.gang_network_internal,
                      "simulated_gpus": probe.kind == "sim", "egress_allow": args.egress_allow,
-                     "installation": args.installation}
+                     "installation": args.installation, "state_dir": args.state_dir, "supervise": True}
         driver = make_driver(args.sandbox, node=args.name, **extra)
     except (ValueError, SandboxError) as exc:
         print(f"agent: {exc}", file=sys.stderr)

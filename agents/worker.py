@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from agents.client import PortalError, PortalUnreachable, StaleAttempt
 from agents.protocol import DEFAULT_SANDBOX, NODE_SANDBOXES, sandbox_hosts
 from agents.sandbox import OOM, RUNNING, LaunchSpec, SandboxError, SandboxHandle
+from agents.supervisor.lease import FENCED, write_lease
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,9 @@ class Agent:
         self.heartbeat_interval_s = float(resp.get("heartbeat_interval_s") or self.heartbeat_interval_s)
         self.lease_s = float(resp.get("lease_s") or self.lease_s)
         self.fence_grace_s = float(resp.get("fence_grace_s", self.fence_grace_s))
+        if hasattr(self.driver, "lease_path"):
+            self.driver.lease_s, self.driver.fence_grace_s = self.lease_s, self.fence_grace_s
+        self.write_lease()
         log.info("registered as %s (node %s): %d GPU(s) via %s probe, %s sandbox, heartbeat %ss, lease %ss",
                  self.name, self.node_id, len(gpus), self.probe.kind, self.driver.name,
                  self.heartbeat_interval_s, self.lease_s)
@@ -201,6 +205,7 @@ class Agent:
         except StaleAttempt:
             log.info("job %s attempt %s: portal says stale, starting nothing", job_id, attempt)
             return "stale"
+        self.write_lease()  # the job's supervisor reads it from its start
         # The confirmed spec comes from the portal's database at this moment; it wins.
         wanted = {**(spec or {}), **confirmed}.get("sandbox") or DEFAULT_SANDBOX
         if self.driver.name in NODE_SANDBOXES and self.driver.name not in sandbox_hosts(wanted):
@@ -399,6 +404,8 @@ class Agent:
             return t.stop_state, code, t.stop_reason
         if state == OOM:
             return "oom", code, "killed: the job exceeded its memory limit"
+        if state == FENCED:
+            return "failed", code, "killed on the node: its lease ran out (the agent did not renew it in time)"
         if code == 0:
             return "succeeded", 0, ""
         if code is None:
@@ -615,8 +622,10 @@ class Agent:
                 if s["xid_errors"]:
                     self._unsent_xids.setdefault(s["gpu_uuid"], []).extend(s["xid_errors"])
             log.warning("heartbeat failed: %s", exc)
+            self.write_lease()  # the portal's outage answer renews it too
             self.check_lease()
             return None
+        self.write_lease()
         if self.fenced:
             log.warning("portal reachable again after the lease ran out; resuming")
             self.fenced = False
@@ -627,6 +636,20 @@ class Agent:
         for s in resp.get("stop") or ():
             self.stop(s["job_id"], s["attempt"], s.get("reason") or "stopped by the portal", wait=False)
         return resp
+
+    def write_lease(self) -> None:
+        """Write the lease's wall-clock deadline to the node's lease file, which every job's supervisor
+        reads (agents/supervisor/): it fences the jobs when the deadline passes, even with this agent
+        dead or frozen. Drivers without such supervisors have no ``lease_path``."""
+        path = getattr(self.driver, "lease_path", None)
+        if path is None:
+            return
+        renewed = getattr(self.client, "lease_renewed_at", None)
+        left = (renewed if renewed is not None else self._started) + self.lease_s - self._clock()
+        try:
+            write_lease(path, self._wall() + left, self.fence_grace_s)
+        except OSError as exc:  # the supervisors keep the last deadline they read: it only runs out
+            log.error("could not write the lease file %s: %s", path, exc)
 
     def check_lease(self) -> bool:
         """Stop every sandbox once the portal has been silent for longer than the

@@ -24,7 +24,8 @@ from agents.protocol import RENDEZVOUS_KEYS, is_reserved_env
 log = logging.getLogger(__name__)
 
 # Sandbox states as ``poll`` reports them. ``oom`` is an exit caused by the
-# memory limit; the agent maps ``exited`` to succeeded/failed by exit code.
+# memory limit; the agent maps ``exited`` to succeeded/failed by exit code. A sandbox whose per-job
+# supervisor killed it when the node's lease ran out polls as ``lease_expired`` (agents/supervisor/).
 RUNNING = "running"
 EXITED = "exited"
 OOM = "oom"

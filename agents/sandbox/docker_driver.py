@@ -26,6 +26,8 @@ import logging
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 
 import docker
@@ -39,6 +41,7 @@ from agents.sandbox import (
 )
 from agents.sandbox.docker_logs import ContainerLog
 from agents.sandbox.egress import EgressError, Firewall, parse_allow
+from agents.sandbox.kvm_domain import driver_dir
 from agents.sandbox.volumes import VolumePathError, plan_mounts
 
 log = logging.getLogger(__name__)
@@ -78,8 +81,15 @@ class DockerDriver:
                  nofile: int | None = 4096, gang_network_driver: str = "auto",
                  gang_network_internal: bool = False, simulated_gpus: bool = False,
                  egress_allow: str | list[str] | None = None, log_max_size: str = "10m", log_max_files: int = 3,
-                 installation: str | None = None, job_uids: str | None = None, volumes_root: str | None = None):
+                 installation: str | None = None, job_uids: str | None = None, volumes_root: str | None = None,
+                 state_dir: str | None = None, supervise: bool = False):
         self.node = node
+        # supervise (the agent sets it): each container gets a supervisor process that outlives the agent
+        # and kills it when the node's lease file, in the agent's state folder, runs out (agents/supervisor/);
+        # lease_s and fence_grace_s (set by the agent from its registration) stand in until the file exists.
+        self.lease_path = driver_dir("docker", node, state_dir) / "lease" if supervise else None
+        self.lease_s, self.fence_grace_s = 60.0, 3.0
+        self._supervisors: dict[str, subprocess.Popen] = {}
         # The operator's tree of project volumes, at the same path as on the portal (docs/storage.md).
         self.volumes_root = volumes_root if volumes_root is not None else os.environ.get("GPUPORTAL_VOLUMES_ROOT", "")
         # Several installations may share one engine: names and adoption go by installation and node.
@@ -181,6 +191,7 @@ class DockerDriver:
                 raise SandboxError(f"{NO_GPU_MESSAGE} (engine said: {msg})") from None
             raise SandboxError(f"could not start the sandbox: {msg}") from None
         log.info("job %s attempt %s: container %s started", spec.job_id, spec.attempt, c.short_id)
+        self._start_supervisor(c.id)
         return SandboxHandle(driver=self.name, ref=c.id, job_id=spec.job_id, attempt=spec.attempt,
                              started_at=time.time(), time_limit_s=spec.time_limit_s,
                              gpu_indexes=list(spec.gpu_indexes))
@@ -450,6 +461,10 @@ class DockerDriver:
 
     def remove(self, handle: SandboxHandle) -> None:
         self._force_remove(handle.ref)
+        sup = self._supervisors.pop(handle.ref, None)
+        if sup is not None:  # its container is gone: it has nothing left to guard
+            sup.kill()
+            sup.wait()
         self._logs.pop(handle.ref, None)
         for net in self._networks_named(gang_network_name(handle.job_id, handle.attempt)):
             try:
@@ -460,6 +475,18 @@ class DockerDriver:
                 self._remove_network(net)
 
     # -- helpers --------------------------------------------------------------
+
+    def _start_supervisor(self, container_id: str) -> None:
+        if self.lease_path is None:
+            return
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        with open(self.lease_path.parent / "supervisors.log", "ab") as errf:
+            self._supervisors[container_id] = subprocess.Popen(
+                [sys.executable, "-m", "agents.supervisor", "docker", container_id,
+                 "--lease-file", str(self.lease_path), "--lease-s", str(self.lease_s),
+                 "--grace-s", str(self.fence_grace_s)],
+                env={**os.environ, "PYTHONPATH": root}, cwd=root, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=errf, start_new_session=True)
 
     def _get(self, handle_or_id):
         ref = handle_or_id.ref if isinstance(handle_or_id, SandboxHandle) else handle_or_id

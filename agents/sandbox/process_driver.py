@@ -8,10 +8,13 @@ every start. Each job gets its own session (so its own process group, which
 Each job's folder lives in the agent's state folder (``<state>/process-<node>``,
 made 0700 and never followed through a link: ``kvm_domain.driver_dir``), with a
 small JSON record that lets a restarted agent find the jobs it started
-(``list_own``). The job runs under a tiny wrapper (``WRAPPER``) that waits for
-it and writes its exit code to ``exit`` in that folder (atomically, by rename)
-before it exits itself, so a job that ends while no agent is its parent (the
-agent restarted) still has its real exit code for the adopting agent. A job
+(``list_own``). The job runs under a small per-job supervisor (``WRAPPER``,
+agents/supervisor/lease.py) that waits for it and writes its exit code to
+``exit`` in that folder (atomically, by rename) before it exits itself, so a
+job that ends while no agent is its parent (the agent restarted) still has its
+real exit code for the adopting agent. The supervisor also reads the node's
+lease file (``lease`` in the same folder) and kills the job once the lease has
+run out, agent alive or not; the exit record then says ``lease_expired``. A job
 killed with its wrapper (SIGKILL to the group) leaves no code: it reads as
 unknown. The job runs as the agent's user and could write that file itself:
 this sandbox fences nothing.
@@ -32,33 +35,17 @@ from pathlib import Path
 from agents.sandbox import EXITED, RUNNING, LaunchSpec, SandboxError, SandboxHandle, job_env, sandbox_name
 from agents.sandbox.kvm_domain import driver_dir
 from agents.sandbox.volumes import MOUNT_ROOT, VolumePathError, plan_mounts
+from agents.supervisor import SOURCE as SUPERVISOR_SOURCE
+from agents.supervisor.lease import FENCED
 
 log = logging.getLogger(__name__)
 
 LOG_READ_MAX_BYTES = 1024 * 1024  # one read_logs call returns at most this; the agent reads on
 
-# The job's parent: runs argv[2:], then writes its exit code (128 + signal for a signal death, as a shell
-# and Docker say it) to argv[1] by rename, and exits with it. Signals to the job's group reach the job;
-# the wrapper only notes them, so it outlives the job to write the code. Run with -I (no PYTHON* variables
-# from the job's environment, no user site).
-WRAPPER = """
-import os, signal, subprocess, sys
-for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-    signal.signal(s, lambda *_: None)
-path, argv = sys.argv[1], sys.argv[2:]
-try:
-    rc = subprocess.call(argv)
-except OSError as exc:
-    print(f"gpuportal: could not start {argv[0]!r}: {exc}", file=sys.stderr, flush=True)
-    rc = 127
-rc = 128 - rc if rc < 0 else rc
-with open(path + ".tmp", "w") as f:
-    f.write(f"{rc}\\n")
-    f.flush()
-    os.fsync(f.fileno())
-os.replace(path + ".tmp", path)
-sys.exit(rc)
-"""
+# The job's parent is the per-job supervisor (agents/supervisor/lease.py), run with -I (no PYTHON*
+# variables from the job's environment, no user site, nothing of the agent importable): it waits for the
+# job, writes its exit code, and fences the job when the node's lease file says the lease ran out.
+WRAPPER = SUPERVISOR_SOURCE
 
 
 class ProcessDriver:
@@ -69,6 +56,10 @@ class ProcessDriver:
         # state_dir is the agent's (--state-dir); the driver's own folder is made private in it.
         self.state_dir = driver_dir("process", node, state_dir)
         self._children: dict[str, subprocess.Popen] = {}
+        # The node's lease, written by the agent after each renewal and read by every job's supervisor;
+        # lease_s and fence_grace_s (set by the agent from its registration) stand in until it exists.
+        self.lease_path = self.state_dir / "lease"
+        self.lease_s, self.fence_grace_s = 60.0, 3.0
 
     def launch(self, spec: LaunchSpec) -> SandboxHandle:
         log.warning(
@@ -106,7 +97,9 @@ class ProcessDriver:
             raise SandboxError(f"could not start {exe!r}: no such executable")
         with open(root / "log", "wb") as logf:
             try:
-                p = subprocess.Popen([sys.executable, "-I", "-c", WRAPPER, str(root / "exit"), *spec.command],
+                p = subprocess.Popen([sys.executable, "-I", "-c", WRAPPER, "process", str(root / "exit"),
+                                      str(self.lease_path), str(self.lease_s), str(self.fence_grace_s),
+                                      "--", *spec.command],
                                      cwd=workdir, env=env, stdin=subprocess.DEVNULL,
                                      stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
             except OSError as exc:
@@ -130,13 +123,17 @@ class ProcessDriver:
             rc = p.poll()
             if rc is None:
                 return RUNNING, None
+            code, fenced = self._exit_record(handle.ref)
+            if fenced:
+                return FENCED, code
             # Report a signal death the way a shell (and Docker) does: 128 + signal.
             return EXITED, (128 - rc if rc < 0 else rc)
         rec = self._record(handle.ref)
         if rec and _alive(rec["pid"], rec.get("start_ticks")):
             return RUNNING, None
         # Not our child (adopted after a restart): the wrapper wrote the code before it exited.
-        return EXITED, self._exit_code(handle.ref)
+        code, fenced = self._exit_record(handle.ref)
+        return (FENCED if fenced else EXITED), code
 
     def read_logs(self, handle: SandboxHandle, offset: int) -> bytes:
         try:
@@ -184,11 +181,13 @@ class ProcessDriver:
         self._children.pop(handle.ref, None)
         shutil.rmtree(self.state_dir / handle.ref, ignore_errors=True)
 
-    def _exit_code(self, ref: str) -> int | None:
+    def _exit_record(self, ref: str) -> tuple[int | None, bool]:
+        """(exit code, whether the supervisor fenced the job) from the wrapper's record."""
         try:
-            return int((self.state_dir / ref / "exit").read_text())
+            code, *what = (self.state_dir / ref / "exit").read_text().split()
+            return int(code), FENCED in what
         except (OSError, ValueError):
-            return None  # killed with its wrapper, or gone: unknown
+            return None, False  # killed with its wrapper, or gone: unknown
 
     def _record(self, ref: str) -> dict | None:
         try:

@@ -168,16 +168,8 @@ FAULTS = {
 }
 AGENT_KEPT_DOWN = {"agent-sigkill-kept-down"}
 # Faults that still break an invariant, and why: the table says "known gap", the pytest case is
-# xfail(strict=True). Remove an entry when its fix lands.
-KNOWN = {
-    "agent-sigkill-kept-down": (
-        "no two attempts at once: nothing fences a dead agent's process-sandbox jobs (each runs in a session "
-        "of its own and outlives the agent); the portal requeues after NODE_TIMEOUT_S and the old attempt "
-        "runs on beside the new one until it ends (no per-job supervisor outlives the agent yet)"),
-    "agent-sigstop-past-lease": (
-        "no two attempts at once: a frozen agent cannot fence; the portal requeues after NODE_TIMEOUT_S while "
-        "the old sandbox runs on until the agent is continued and finds its lease gone"),
-}
+# xfail(strict=True). Remove an entry when its fix lands. None at present.
+KNOWN: dict[str, str] = {}
 
 
 def run_case(c: Cluster, fault: str, jobs: int = 10, seed: int = 1, drain_timeout: float = 150) -> Outcome:

@@ -1,0 +1,197 @@
+"""The per-job supervisor fences a process-sandbox job when the node's lease file runs out, with no
+agent process alive (agents/supervisor/, docs/reliability.md "Fencing without the agent")."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from agents.client import PortalClient
+from agents.probe.sim import SimProbe
+from agents.sandbox import EXITED, RUNNING
+from agents.sandbox.process_driver import ProcessDriver, _alive
+from agents.supervisor.lease import FENCED, read_lease, write_lease
+from agents.worker import Agent
+from tests.agents.conftest import make_spec
+from tests.agents.portal_stub import TOKEN, PortalStub
+from tests.agents.test_lease import wait_for
+
+GRACE_S = 1.0
+CHECK_S = 0.5  # agents/supervisor/lease.py re-reads the deadline this often
+
+
+# Launches a job that ignores SIGTERM (so only the SIGKILL after the grace ends it) from a driver in a
+# process of its own, prints the job's shell pid and the sandbox ref, then waits to be killed.
+LAUNCHER = textwrap.dedent("""
+    import sys, time
+    from agents.sandbox.process_driver import ProcessDriver
+    from tests.agents.conftest import make_spec
+    d = ProcessDriver(node="fence", state_dir=sys.argv[1])
+    h = d.launch(make_spec(command=["sh", "-c", "echo $$ > pid; trap '' TERM; sleep 300"]))
+    print(h.ref, flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.fixture
+def launcher(tmp_path):
+    procs = []
+
+    def start():
+        p = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                             cwd=os.getcwd())
+        procs.append(p)
+        return p, p.stdout.readline().strip()
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+    d = ProcessDriver(node="fence", state_dir=str(tmp_path))
+    for _, _, h in d.list_own():
+        d.stop(h, 0)
+        d.remove(h)
+
+
+def test_a_job_is_killed_at_its_lease_deadline_with_no_agent_alive(tmp_path, launcher):
+    driver = ProcessDriver(node="fence", state_dir=str(tmp_path))
+    write_lease(driver.lease_path, time.time() + 2.0, GRACE_S)
+    agent, ref = launcher()
+    pid_file = driver.state_dir / ref / "work" / "pid"
+    wait_for(pid_file.exists, 10, "the job to start")
+    job_pid = int(pid_file.read_text())
+    agent.kill()  # the "agent" (the driver's process) dies: nothing renews the lease, nothing stops the job
+    agent.wait()
+    assert _alive(job_pid, None)
+    deadline = read_lease(driver.lease_path)[0]
+    wait_for(lambda: not _alive(job_pid, None), deadline - time.time() + GRACE_S + CHECK_S + 3,
+             "the supervisor to kill the job")
+    # SIGTERM was ignored: it took the SIGKILL after the grace, and not before the deadline.
+    assert time.time() >= deadline + GRACE_S - 0.1
+    # A restarted agent adopts the attempt and reads the fence from the exit record.
+    (_, _, handle), = driver.list_own()
+    assert driver.poll(handle) == (FENCED, 128 + signal.SIGKILL)
+    assert b"lease ran out" in driver.read_logs(handle, 0)
+
+
+@contextlib.contextmanager
+def renewing(lease_path, lease_s):
+    """An agent that renews the lease file every 0.2 s, by lease_s from now."""
+    write_lease(lease_path, time.time() + lease_s, GRACE_S)
+    stop = threading.Event()
+
+    def renew():
+        while not stop.wait(0.2):
+            write_lease(lease_path, time.time() + lease_s, GRACE_S)
+    th = threading.Thread(target=renew, daemon=True)
+    th.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        th.join(5)
+
+
+def test_a_job_whose_lease_is_renewed_runs_to_its_end(tmp_path):
+    driver = ProcessDriver(node="renew", state_dir=str(tmp_path))
+    with renewing(driver.lease_path, 1.0):
+        h = driver.launch(make_spec(command=["sh", "-c", "sleep 4; exit 5"]))  # four leases long
+        try:
+            wait_for(lambda: driver.poll(h)[0] != RUNNING, 15, "the job to end")
+            assert driver.poll(h) == (EXITED, 5)
+        finally:
+            driver.remove(h)
+
+
+def test_a_missing_lease_file_means_launch_time_plus_the_lease(tmp_path):
+    driver = ProcessDriver(node="nolease", state_dir=str(tmp_path))
+    driver.lease_s, driver.fence_grace_s = 1.0, 0.5
+    t0 = time.time()
+    h = driver.launch(make_spec(command=["sleep", "60"]))
+    try:
+        wait_for(lambda: driver.poll(h)[0] != RUNNING, 1.0 + 0.5 + CHECK_S + 3, "the fallback lease to run out")
+        assert driver.poll(h) == (FENCED, 128 + signal.SIGTERM) and time.time() - t0 >= 1.0
+    finally:
+        driver.remove(h)
+
+
+def test_the_agent_renews_the_lease_file_and_a_stopped_agent_s_job_is_fenced(tmp_path):
+    """A real agent (HTTP client, portal stub) keeps its job alive past several leases; once it stops
+    renewing (its threads stopped: dead or frozen) the supervisor alone ends the job, reported right."""
+    stub = PortalStub()
+    driver = ProcessDriver(node="agentlease", state_dir=str(tmp_path))
+    agent = Agent(name="agentlease", client=PortalClient(stub.url, TOKEN, timeout_s=2, retries=0), driver=driver,
+                  probe=SimProbe("1xH100-80GB", node_name="agentlease"), stop_grace_s=1.0, scrub_gpus=False)
+    stop = threading.Event()
+    try:
+        agent.register()
+        agent.heartbeat_interval_s, agent.lease_s, agent.fence_grace_s = 0.3, 2.0, 0.5
+        th = threading.Thread(target=agent.run_heartbeats, args=(stop,), daemon=True)
+        th.start()
+        assert agent.launch("j1", 1, {"image": "busybox", "command": ["sleep", "120"], "sandbox": "process", "time_limit_s": 300,
+                                      "cpus": 1, "memory_mb": 64}) == "started"
+        (_, _, h), = driver.list_own()
+        t_end = time.monotonic() + 3 * agent.lease_s
+        while time.monotonic() < t_end:  # three leases long, renewed: it runs
+            assert driver.poll(h)[0] == RUNNING
+            time.sleep(0.1)
+        deadline, grace = read_lease(driver.lease_path)
+        assert time.time() < deadline <= time.time() + agent.lease_s and grace == 0.5
+        stop.set()
+        th.join(5)
+        wait_for(lambda: driver.poll(h)[0] != RUNNING, 2.0 + 0.5 + CHECK_S + 3, "the supervisor to fence the job")
+        assert driver.poll(h)[0] == FENCED
+        agent.supervise_once()  # the agent, back, reports it as fenced
+        wait_for(lambda: "failed" in [c["state"] for c in stub.calls("/jobs/j1/events")], 10, "the report")
+        assert "lease ran out" in stub.calls("/jobs/j1/events")[-1]["message"]
+    finally:
+        stop.set()
+        for _, _, h in driver.list_own():
+            driver.stop(h, 0)
+            driver.remove(h)
+        stub.close()
+
+
+@pytest.fixture
+def supervised_docker(docker_client, node_name, tmp_path):
+    from agents.sandbox.docker_driver import DockerDriver
+
+    d = DockerDriver(node=node_name, client=docker_client, state_dir=str(tmp_path), supervise=True)
+    yield d
+    for c in docker_client.containers.list(all=True, filters={"label": [f"gpuportal.node={node_name}"]}):
+        c.remove(force=True)
+    for sup in d._supervisors.values():
+        sup.kill()
+        sup.wait()
+
+
+def test_a_container_is_killed_at_its_lease_deadline_by_its_own_supervisor(supervised_docker, docker_client):
+    """The container's supervisor is a process of its own session: the driver object (the agent) does
+    nothing after the launch, yet the container ends at the deadline, SIGTERM ignored, SIGKILL after the grace."""
+    d = supervised_docker
+    write_lease(d.lease_path, time.time() + 3.0, GRACE_S)
+    h = d.launch(make_spec(command=["sh", "-c", "trap '' TERM; sleep 300"]))
+    sup = d._supervisors[h.ref]
+    assert os.getsid(sup.pid) == sup.pid  # outlives the agent's session
+    assert d.poll(h)[0] == RUNNING
+    deadline = read_lease(d.lease_path)[0]
+    wait_for(lambda: d.poll(h)[0] != RUNNING, deadline - time.time() + GRACE_S + CHECK_S + 10,
+             "the supervisor to kill the container")
+    assert time.time() >= deadline + GRACE_S - 0.2
+    assert d.poll(h) == (EXITED, 128 + signal.SIGKILL)
+    assert sup.wait(10) == 0  # and then it ends itself
+    d.remove(h)
+
+
+def test_a_container_whose_lease_is_renewed_runs_to_its_end(supervised_docker):
+    d = supervised_docker
+    with renewing(d.lease_path, 1.5):
+        h = d.launch(make_spec(command=["sh", "-c", "sleep 5; exit 4"]))  # three leases long
+        wait_for(lambda: d.poll(h)[0] != RUNNING, 30, "the container to end")
+        assert d.poll(h) == (EXITED, 4)
+        assert d._supervisors[h.ref].wait(10) == 0
