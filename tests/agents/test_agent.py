@@ -27,7 +27,7 @@ def env():
 def test_register_sends_inventory_and_takes_the_portals_timers(env):
     body = env.portal.registered
     assert body["name"] == "n1" and body["sandbox"] == "fake" and len(body["gpus"]) == 4
-    assert set(body["gpus"][0]) == {"index", "uuid", "model", "memory_mb", "pci_bus_id"}
+    assert set(body["gpus"][0]) == {"index", "uuid", "model", "memory_mb", "pci_bus_id", "topology"}
     assert env.agent.heartbeat_interval_s == 5 and env.agent.lease_s == 30 and env.agent.node_id == 7
     assert body["capabilities"] == {"mps": False, "simulated_gpus": True} and body["gpus_unusable"] == ""
 
