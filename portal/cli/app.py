@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-import yaml
 
 from . import config, version
 from .client import ApiError, Client, ConnectionFailed
@@ -200,6 +199,8 @@ def _read_spec_file(path: str) -> dict:
         text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise SpecError(f"cannot read {name}: {exc.strerror}") from None
+    import yaml  # only for a YAML spec: a start-up cost every other command would pay
+
     try:
         data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as exc:

@@ -4,11 +4,15 @@ Every failure comes out as one of two exceptions, so the commands handle errors 
 `ApiError` carries the API's error shape ({"error": {status, code, message, fields}}) and
 `ConnectionFailed` names the URL that could not be reached.
 """
-import re
+from __future__ import annotations
 
-import requests
+import re
+from typing import TYPE_CHECKING
 
 from . import version
+
+if TYPE_CHECKING:
+    import requests
 
 # The exit status for each HTTP error status (docs/cli.md); anything else exits 1.
 EXIT_CODES = {400: 2, 401: 3, 403: 3, 404: 4, 409: 5}
@@ -60,6 +64,8 @@ def normalize_url(url: str) -> str:
 
 def _reason(exc: requests.RequestException) -> str:
     """requests nests the cause deep in its message; keep the part a person can act on."""
+    import requests
+
     text = str(exc)
     if isinstance(exc, requests.exceptions.SSLError):
         return "TLS error: " + (re.findall(r"\[SSL[^\]]*\] ([^(')\"]+)", text) or [text])[0].strip()
@@ -76,6 +82,10 @@ class Client:
         self.base_url = normalize_url(url)
         self.timeout = timeout
         self.last_status = 0  # of the latest response: submit tells 201 (created) from 200 (replayed)
+        # requests (with urllib3) is a third of gpuctl's start-up: loaded by the commands that call the API.
+        import requests
+
+        self._requests = requests
         self.session = requests.Session()
         self.session.headers.update({
             "Authorization": f"Bearer {token}",
@@ -95,7 +105,7 @@ class Client:
             # No redirects: requests would turn a POST into a GET and drop the token on the way.
             resp = self.session.request(method, url, params=params, json=body, headers=headers,
                                         timeout=(10, self.timeout), allow_redirects=False)
-        except requests.RequestException as exc:
+        except self._requests.RequestException as exc:
             raise ConnectionFailed(self.base_url, _reason(exc)) from None
         self.last_status = resp.status_code
         with resp:  # back to the pool even when we raise, so close() really closes the connection
@@ -237,7 +247,7 @@ class Client:
             resp = self.session.request(method, url, params={"path": file_path}, data=data, stream=out is not None,
                                         headers={"Content-Type": "application/octet-stream"} if data else None,
                                         timeout=(10, self.timeout), allow_redirects=False)
-        except requests.RequestException as exc:
+        except self._requests.RequestException as exc:
             raise ConnectionFailed(self.base_url, _reason(exc)) from None
         self.last_status = resp.status_code
         with resp:

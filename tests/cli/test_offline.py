@@ -37,6 +37,15 @@ def test_the_cli_imports_no_django_app_machinery():
     assert out.stdout.strip() == "[]"
 
 
+def test_the_cli_starts_without_what_only_some_commands_use():
+    """Start-up time: requests (urllib3), PyYAML and importlib.metadata load when a command needs
+    them (an API call, a YAML spec, the version), not for --help or a local command."""
+    code = ("import sys, portal.cli.app; print(sorted(m for m in ('requests', 'urllib3', 'yaml', 'importlib.metadata', "
+            "'django') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_flags_override_file_fields_and_merge_env(tmp_path):
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"project": "vision", "command": "python train.py", "env": {"A": 1, "B": True},
