@@ -106,7 +106,7 @@ def main(argv=None) -> int:
         if args.sandbox == "kvm":
             extra = {"pci_bus_ids": {g.index: g.pci_bus_id for g in probe.inventory()},
                      "egress_allow": args.egress_allow, "state_dir": args.state_dir,
-                     "installation": args.installation}
+                     "installation": args.installation, "supervise": True}
         elif args.sandbox == "process":
             extra = {"state_dir": args.state_dir}
         elif args.sandbox == "docker":

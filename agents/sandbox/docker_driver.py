@@ -27,7 +27,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 
 import docker
@@ -35,6 +34,7 @@ import docker.errors
 import docker.types
 import requests
 
+from agents import supervisor
 from agents.sandbox import (
     EXITED, LABEL_ATTEMPT, LABEL_GPUS, LABEL_INSTALLATION, LABEL_JOB, LABEL_NODE, LABEL_TIME_LIMIT, OOM, RUNNING,
     LaunchSpec, SandboxError, SandboxHandle, job_env, node_rank, sandbox_name, uid_range,
@@ -477,16 +477,9 @@ class DockerDriver:
     # -- helpers --------------------------------------------------------------
 
     def _start_supervisor(self, container_id: str) -> None:
-        if self.lease_path is None:
-            return
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        with open(self.lease_path.parent / "supervisors.log", "ab") as errf:
-            self._supervisors[container_id] = subprocess.Popen(
-                [sys.executable, "-m", "agents.supervisor", "docker", container_id,
-                 "--lease-file", str(self.lease_path), "--lease-s", str(self.lease_s),
-                 "--grace-s", str(self.fence_grace_s)],
-                env={**os.environ, "PYTHONPATH": root}, cwd=root, stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=errf, start_new_session=True)
+        if self.lease_path is not None:
+            self._supervisors[container_id] = supervisor.start("docker", container_id, self.lease_path,
+                                                               self.lease_s, self.fence_grace_s)
 
     def _get(self, handle_or_id):
         ref = handle_or_id.ref if isinstance(handle_or_id, SandboxHandle) else handle_or_id

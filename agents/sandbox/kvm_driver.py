@@ -58,6 +58,7 @@ import math
 import os
 import re
 import shutil
+import subprocess
 import tarfile
 import tempfile
 import threading
@@ -70,6 +71,7 @@ import docker
 import docker.errors
 import requests
 
+from agents import supervisor
 from agents.sandbox import (
     EXITED, OOM, RUNNING, LaunchSpec, SandboxError, SandboxHandle, job_env, sandbox_name, uid_range,
 )
@@ -119,7 +121,8 @@ class KvmDriver:
                  job_network: str | None = "user", docker_client=None, max_image_mb: int | None = None,
                  image_cache_mb: int | None = None, vm_uids: str | None = None,
                  egress_allow: str | list[str] | None = None, installation: str | None = None,
-                 max_image_entries: int | None = None, convert_timeout_s: int | None = None):
+                 max_image_entries: int | None = None, convert_timeout_s: int | None = None,
+                 supervise: bool = False):
         try:
             import libvirt
         except ImportError as exc:
@@ -160,6 +163,11 @@ class KvmDriver:
         # of this node's under the agent's state dir, never in a shared predictable path.
         self.state_dir = driver_dir("kvm", node, state_dir, mode=0o711)
         self.log_dir = self.state_dir  # the consoles are there too
+        # supervise (the agent sets it): each VM gets a supervisor process that outlives the agent and
+        # destroys it when the node's lease file runs out (agents/supervisor/, as the docker sandbox's).
+        self.lease_path = self.state_dir / "lease" if supervise else None
+        self.lease_s, self.fence_grace_s = 60.0, 3.0
+        self._supervisors: dict[str, subprocess.Popen] = {}
         # QEMU runs under a uid of its own: libvirt hands it the per-job kernel and initrd by ownership,
         # but every folder above them must let it through (the driver's own is 0711, never listable).
         blocked = [str(p) for p in [self.state_dir, *self.state_dir.parents] if not p.stat().st_mode & 0o001]
@@ -261,6 +269,9 @@ class KvmDriver:
             self._cancels.pop((spec.job_id, spec.attempt), None)
         log.info("job %s attempt %s: VM %s started (domain type %s)", spec.job_id, spec.attempt, name,
                  self.domain_type)
+        if self.lease_path is not None:
+            self._supervisors[name] = supervisor.start("kvm", name, self.lease_path, self.lease_s,
+                                                       self.fence_grace_s, "--uri", self.conn.getURI())
         return SandboxHandle(driver=self.name, ref=name, job_id=spec.job_id, attempt=spec.attempt,
                              started_at=started, time_limit_s=spec.time_limit_s,
                              gpu_indexes=list(spec.gpu_indexes))
@@ -617,6 +628,10 @@ class KvmDriver:
                     dom.undefine()
             except self._libvirt.libvirtError as exc:
                 log.warning("could not remove VM %s: %s", handle.ref, exc)
+        sup = self._supervisors.pop(handle.ref, None)
+        if sup is not None:  # its VM is gone: it has nothing left to guard
+            sup.kill()
+            sup.wait()
         self._remove_files(handle.ref)
 
     def _remove_files(self, name: str) -> None:

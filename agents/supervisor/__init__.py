@@ -13,6 +13,21 @@ the old attempt is dead before the new one starts, whether the agent is alive, f
 job's parent (``SOURCE``), where nothing of the agent's environment or packages is importable.
 """
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 SOURCE = (Path(__file__).with_name("lease.py")).read_text()
+ROOT = str(Path(__file__).resolve().parents[2])  # where ``agents`` is importable from
+
+
+def start(kind: str, ref: str, lease_path: Path, lease_s: float, grace_s: float, *extra: str) -> subprocess.Popen:
+    """Start ``python -m agents.supervisor KIND REF`` detached (a session of its own, so it outlives the
+    agent and a signal to the agent's group); its messages go to ``supervisors.log`` beside the lease."""
+    with open(lease_path.parent / "supervisors.log", "ab") as errf:
+        return subprocess.Popen(
+            [sys.executable, "-m", "agents.supervisor", kind, ref, "--lease-file", str(lease_path),
+             "--lease-s", str(lease_s), "--grace-s", str(grace_s), *extra],
+            env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=errf, start_new_session=True)

@@ -20,6 +20,7 @@ from agents.supervisor.lease import FENCED, read_lease, write_lease
 from agents.worker import Agent
 from tests.agents.conftest import make_spec
 from tests.agents.portal_stub import TOKEN, PortalStub
+from tests.agents.test_kvm_boot import close_vm_driver, kvm_image, make_vm_driver  # noqa: F401 (a fixture)
 from tests.agents.test_lease import wait_for
 
 GRACE_S = 1.0
@@ -195,3 +196,19 @@ def test_a_container_whose_lease_is_renewed_runs_to_its_end(supervised_docker):
         wait_for(lambda: d.poll(h)[0] != RUNNING, 30, "the container to end")
         assert d.poll(h) == (EXITED, 4)
         assert d._supervisors[h.ref].wait(10) == 0
+
+
+def test_a_vm_is_destroyed_at_its_lease_deadline_by_its_own_supervisor(kvm_image, docker_client):
+    d = make_vm_driver(kvm_image, supervise=True)
+    try:
+        write_lease(d.lease_path, time.time() + 3.0, GRACE_S)
+        h = d.launch(make_spec(command=["sleep", "300"]))
+        sup = d._supervisors[h.ref]
+        assert os.getsid(sup.pid) == sup.pid and d.poll(h)[0] == RUNNING
+        deadline = read_lease(d.lease_path)[0]
+        wait_for(lambda: not d._active(h.ref), max(0.0, deadline - time.time()) + GRACE_S + CHECK_S + 10,
+                 "the supervisor to destroy the VM")
+        assert time.time() >= deadline
+        assert sup.wait(10) == 0
+    finally:
+        close_vm_driver(d)
