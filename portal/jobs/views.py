@@ -5,7 +5,6 @@ service and renders. htmx polls ask for fragments and carry the version of what 
 show; an unchanged fragment is answered with 204 so nothing on the page moves.
 """
 import dataclasses
-from decimal import Decimal, InvalidOperation
 
 from django.contrib import messages
 from django.core.paginator import Paginator
@@ -23,11 +22,11 @@ from portal.core.pages import PageMixin, refused, scoped_or_404, validation_fiel
 from portal.core.querysets import user_can
 from portal.tenancy.models import Project
 
+from .api import JobUpdateSerializer
 from .forms import JobFilterForm, JobSubmitForm
 from .models import CANCELLABLE, HOLDING, TERMINAL, Allocation, Job, JobState, JobTemplate, Priority
 from .selectors import LogPage, job_gpu_samples, jobs_for_list, log_end, log_read, task_histograms
 from .services import job_cancel, job_hold, job_release, job_resubmit, job_spec_check, job_submit, job_update
-from .spec import parse_duration
 
 PAGE_SIZE = 50
 POLL_LIST = "every 3s"
@@ -316,33 +315,25 @@ class JobUpdateView(PageMixin, View):
     def post(self, request, pk):
         job = _job(request, pk)
         back = reverse("jobs:detail", args=[job.pk])
-        errors, changes = {}, {}
+        # Only what the form changed (it opens filled in with the job's values), checked by the
+        # API's own update serializer so both refuse the same input with the same field names.
+        data = {}
         text = request.POST.get("time_limit", "").strip()
         if text and text != str(job.time_limit_s):
-            try:
-                changes["time_limit"] = parse_duration(text)
-            except ValueError as exc:
-                errors["time_limit"] = [str(exc)]
+            data["time_limit"] = text
         priority = request.POST.get("priority", "")
         if priority and priority != job.priority:
-            if priority in Priority.values:
-                changes["priority"] = priority
-            else:
-                errors["priority"] = ["Choose low, normal or high."]
+            data["priority"] = priority
         text = request.POST.get("gpus", "").strip()
         if text:
-            try:
-                gpus = Decimal(text)
-                if not gpus.is_finite() or gpus < 0:
-                    raise InvalidOperation
-                if gpus != job.gpus:
-                    changes["gpus"] = gpus
-            except InvalidOperation:
-                errors["resources.gpus"] = ["Enter a number of GPUs, like 2 or 0.5."]
+            data["resources"] = {"gpus": text}
         try:
-            if errors:
-                raise serializers.ValidationError(errors)
-            job = job_update(actor=self.actor, job=job, **changes)  # nothing changed: it says so
+            form = JobUpdateSerializer(data=data)
+            form.is_valid(raise_exception=True)
+            v = form.validated_data
+            gpus = v.get("resources", {}).get("gpus")
+            job = job_update(actor=self.actor, job=job, time_limit=v.get("time_limit"), priority=v.get("priority"),
+                             gpus=None if gpus == job.gpus else gpus)  # nothing changed: it says so
         except serializers.ValidationError as exc:
             messages.error(request, "Not updated: " + "; ".join(
                 f"{k}: {' '.join(str(m) for m in v)}" for k, v in validation_fields(exc).items()))

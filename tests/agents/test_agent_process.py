@@ -5,7 +5,6 @@ transport in a temp dir) and the real Docker engine."""
 import base64
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -13,18 +12,9 @@ from celery import Celery
 
 from tests.agents.conftest import JOB_IMAGE
 from tests.agents.portal_stub import TOKEN, PortalStub
-from tests.procs import start_process, stop_process
+from tests.procs import start_process, stop_process, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def wait_for(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture

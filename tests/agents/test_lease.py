@@ -13,18 +13,10 @@ from agents.sandbox.process_driver import ProcessDriver
 from agents.worker import Agent
 from tests.agents.fakes import Clock, FakeDriver, FakePortal
 from tests.agents.portal_stub import TOKEN, PortalStub
+from tests.procs import wait_for
 
 JOB = {"image": "busybox", "command": ["sleep", "120"], "cpus": 1, "memory_mb": 64, "time_limit_s": 300}
 LEASE_S = 2.0
-
-
-def wait_for(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture

@@ -17,18 +17,10 @@ from portal.jobs.models import Job
 from portal.jobs.services import job_submit
 from portal.nodes.services import node_add
 from scheduler.adapter import run_pass
+from tests.procs import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 LEASE_S = 2.0
-
-
-def wait_for(pred, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
