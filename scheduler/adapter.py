@@ -24,9 +24,10 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import F, Sum
 from django.utils import timezone
 
+from portal.core import locks
 from portal.core.crashpoints import crashpoint
 from portal.jobs.models import HOLDING, QOS_VALUE, TERMINAL, Allocation, Job, JobState
-from portal.jobs.selectors import decayed_usage, gpu_hours_used_this_month
+from portal.jobs.selectors import decayed_usage, gpu_hours_used_this_month, launch_specs
 from portal.jobs.states import transition
 from portal.nodes.models import GPU, GPUHealth, GPUMode, Node, NodeState
 from portal.tenancy.models import Organization, Quota
@@ -35,25 +36,6 @@ from scheduler import core
 from .dispatch import send_launches, send_stop
 
 log = logging.getLogger(__name__)
-
-LOCK_KEY = 0x67707531  # "gpu1": the one advisory lock every pass takes
-
-
-def _try_lock() -> bool:
-    if connection.vendor != "postgresql":
-        return True  # SQLite: transaction_mode IMMEDIATE already serializes writers
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [LOCK_KEY])
-        return bool(cursor.fetchone()[0])
-
-
-def pass_lock_wait() -> None:
-    """Inside a transaction: wait for a running pass to end and keep the next one out until
-    commit (a hold or update of a queued job takes it, so no pass plans with the old job)."""
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [LOCK_KEY])
-
 
 def _epoch(dt) -> float:
     return dt.timestamp()
@@ -372,7 +354,7 @@ def run_pass() -> dict:
     launches: list[tuple[str, int, int]] = []
     stops: list[tuple[str, int, int, str]] = []
     with transaction.atomic():
-        if not _try_lock():
+        if not locks.try_xact_lock(locks.SCHEDULE_PASS):
             return {"skipped": "another scheduling pass is running"}
         cancelled = _cancel_failed_dependents()
         snapshot, context = build_snapshot(now)
@@ -424,4 +406,5 @@ def _publish(launches, stops) -> None:
     crashpoint("schedule.after_commit_before_publish")
     for node_name, job_id, attempt, reason in stops:
         send_stop(node_name, job_id, attempt, reason, settings.PREEMPT_GRACE_S)
-    send_launches(launches)
+    if launches:
+        send_launches(launches, launch_specs([(node, job_id) for node, job_id, _ in launches]))

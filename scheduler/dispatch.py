@@ -6,6 +6,8 @@ stop by the heartbeat answer (the portal tells the agent which attempts to stop)
 import contextvars
 import logging
 
+from django.conf import settings
+
 from portal.celery import app, node_queue
 
 log = logging.getLogger(__name__)
@@ -13,17 +15,16 @@ log = logging.getLogger(__name__)
 _producer: contextvars.ContextVar = contextvars.ContextVar("producer", default=None)
 
 
-def send_launch(node_name: str, job_id: int, attempt: int) -> None:
-    send_launches([(node_name, job_id, attempt)])
+def send_launch(node_name: str, job_id: int, attempt: int, spec: dict | None) -> None:
+    send_launches([(node_name, job_id, attempt)], {(node_name, job_id): spec})
 
 
-def send_launches(launches: list[tuple[str, int, int]]) -> None:
-    """Publish `agent.launch` for (node, job, attempt) triples; specs are read in a few queries."""
-    from portal.jobs.selectors import launch_specs
-
+def send_launches(launches: list[tuple[str, int, int]], specs: dict[tuple[str, int], dict | None]) -> None:
+    """Publish `agent.launch` for (node, job, attempt) triples with their specs by (node, job),
+    as portal.jobs.selectors.launch_specs reads them (this module imports no portal app: jobs
+    and nodes publish through it, docs/design.md section 2)."""
     if not launches:
         return
-    specs = launch_specs([(node, job_id) for node, job_id, _ in launches])
     try:
         # One broker connection for the whole batch: a pass may start thousands of jobs.
         with app.producer_or_acquire() as producer:
@@ -41,8 +42,6 @@ def send_launches(launches: list[tuple[str, int, int]]) -> None:
 
 
 def send_stop(node_name: str, job_id: int, attempt: int, reason: str, grace_s: int | None = None) -> None:
-    from django.conf import settings
-
     grace = settings.PREEMPT_GRACE_S if grace_s is None else grace_s
     _send("agent.stop", node_name, [str(job_id), attempt, reason, grace])
 

@@ -5,10 +5,11 @@ from datetime import date, datetime, timedelta, timezone as dt_timezone
 from decimal import ROUND_HALF_UP, Decimal
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import Exists, OuterRef, Sum
 from django.utils import timezone
 
+from portal.core import locks
 from portal.core.context import Actor
 from portal.core.errors import Conflict, Forbidden, InvalidInput
 from portal.core.services import audit_record
@@ -18,7 +19,6 @@ from .models import (AllocationMeter, BudgetAlert, Invoice, InvoiceLine, Invoice
 
 log = logging.getLogger(__name__)
 
-METER_LOCK_KEY = 0x62696C6C  # "bill": one metering run at a time
 HOUR = timedelta(hours=1)
 SECONDS_Q = Decimal("0.001")
 AMOUNT_Q = Decimal("0.000001")
@@ -69,14 +69,6 @@ class RateBook:
         return card.price_per_gpu_hour * card.multiplier(preemptible=preemptible, priority=priority), card.currency
 
 
-def _try_lock() -> bool:
-    if connection.vendor != "postgresql":
-        return True  # SQLite serializes writers already
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [METER_LOCK_KEY])
-        return bool(cursor.fetchone()[0])
-
-
 def usage_meter(*, now: datetime | None = None, batch: int = 500) -> dict:
     """Write the ledger for every allocation not yet metered to its release.
 
@@ -97,7 +89,7 @@ def usage_meter(*, now: datetime | None = None, batch: int = 500) -> dict:
     rates = RateBook()
     written = closed = 0
     with transaction.atomic():
-        if not _try_lock():
+        if not locks.try_xact_lock(locks.USAGE_METER):
             return {"skipped": "another metering run is in progress"}
         pending = Allocation.objects.filter(
             ~Exists(AllocationMeter.objects.filter(allocation=OuterRef("pk"), closed=True)), started_at__lt=now,

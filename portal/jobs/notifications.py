@@ -6,16 +6,14 @@ Triggers: `states.transition()` for state changes (one place, every path through
 and re-reads the job; NotificationSent's unique (job, attempt, kind) key makes a retried or
 doubled task mail once. Array tasks are not mailed one by one: their parent is, when it ends.
 """
-import logging
-
 from django.conf import settings
 from django.core.mail import send_mail
 from django.db import IntegrityError, transaction
 from django.urls import reverse
 
-from .models import Job, JobState, NotificationSent
+from portal.core.queue import send
 
-log = logging.getLogger(__name__)
+from .models import Job, JobState, NotificationSent
 
 FAILED = frozenset({JobState.FAILED, JobState.TIMEOUT, JobState.OOM, JobState.NODE_FAIL})
 # A running attempt taken away and requeued, by the scheduler or by the portal's health rules.
@@ -38,12 +36,7 @@ def notify_on_commit(job_id: int, attempt: int, kind: str) -> None:
 
 
 def _publish(job_id: int, attempt: int, kind: str) -> None:
-    from .tasks import notify
-
-    try:
-        notify.apply_async(args=[job_id, attempt, kind], queue="default", retry=False)
-    except Exception as exc:  # kombu raises several types for an unreachable broker
-        log.warning("could not queue the %s notification of job %s: %s", kind, job_id, exc)
+    send("jobs.notify", args=[job_id, attempt, kind], queue="default")  # portal/jobs/tasks.py
 
 
 def job_notify(*, job_id: int, attempt: int, kind: str) -> bool:

@@ -14,6 +14,7 @@ from django.db.models import F
 from agents.protocol import TERMINAL_EVENT_STATES
 from portal.core.errors import Conflict
 from portal.core.numbers import parse_int, parse_ints
+from portal.core.queue import request_schedule_pass
 
 from .models import HOLDING, TERMINAL, Allocation, Job, JobLogChunk, JobState
 
@@ -131,8 +132,6 @@ def job_requeue_after_node_fault(job: Job, message: str) -> str:
 
 def _after_end(job: Job) -> None:
     from portal.nodes.services import node_settle_drain
-
-    from .services import request_schedule_pass
 
     for node_id in {job.node_id} - {None}:
         node_settle_drain(node_id)

@@ -1,25 +1,25 @@
 """Writes for jobs: submit, cancel, resubmit, templates. Views, the API and the CLI call these."""
 import hashlib
 import json
-import logging
 
 from django.db import IntegrityError, transaction
 from django.db.models import Q
 from rest_framework import serializers
 
+from portal.core import locks
 from portal.core.context import Actor
 from portal.core.errors import Conflict, Forbidden, InvalidInput, Unprocessable
 from portal.core.querysets import check_token_project, user_can
+from portal.core.queue import request_schedule_pass
 from portal.core.services import audit_record
 from portal.core.text import check_plain_name
 from portal.tenancy.models import Project
+from scheduler.dispatch import send_stop
 
 from .models import CANCELLABLE, HOLDING, TERMINAL, Job, JobEvent, JobState, JobTemplate
 from .selectors import gpu_hours_used_this_month
 from .spec import JobSpecSerializer, parse_array
 from .states import transition
-
-log = logging.getLogger(__name__)
 
 SPEC_FIELDS = ("name", "image", "command", "env", "resources", "time_limit", "priority", "preemptible", "sandbox",
                "network", "array", "depends_on")
@@ -210,8 +210,6 @@ def job_cancel(*, actor: Actor, job: Job, reason: str = "") -> Job:
 
 
 def _send_stops_on_commit(stops, reason: str, grace_s: int | None = None):
-    from scheduler.dispatch import send_stop
-
     for node_name, job_id, attempt in stops:
         transaction.on_commit(lambda n=node_name, j=job_id, a=attempt: send_stop(n, j, a, reason, grace_s))
 
@@ -267,9 +265,7 @@ def _queued_targets(job: Job, verb: str) -> list[int]:
 def _stop_scheduling_meanwhile() -> None:
     """Wait for a running scheduling pass to end and keep the next out until this transaction
     commits: a pass that took its snapshot before the change must not start the old job."""
-    from scheduler.adapter import pass_lock_wait
-
-    pass_lock_wait()
+    locks.xact_lock(locks.SCHEDULE_PASS)
 
 
 def job_hold(*, actor: Actor, job: Job) -> Job:
@@ -454,18 +450,4 @@ def jobs_flag_idle(*, now=None) -> dict:
                 pass  # it ended on its own meanwhile
     return {"idle": len(idle), "flagged": flagged, "unflagged": unflagged, "cancelled": cancelled}
 
-
-def request_schedule_pass() -> None:
-    """Ask for a scheduling pass once the current transaction commits (beat also runs one)."""
-    transaction.on_commit(_publish_schedule_pass)
-
-
-def _publish_schedule_pass() -> None:
-    from scheduler.tasks import schedule_pass
-
-    try:
-        # No retries: a broker hiccup must not fail the user's request; beat runs a pass anyway.
-        schedule_pass.apply_async(queue="scheduler", retry=False)
-    except Exception as exc:  # kombu raises several types for an unreachable broker
-        log.warning("could not request a scheduling pass (beat will run one): %s", exc)
 

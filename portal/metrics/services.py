@@ -11,6 +11,7 @@ from django.utils import timezone
 
 from portal.core.context import Actor
 from portal.core.numbers import parse_ints
+from portal.core.queue import request_schedule_pass
 from portal.core.services import audit_record
 
 from .models import FleetRollup, GpuRollup, GpuSample, Resolution
@@ -229,8 +230,6 @@ def gpu_health_apply(*, node, samples: list[dict], gpus: dict[str, tuple]) -> in
                 changed += 1
                 gpus[uuid] = (pk, new[0], new[1])
     if changed:
-        from portal.jobs.services import request_schedule_pass
-
         request_schedule_pass()
     return changed
 

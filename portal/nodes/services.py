@@ -8,7 +8,9 @@ from django.db import transaction
 from portal.accounts import tokens
 from portal.core.context import Actor
 from portal.core.errors import Conflict, Forbidden, InvalidInput
+from portal.core.queue import request_schedule_pass
 from portal.core.services import audit_record
+from scheduler.dispatch import send_probe, send_stop
 
 from .models import GPU, GPUHealth, GPUMode, Node, NodeState, ReaperState
 
@@ -55,7 +57,7 @@ def node_add(*, actor: Actor, name: str, gpus: str = "", pool: str = "default", 
             for i in range(count)
         ])
         audit_record(actor=actor, action="node.add", obj=node, gpus=gpus, pool=pool, shared=shared)
-    _request_pass()
+    request_schedule_pass()
     return node, secret
 
 
@@ -83,7 +85,7 @@ def node_undrain(*, actor: Actor, node: Node) -> Node:
         Node.objects.filter(pk=node.pk).update(state=NodeState.READY, state_reason="")
         audit_record(actor=actor, action="node.undrain", obj=node)
     node.refresh_from_db()
-    _request_pass()
+    request_schedule_pass()
     return node
 
 
@@ -93,12 +95,6 @@ def node_settle_drain(node_id: int) -> None:
 
     if not Node.objects.filter(pk=node_id, jobs__state__in=HOLDING).exists():
         Node.objects.filter(pk=node_id, state=NodeState.DRAINING).update(state=NodeState.DRAINED)
-
-
-def _request_pass() -> None:
-    from portal.jobs.services import request_schedule_pass
-
-    request_schedule_pass()
 
 
 def node_rotate_token(*, actor: Actor, node: Node) -> str:
@@ -171,8 +167,8 @@ def agent_register(*, node: Node, name: str, cpus: int, memory_mb: int, sandbox:
         Node.objects.filter(pk=node.pk).update(**updates)
         audit_record(actor=Actor(user=None, label=f"node:{node.name}"), action="node.register", obj=node,
                      gpus=len(gpus), sandbox=sandbox)
-        transaction.on_commit(lambda: _send_probe(node.name, nonce))
-    _request_pass()
+        transaction.on_commit(lambda: send_probe(node.name, nonce))
+    request_schedule_pass()
     node.refresh_from_db()
     return node
 
@@ -211,12 +207,6 @@ def _queue_verified_in_tests() -> dict:
     return {"queue_verified_at": timezone.now(), "queue_probe": ""} if settings.TEST_NODES_SKIP_QUEUE_PROBE else {}
 
 
-def _send_probe(node_name: str, nonce: str) -> None:
-    from scheduler.dispatch import send_probe
-
-    send_probe(node_name, nonce)
-
-
 def _queue_probe_resend(node: Node) -> None:
     """A probe still unanswered QUEUE_PROBE_RESEND_S after it was sent goes again (the broker may
     have been down at registration); once a while, so a misconfigured agent does not fill its queue."""
@@ -230,7 +220,7 @@ def _queue_probe_resend(node: Node) -> None:
     due = now - timedelta(seconds=QUEUE_PROBE_RESEND_S)
     if Node.objects.filter(pk=node.pk, queue_probe=node.queue_probe, queue_probe_sent_at__lt=due).update(
             queue_probe_sent_at=now):
-        transaction.on_commit(lambda: _send_probe(node.name, node.queue_probe))
+        transaction.on_commit(lambda: send_probe(node.name, node.queue_probe))
 
 
 def agent_probe_answer(*, node: Node, nonce: str) -> str:
@@ -247,7 +237,7 @@ def agent_probe_answer(*, node: Node, nonce: str) -> str:
             raise Conflict("This probe is not the node's current one (the agent registered again since).",
                            field="nonce", code="stale")
         audit_record(actor=Actor(user=None, label=f"node:{node.name}"), action="node.queue_verified", obj=node)
-    _request_pass()
+    request_schedule_pass()
     return "verified"
 
 
@@ -331,7 +321,7 @@ def _requeue_lost_launches(*, node: Node, reported: list[dict]) -> list[int]:
 
         logging.getLogger(__name__).warning("node %s: requeued %s, placed there but not held by the node",
                                             node.name, requeued)
-        _request_pass()
+        request_schedule_pass()
     return requeued
 
 
@@ -348,7 +338,6 @@ def gpu_unhealthy_handle(*, gpu: GPU, reason: str) -> dict:
 
     from portal.jobs.models import HOLDING, Allocation, Job, JobEvent, JobState
     from portal.jobs.states import transition
-    from scheduler.dispatch import send_stop
 
     node = Node.objects.get(pk=gpu.node_id)
     what = f"GPU {gpu.index} of node {node.name} is unhealthy ({reason})"
@@ -402,7 +391,7 @@ def gpus_scrub_failed(*, node: Node, failures: list[dict], job_id) -> list[int]:
         if marked:
             node_drain_for_fault(node=node, problem=f"memory scrub failed on GPU {', '.join(map(str, marked))}")
     if marked:
-        _request_pass()
+        request_schedule_pass()
     return marked
 
 
@@ -479,7 +468,7 @@ def nodes_reap() -> dict:
                 outcome = job_requeue_after_node_fault(job, f"Node {node.name} stopped answering.")
                 requeued += outcome == "requeued"
                 failed += outcome == "node_fail"
-    _request_pass()
+    request_schedule_pass()
     return {"down": len(silent), "requeued": requeued, "node_fail": failed}
 
 

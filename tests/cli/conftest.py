@@ -39,7 +39,7 @@ def wait_for(condition, *, timeout=30.0, what="a condition"):
 def portal(live_server, transactional_db, demo, monkeypatch, tmp_path):
     """The live portal with one 8-GPU node; gpuctl is configured (by environment) as alice."""
     # No broker in these tests: pass requests and node commands go nowhere.
-    monkeypatch.setattr("portal.jobs.services._publish_schedule_pass", lambda: None)
+    monkeypatch.setattr("portal.core.queue._publish_schedule_pass", lambda: None)
     monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args: None)
     node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="8xH100-80GB")
     demo.url = live_server.url

@@ -199,13 +199,15 @@ def test_cancel_while_running_removes_the_container(stack):
 
 
 def test_duplicate_launch_starts_nothing_twice(stack):
+    from portal.jobs.selectors import launch_spec
     from scheduler.dispatch import send_launch
 
     job_id = stack.submit(command=["sleep", "300"])
     stack.wait_state(job_id, "running")
     job = Job.objects.get(pk=job_id)
-    send_launch(stack.name, job.pk, job.attempt)
-    send_launch(stack.name, job.pk, job.attempt)
+    spec = launch_spec(job.pk, stack.name)
+    send_launch(stack.name, job.pk, job.attempt, spec)
+    send_launch(stack.name, job.pk, job.attempt, spec)
     # Both duplicates must have been handled (the agent logs each) before the count means anything.
     wait_for(lambda: stack.log("agent").count(f"job {job_id} attempt {job.attempt}: duplicate launch") >= 2, 30,
              f"the duplicate launches to arrive; log:\n{stack.log('agent')[-2000:]}")

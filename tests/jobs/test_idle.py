@@ -21,7 +21,7 @@ pytestmark = pytest.mark.clock
 def sent(monkeypatch):
     calls = []
     monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args, **kw: calls.append((task, node, args)))
-    monkeypatch.setattr("portal.jobs.services._publish_schedule_pass", lambda: None)
+    monkeypatch.setattr("portal.core.queue._publish_schedule_pass", lambda: None)
     return calls
 
 

@@ -19,17 +19,19 @@ IMAGE = "gpuportal/busybox:latest"
 @pytest.fixture
 def queued(monkeypatch):
     """Run `jobs.notify` in-process where the portal would queue it; record what was queued."""
-    from portal.jobs import tasks
+    from portal.celery import app
+    from portal.jobs.tasks import notify
 
     calls = []
 
-    def apply_async(args, queue=None, **kwargs):
-        calls.append((tuple(args), queue))
-        tasks.notify.apply(args=args)
+    def send_task(name, args=(), queue=None, **kwargs):
+        if name == notify.name:  # queued by name: run the task that name points to, here
+            calls.append((tuple(args), queue))
+            notify.apply(args=args)
 
-    monkeypatch.setattr(tasks.notify, "apply_async", apply_async)
+    monkeypatch.setattr(app, "send_task", send_task)
     monkeypatch.setattr("scheduler.dispatch._send", lambda *a, **k: None)
-    monkeypatch.setattr("portal.jobs.services._publish_schedule_pass", lambda: None)
+    monkeypatch.setattr("portal.core.queue._publish_schedule_pass", lambda: None)
     return calls
 
 

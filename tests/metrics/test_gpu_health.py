@@ -17,7 +17,7 @@ pytestmark = pytest.mark.django_db
 def sent(monkeypatch):
     calls = []
     monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args, **kw: calls.append((task, node, args)))
-    monkeypatch.setattr("portal.jobs.services._publish_schedule_pass", lambda: None)  # tests run passes
+    monkeypatch.setattr("portal.core.queue._publish_schedule_pass", lambda: None)  # tests run passes
     return calls
 
 

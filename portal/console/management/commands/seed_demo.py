@@ -6,6 +6,8 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
 from django.db import transaction
 
+from portal.billing.models import RateCard
+from portal.billing.services import ratecard_set
 from portal.core.context import Actor
 from portal.tenancy.models import Membership, Organization, Project, Role
 from portal.tenancy.services import membership_add, membership_change_role, organization_create, project_create
@@ -33,10 +35,6 @@ class Command(BaseCommand):
     help = "Create (or bring back to) the demo tenants and users. Safe to run again."
 
     def handle(self, *args, **options):
-        # Billing sits above tenancy; only this demo command reaches up to it, for the price list.
-        from portal.billing.models import RateCard
-        from portal.billing.services import ratecard_set
-
         User = get_user_model()
         password = settings.DEMO_PASSWORD
         with transaction.atomic():

@@ -10,12 +10,17 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 
 from django.conf import settings
 from django.core.management.base import BaseCommand
 from django.utils import timezone
 
+from portal.core.context import Actor
+from portal.nodes.models import Node
+from portal.nodes.services import node_add, node_rotate_token
 
 LOCAL_NODE = "local"
 JOB_IMAGE = "gpuportal/busybox:latest"
@@ -24,7 +29,7 @@ JOB_IMAGE = "gpuportal/busybox:latest"
 def best_sandbox() -> tuple[str, str]:
     """docker when an engine answers and has the job image; else process, which isolates nothing."""
     try:
-        import docker
+        import docker  # the agent's SDK: a portal installed without it runs the process sandbox
 
         client = docker.from_env(timeout=3)
         client.ping()
@@ -41,15 +46,11 @@ class Relay:
     READY = " ready."  # Celery's "<name>@<host> ready." once a worker consumes its queues
 
     def __init__(self, out):
-        import threading
-
         self.out = out
         self.lock = threading.Lock()
         self.ready: dict[str, threading.Event] = {}
 
     def start(self, name: str, argv: list[str], *, env: dict) -> subprocess.Popen:
-        import threading
-
         proc = subprocess.Popen(argv, start_new_session=True, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT)
         self.ready[name] = threading.Event()
@@ -78,8 +79,6 @@ class Relay:
 
 def wait_registered(node_name: str, *, since, children: dict, deadline_s: float) -> bool:
     """Until the agent has registered (its first heartbeat time is after `since`) or a child died."""
-    from portal.nodes.models import Node
-
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         if Node.objects.filter(name=node_name, last_heartbeat_at__gte=since).exists():
@@ -91,8 +90,6 @@ def wait_registered(node_name: str, *, since, children: dict, deadline_s: float)
 
 
 def wait_http(url: str, deadline_s: float) -> bool:
-    import urllib.request
-
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         try:
@@ -112,10 +109,6 @@ class Command(BaseCommand):
 
     def local_agent(self, host: str, port: int) -> tuple[list[str], str]:
         """The agent of node `local`: simulated GPUs, and Docker when an engine with the job image answers."""
-        from portal.core.context import Actor
-        from portal.nodes.models import Node
-        from portal.nodes.services import node_add, node_rotate_token
-
         actor = Actor(user=None, label="manage.py")
         node = Node.objects.filter(name=LOCAL_NODE).first()
         if node is None:
