@@ -129,6 +129,9 @@ def main(argv=None) -> int:
     threads = [
         threading.Thread(target=agent.run_heartbeats, args=(stop,), name="heartbeat", daemon=True),
         threading.Thread(target=agent.run_supervisor, args=(stop,), name="supervisor", daemon=True),
+        # The lease on its own thread: a supervisor pass stuck in a report to a portal that drops
+        # our packets (tens of seconds of retries) must not hold the fence up.
+        threading.Thread(target=agent.run_lease_checks, args=(stop,), name="lease", daemon=True),
     ]
     for t in threads:
         t.start()

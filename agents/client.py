@@ -150,10 +150,13 @@ class PortalClient:
         return self._post(f"/jobs/{_q(job_id)}/confirm", {"attempt": attempt}).get("spec") or {}
 
     def event(self, job_id: str, attempt: int, state: str, *, exit_code: int | None = None,
-              message: str = "", scrub_failures: list[dict] | None = None, node_problem: str = "") -> dict:
+              message: str = "", scrub_failures: list[dict] | None = None, node_problem: str = "",
+              lease_expired: bool = False) -> dict:
         """Report a state. A terminal report names the GPUs the agent could not
         scrub (``[{"gpu_index", "message"}]``): the portal takes them out of service;
-        ``node_problem`` (a sandbox that could not be killed) drains the node."""
+        ``node_problem`` (a sandbox that could not be killed) drains the node;
+        ``lease_expired`` says the node stopped the job because its lease ran out: the
+        portal requeues it as a node fault instead of failing it."""
         if state not in EVENT_STATES:
             raise ValueError(f"unknown job event state {state!r}")
         # Within the portal's field limits: a report refused for its length would leave the job running there.
@@ -162,6 +165,8 @@ class PortalClient:
             body["scrub_failures"] = scrub_failures
         if node_problem:
             body["node_problem"] = node_problem[:NODE_PROBLEM_MAX]
+        if lease_expired:
+            body["lease_expired"] = True
         return self._post(f"/jobs/{_q(job_id)}/events", body)
 
     def logs(self, job_id: str, attempt: int, offset: int, data: bytes) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 # The version of the agent API's message shapes, "MAJOR.MINOR", sent at registration. The portal
 # refuses an agent whose major differs (its messages would be misread); a minor adds optional
 # fields only. An agent that sends no version predates this field and speaks 1.x.
-PROTOCOL_VERSION = "1.0"
+PROTOCOL_VERSION = "1.1"  # 1.1: a terminal event may say lease_expired
 
 
 def protocol_major(version: str) -> int:

@@ -7,7 +7,9 @@ callers drive it (agents/__main__.py):
 - Celery tasks ``agent.launch`` / ``agent.stop`` (agents/tasks.py) call
   ``launch`` and ``stop``;
 - a heartbeat thread calls ``heartbeat_once`` every ``heartbeat_interval_s``;
-- a supervisor thread calls ``supervise_once`` about once a second.
+- a supervisor thread calls ``supervise_once`` about once a second;
+- a lease thread calls ``check_lease`` twice a second, so a supervisor pass
+  stuck on an unreachable portal never holds the fence up.
 
 Invariants it keeps (docs/design.md section 6, docs/reliability.md F-04/F-05/F-09/F-10):
 
@@ -72,6 +74,9 @@ class Tracked:
     scrub_failures: list[dict] | None = None
     # Set when the sandbox outlived SIGKILL: the report asks the portal to drain the node.
     node_problem: str = ""
+    # Set when the node ended it because its lease ran out (the agent's fence, or the job's supervisor's):
+    # the report says so and the portal requeues the job as a node fault, not the job's failure.
+    lease_expired: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -361,11 +366,12 @@ class Agent:
 
     # -- ending sandboxes ---------------------------------------------------------
 
-    def _begin_stop(self, t: Tracked, state: str, reason: str, grace_s: float, *, wait: bool = False) -> None:
+    def _begin_stop(self, t: Tracked, state: str, reason: str, grace_s: float, *, wait: bool = False,
+                    lease_expired: bool = False) -> None:
         with self._lock:
             if t.stop_state is not None or t.terminal is not None:
                 return  # already ending; the first reason stands
-            t.stop_state, t.stop_reason = state, reason
+            t.stop_state, t.stop_reason, t.lease_expired = state, reason, lease_expired
         log.info("job %s attempt %s: stopping (%s: %s, grace %ss)", t.job_id, t.attempt, state, reason, grace_s)
         if wait or not self.background:
             self._do_stop(t, grace_s)
@@ -405,6 +411,7 @@ class Agent:
         if state == OOM:
             return "oom", code, "killed: the job exceeded its memory limit"
         if state == FENCED:
+            t.lease_expired = True
             return "failed", code, "killed on the node: its lease ran out (the agent did not renew it in time)"
         if code == 0:
             return "succeeded", 0, ""
@@ -442,7 +449,8 @@ class Agent:
                 code, message = None, f"(report shortened: the portal refused it {t.report_refusals} time(s))"
             try:
                 self.client.event(t.job_id, t.attempt, state, exit_code=code, message=message,
-                                  scrub_failures=failures, node_problem=t.node_problem)
+                                  scrub_failures=failures, node_problem=t.node_problem,
+                                  lease_expired=t.lease_expired)
             except StaleAttempt:
                 log.info("job %s attempt %s: portal says stale; dropping the %s report", t.job_id, t.attempt, state)
             except PortalUnreachable:
@@ -670,7 +678,8 @@ class Agent:
                   silent, self.lease_s, len(live))
         for t in live:
             self._begin_stop(t, "failed", f"stopped by the agent: portal unreachable for {silent:.0f}s "
-                             f"(lease {self.lease_s:g}s)", min(self.stop_grace_s, self.fence_grace_s))
+                             f"(lease {self.lease_s:g}s)", min(self.stop_grace_s, self.fence_grace_s),
+                             lease_expired=True)
         return True
 
     # -- threads ----------------------------------------------------------------------
@@ -689,6 +698,10 @@ class Agent:
                 self.supervise_once()
             except Exception:
                 log.exception("supervisor loop error")
+
+    def run_lease_checks(self, stop: threading.Event, interval_s: float = 0.5) -> None:
+        while not stop.wait(interval_s):
+            self._guarded(None, "lease check", self.check_lease)
 
     def jobs(self) -> dict[Key, Tracked]:
         with self._lock:

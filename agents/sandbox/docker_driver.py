@@ -43,6 +43,7 @@ from agents.sandbox.docker_logs import ContainerLog
 from agents.sandbox.egress import EgressError, Firewall, parse_allow
 from agents.sandbox.kvm_domain import driver_dir
 from agents.sandbox.volumes import VolumePathError, plan_mounts
+from agents.supervisor.lease import FENCED, forget_fenced, was_fenced
 
 log = logging.getLogger(__name__)
 
@@ -393,6 +394,8 @@ class DockerDriver:
         st = c.attrs["State"]
         if st["Status"] in ("created", "running", "paused", "restarting"):
             return RUNNING, None
+        if was_fenced(self.lease_path, c.id):  # its supervisor stopped it when the node's lease ran out
+            return FENCED, st.get("ExitCode")
         # OOMKilled is set when the kernel killed any process in the container for
         # memory, even if the job's main process then exited 0: report it, the
         # job's output is likely incomplete.
@@ -466,6 +469,7 @@ class DockerDriver:
             sup.kill()
             sup.wait()
         self._logs.pop(handle.ref, None)
+        forget_fenced(self.lease_path, handle.ref)
         for net in self._networks_named(gang_network_name(handle.job_id, handle.attempt)):
             try:
                 net.reload()

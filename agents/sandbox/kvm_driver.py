@@ -82,6 +82,7 @@ from agents.sandbox.kvm_domain import (
     METADATA_NS, check_gpu, create_private, domain_xml, driver_dir, kvm_works,
 )
 from agents.sandbox.kvm_image import EXIT_MARKER, START_MARKER
+from agents.supervisor.lease import FENCED, forget_fenced, was_fenced
 
 log = logging.getLogger(__name__)
 
@@ -533,6 +534,8 @@ class KvmDriver:
         ``oom`` when the kernel killed any of the job's processes for memory, as docker reports it."""
         if self._active(handle.ref):
             return RUNNING, None
+        if was_fenced(self.lease_path, handle.ref):
+            return FENCED, None  # its supervisor stopped it when the node's lease ran out
         path = self.state_dir / f"{handle.ref}.exit"
         m = _exit_record(path)
         if m is None and EXIT_RE.search(self._console(handle)):
@@ -633,6 +636,7 @@ class KvmDriver:
             sup.kill()
             sup.wait()
         self._remove_files(handle.ref)
+        forget_fenced(self.lease_path, handle.ref)
 
     def _remove_files(self, name: str) -> None:
         self._remove_console(name)

@@ -1,7 +1,8 @@
 """``python -m agents.supervisor docker CONTAINER --lease-file PATH --lease-s S --grace-s G``: the
 per-container supervisor of the docker sandbox, a detached process of its own session that outlives
 the agent. It waits on the container and, once the node's lease file says the lease ran out, stops it
-(SIGTERM, SIGKILL after the fence grace). It writes nothing else: the engine keeps the exit code.
+(SIGTERM, SIGKILL after the fence grace), first noting it in ``fenced/<container>`` beside the lease
+file (the engine keeps the exit code; the marker tells a returning agent the lease ended it).
 It ends when the container has ended or is gone.
 
 ``python -m agents.supervisor kvm DOMAIN --uri URI ...`` does the same for a kvm sandbox's VM: the
@@ -11,7 +12,7 @@ import argparse
 import sys
 import time
 
-from agents.supervisor.lease import CHECK_S, Lease
+from agents.supervisor.lease import CHECK_S, Lease, mark_fenced
 
 LIVE = ("created", "running", "paused", "restarting")
 STATUS_EVERY = 4  # the container's state is asked every STATUS_EVERY * CHECK_S; the lease file every CHECK_S
@@ -46,6 +47,7 @@ def supervise_container(container_id: str, lease: Lease, client=None) -> str:
             return False
     if not watch(alive, lease, f"container {container_id[:12]}"):
         return "exited"
+    mark_fenced(lease.path, container_id)
     try:
         c = client.containers.get(container_id)
         c.kill(signal="SIGTERM")
@@ -74,6 +76,7 @@ def supervise_domain(name: str, uri: str, lease: Lease) -> str:
             return False
     if not watch(alive, lease, f"VM {name}"):
         return "exited"
+    mark_fenced(lease.path, name)
     end = time.monotonic() + lease.grace_s
     try:
         dom = conn.lookupByName(name)

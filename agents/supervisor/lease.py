@@ -32,6 +32,33 @@ def write_lease(path, deadline: float, fence_grace_s: float) -> None:
     os.replace(tmp, path)
 
 
+def fenced_marker(lease_path, ref: str):
+    """Where a docker or kvm supervisor notes that it fenced sandbox ``ref`` (``fenced/<ref>`` beside
+    the lease file), before it stops it: the engine keeps only an exit code, so a returning agent
+    reads the marker to report the end as the lease's doing (a node fault), not the job's failure."""
+    return os.path.join(os.path.dirname(str(lease_path)), "fenced", ref)
+
+
+def mark_fenced(lease_path, ref: str) -> None:
+    path = fenced_marker(lease_path, ref)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    _write_exit(path, FENCED)
+
+
+def was_fenced(lease_path, ref: str) -> bool:
+    return lease_path is not None and os.path.exists(fenced_marker(lease_path, ref))
+
+
+def forget_fenced(lease_path, ref: str) -> None:
+    """Drop the marker with its sandbox."""
+    if lease_path is None:
+        return
+    try:
+        os.unlink(fenced_marker(lease_path, ref))
+    except FileNotFoundError:
+        pass
+
+
 def read_lease(path) -> tuple[float, float] | None:
     """(deadline, fence grace) from the lease file, or None if missing or unreadable."""
     try:

@@ -56,8 +56,13 @@ def job_confirm(*, node, job_id, attempt: int) -> dict:
 
 
 def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None = None, message: str = "",
-               scrub_failures: list[dict] = (), node_problem: str = "") -> str:
+               scrub_failures: list[dict] = (), node_problem: str = "", lease_expired: bool = False) -> str:
     """Apply a state the agent reports. Returns what happened: applied, duplicate.
+
+    A ``failed`` end with ``lease_expired`` is the node's doing, not the job's: the node stopped
+    the attempt because its lease ran out (its agent was cut off or frozen, and came back before
+    the reaper's timeout). The job goes back to the queue as a new attempt, like a job the reaper
+    takes from a silent node (docs/reliability.md F-05).
 
     GPUs the agent could not scrub are taken out of service, and a node whose sandbox could
     not be killed is drained, first, and even when the report itself is stale: the state of a
@@ -93,6 +98,12 @@ def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None 
         if job_requeue_after_node_fault(job, f"Node {node.name} could not start it: {node_problem}"[:280]):
             _after_end(job)
         return "applied"
+    if state == JobState.FAILED and lease_expired:
+        why = f"Node {node.name} stopped it when its lease ran out (its agent lost touch with the portal)."
+        if job_requeue_after_node_fault(job, why):
+            _after_end(job)
+            return "applied"
+        return "duplicate"
     if state in AGENT_TERMINAL:
         text = message or (f"Exit code {exit_code}" if exit_code is not None else state)
         done = transition(job.pk, to=state, from_states=HOLDING, attempt=attempt, exit_code=exit_code,

@@ -283,6 +283,8 @@ class EventSerializer(StrictSerializer):
     scrub_failures = ScrubFailureSerializer(many=True, required=False, default=list, max_length=64)
     # Something about the node that must stop new work there (a sandbox that could not be killed).
     node_problem = serializers.CharField(max_length=500, required=False, allow_blank=True, default="")
+    # The node fenced the attempt because its lease ran out (protocol 1.1): a node fault, requeued.
+    lease_expired = serializers.BooleanField(required=False, default=False)
 
 
 class EventView(AgentView):

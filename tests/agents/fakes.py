@@ -24,6 +24,7 @@ class FakePortal:
         self.confirms: list = []
         self.scrub_failures: list = []
         self.node_problems: list = []
+        self.lease_expired: list = []  # (job_id, attempt) of ends reported as the lease's doing
         self.refuse_logs = 0  # log chunks to refuse with HTTP 400 before taking them
         self.refuse_events = 0  # terminal reports to refuse with HTTP 400
         self.log_cap: int | None = None  # answer full=True once this many bytes are stored
@@ -53,8 +54,11 @@ class FakePortal:
         self.confirms.append((job_id, attempt))
         return dict(self.spec)
 
-    def event(self, job_id, attempt, state, *, exit_code=None, message="", scrub_failures=None, node_problem=""):
+    def event(self, job_id, attempt, state, *, exit_code=None, message="", scrub_failures=None, node_problem="",
+              lease_expired=False):
         self._call((job_id, attempt))
+        if lease_expired:
+            self.lease_expired.append((job_id, attempt))
         if self.refuse_events and state not in ("starting", "running"):
             self.refuse_events -= 1
             raise PortalError("POST events: HTTP 400: refused (fake)", 400)

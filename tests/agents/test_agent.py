@@ -8,6 +8,7 @@ import pytest
 from agents.probe.sim import SimProbe
 from agents.worker import Agent
 from tests.agents.fakes import Clock, FakeDriver, FakePortal
+from tests.procs import wait_for
 
 SPEC = {"image": "gpuportal/busybox:latest", "command": ["sh", "-c", "train"], "cpus": 2,
         "memory_mb": 1024, "time_limit_s": 600, "gpu_indexes": [1, 2]}
@@ -217,6 +218,8 @@ def test_lease_expiry_stops_every_sandbox_and_says_so(env, caplog):
     assert env.agent.jobs() == {}
     finals = [e for e in env.portal.events if e[2] == "failed"]
     assert len(finals) == 2 and "portal unreachable" in finals[0][4]
+    # Said to be the lease's doing: the portal requeues them as a node fault, not the jobs' failure.
+    assert sorted(env.portal.lease_expired) == [("j1", 1), ("j2", 1)]
 
 
 def test_supervisor_checks_the_lease_even_when_heartbeats_hang(env):
@@ -225,6 +228,30 @@ def test_supervisor_checks_the_lease_even_when_heartbeats_hang(env):
     env.clock.t += 31
     env.agent.supervise_once()
     assert env.driver.running() == []
+
+
+def test_the_lease_thread_fences_while_a_supervisor_pass_is_stuck(env, monkeypatch):
+    """A supervisor pass blocked on the portal (a log upload into dropped packets retries for tens of
+    seconds) must not hold up the fence: the lease has a thread of its own."""
+    env.agent.launch("j1", 1, SPEC)
+    stuck = threading.Event()
+    monkeypatch.setattr(env.driver, "read_logs", lambda handle, offset: stuck.wait(30) and b"")
+    stop = threading.Event()
+    threads = [threading.Thread(target=env.agent.supervise_once, daemon=True),
+               threading.Thread(target=env.agent.run_lease_checks, args=(stop,), kwargs={"interval_s": 0.05},
+                                daemon=True)]
+    threads[0].start()
+    env.portal.unreachable = True
+    env.clock.t += 31
+    threads[1].start()
+    try:
+        wait_for(lambda: env.driver.running() == [], 10, "the lease thread to stop the sandbox")
+        assert env.agent.fenced and threads[0].is_alive()  # the pass is still stuck
+    finally:
+        stuck.set()
+        stop.set()
+        for th in threads:
+            th.join(10)
 
 
 def test_terminal_report_is_retried_until_the_portal_takes_it(env):

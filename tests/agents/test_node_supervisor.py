@@ -16,7 +16,7 @@ from agents.client import PortalClient
 from agents.probe.sim import SimProbe
 from agents.sandbox import EXITED, RUNNING
 from agents.sandbox.process_driver import ProcessDriver, _alive
-from agents.supervisor.lease import FENCED, read_lease, write_lease
+from agents.supervisor.lease import FENCED, fenced_marker, read_lease, write_lease
 from agents.worker import Agent
 from tests.agents.conftest import make_spec
 from tests.agents.portal_stub import TOKEN, PortalStub
@@ -150,6 +150,7 @@ def test_the_agent_renews_the_lease_file_and_a_stopped_agent_s_job_is_fenced(tmp
         agent.supervise_once()  # the agent, back, reports it as fenced
         wait_for(lambda: "failed" in [c["state"] for c in stub.calls("/jobs/j1/events")], 10, "the report")
         assert "lease ran out" in stub.calls("/jobs/j1/events")[-1]["message"]
+        assert stub.calls("/jobs/j1/events")[-1]["lease_expired"] is True  # the portal requeues it
     finally:
         stop.set()
         for _, _, h in driver.list_own():
@@ -184,9 +185,11 @@ def test_a_container_is_killed_at_its_lease_deadline_by_its_own_supervisor(super
     wait_for(lambda: d.poll(h)[0] != RUNNING, deadline - time.time() + GRACE_S + CHECK_S + 10,
              "the supervisor to kill the container")
     assert time.time() >= deadline + GRACE_S - 0.2
-    assert d.poll(h) == (EXITED, 128 + signal.SIGKILL)
+    # Polled as the lease's doing (the supervisor's marker), so the agent reports a node fault.
+    assert d.poll(h) == (FENCED, 128 + signal.SIGKILL)
     assert sup.wait(10) == 0  # and then it ends itself
     d.remove(h)
+    assert not os.path.exists(fenced_marker(d.lease_path, h.ref))  # the marker goes with its container
 
 
 def test_a_container_whose_lease_is_renewed_runs_to_its_end(supervised_docker):
@@ -210,5 +213,6 @@ def test_a_vm_is_destroyed_at_its_lease_deadline_by_its_own_supervisor(kvm_image
                  "the supervisor to destroy the VM")
         assert time.time() >= deadline
         assert sup.wait(10) == 0
+        assert d.poll(h) == (FENCED, None)
     finally:
         close_vm_driver(d)

@@ -44,7 +44,7 @@ def check(cluster, accepted: list[int]) -> list[str]:
     """Every broken invariant as one line naming the jobs and the evidence; [] when all hold."""
     problems: list[str] = []
     rows = {r[0]: r for r in cluster.sql(
-        "SELECT id, state, attempt, exit_code FROM jobs_job WHERE id = ANY(%s)", [accepted])}
+        "SELECT id, state, attempt, exit_code, reason_message FROM jobs_job WHERE id = ANY(%s)", [accepted])}
     # Nothing accepted is lost.
     lost = sorted(set(accepted) - set(rows))
     if lost:
@@ -60,12 +60,22 @@ def check(cluster, accepted: list[int]) -> list[str]:
     for job_id, r in rows.items():
         if r[1] in TERMINAL and ends[job_id] != [r[1]]:
             problems.append(f"job {job_id}: state {r[1]} but terminal events {ends[job_id]}")
-    # No job ran as two attempts at once; the recorded outcome agrees with what the job did.
+    # No job ran as two attempts at once, nor was requeued before its old attempt was dead (a node's
+    # jobs go elsewhere only after its lease deadline and the kill margin); the recorded outcome
+    # agrees with what the job did.
+    requeued = defaultdict(list)
+    for job_id, attempt, at in cluster.sql("SELECT job_id, attempt, extract(epoch FROM at) FROM jobs_jobevent "
+                                           "WHERE state = 'queued' AND job_id = ANY(%s)", [accepted]):
+        requeued[job_id].append((attempt, float(at)))
     for job_id, r in rows.items():
         attempts = ground_truth(cluster.truth, job_id)
         for n, a in attempts.items():
             if a["starts"] > 1:
                 problems.append(f"job {job_id}: attempt {n} started {a['starts']} times")
+        for n, t in requeued.get(job_id, ()):
+            if n in attempts and attempts[n]["last"] > t:
+                problems.append(f"job {job_id}: attempt {n} was requeued while it still ran, "
+                                f"{attempts[n]['last'] - t:.1f}s before its last record")
         spans = sorted((a["start"], a["last"], n) for n, a in attempts.items())
         for (s1, e1, n1), (s2, e2, n2) in zip(spans, spans[1:]):
             if s2 < e1:
@@ -75,6 +85,11 @@ def check(cluster, accepted: list[int]) -> list[str]:
             problems.append(f"job {job_id}: succeeded but attempt {r[2]} never wrote its end")
         if r[1] == "failed" and last and last["ended"]:
             problems.append(f"job {job_id}: recorded failed (exit code {r[3]}) but attempt {r[2]} ran to its end")
+        elif r[1] == "failed":
+            # The suite's jobs never fail by themselves: a fault that ended one (a fence, a lost exit
+            # code) counted the node's fault as the user's. It must be requeued (or end node_fail).
+            problems.append(f"job {job_id}: recorded failed (exit code {r[3]}, attempt {r[2]}) though its command "
+                            f"cannot fail: {r[4][:120]!r}")
     # No whole GPU held by two allocations at once; no allocation of an ended job left open.
     allocs = cluster.sql("SELECT a.id, a.gpu_id, a.job_id, a.started_at, a.released_at, a.fraction, j.state "
                          "FROM jobs_allocation a JOIN jobs_job j ON j.id = a.job_id WHERE NOT a.shared "

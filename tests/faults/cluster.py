@@ -1,6 +1,8 @@
 """A whole gpuportal installation of its own, for the fault suite: a throwaway PostgreSQL cluster
 and a redis-server on free ports, the portal under gunicorn with deploy's config, a Celery
-worker and beat, and four agents (process sandbox, simulated GPUs).
+worker and beat, and four agents (process sandbox, simulated GPUs). Where network namespaces can
+be made (root), each agent runs in one of its own and reaches the portal and Redis over a veth
+pair, so a case can cut one node off by dropping its packets (tests/faults/netns.py).
 
 Every process runs in its own process group (tests.procs) and `close()` stops all of them, the
 jobs' sandboxes included, whatever happened. The process sandbox starts each job in a session of
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import requests
 
+from tests.faults import netns
 from tests.procs import start_process, stop_process, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +68,7 @@ def pg_bin(name: str) -> str:
 
 
 class Cluster:
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, timers: dict | None = None):
         self.tmp = tmp
         tmp.mkdir(parents=True, exist_ok=True)
         self.truth = tmp / "truth"  # the jobs' own start/tick/end records
@@ -77,6 +80,7 @@ class Cluster:
         self.procs: dict[str, tuple[subprocess.Popen, object]] = {}
         self.pg_user = None  # initdb refuses root: the cluster then belongs to postgres
         self.nodes: dict[str, str] = {}
+        self.netns: dict[str, netns.Netns] = {}  # node name -> its agent's namespace (where they can be made)
         self.token = ""
         self.env = {
             **{k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "DJANGO_"))},
@@ -88,7 +92,7 @@ class Cluster:
             "GPUPORTAL_TEST_FAST_HASHER": "1", "API_USER_RATE": "100000/min", "LOG_LEVEL": "INFO",
             "GUNICORN_BIND": f"127.0.0.1:{self.web_port}", "GUNICORN_WORKERS": "2", "GUNICORN_THREADS": "4",
             "GUNICORN_CONTROL_SOCKET": str(tmp / "gunicorn.ctl"), "GUNICORN_LOG_LEVEL": "warning",
-            **TIMERS,
+            **(TIMERS if timers is None else timers),
         }
 
     # -- processes ---------------------------------------------------------------------------
@@ -143,10 +147,11 @@ class Cluster:
                        capture_output=True)
 
     def start_redis(self) -> None:
-        # No persistence: a restart loses every queued message, like F-06 and F-07 together.
+        # No persistence: a restart loses every queued message, like F-06 and F-07 together. Protected
+        # mode off: it listens on loopback and the agents' veth ends only, and must answer them.
         seen = self.log("redis").count("Ready to accept connections")  # the log is kept across restarts
-        self.start("redis", ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1",
-                             "--save", "", "--appendonly", "no"])
+        self.start("redis", ["redis-server", "--port", str(self.redis_port), "--bind", *self.listen_addrs(),
+                             "--protected-mode", "no", "--save", "", "--appendonly", "no"])
         wait_for(lambda: self.log("redis").count("Ready to accept connections") > seen, 30, "redis-server")
 
     # -- the portal --------------------------------------------------------------------------
@@ -161,7 +166,8 @@ class Cluster:
         self.nodes, self.token = data["nodes"], data["token"]
 
     def start_web(self) -> None:
-        self.start("web", [PY, "-m", "gunicorn", "-c", "deploy/gunicorn.conf.py", "portal.wsgi:application"])
+        binds = [a for addr in self.listen_addrs() for a in ("-b", f"{addr}:{self.web_port}")]
+        self.start("web", [PY, "-m", "gunicorn", "-c", "deploy/gunicorn.conf.py", *binds, "portal.wsgi:application"])
         wait_for(self.api_ok, 60, f"gunicorn; log:\n{self.log('web')[-2000:]}")
 
     def start_worker(self, crashpoint: str = "") -> None:
@@ -194,10 +200,23 @@ class Cluster:
 
     # -- agents ------------------------------------------------------------------------------
     def start_agent(self, name: str) -> None:
-        self.start(name, [PY, "-m", "agents", "--portal", self.url, "--token", self.nodes[name],
-                          "--broker", self.env["CELERY_BROKER_URL"], "--name", name,
-                          "--gpus", f"sim:{GPUS_PER_AGENT}xH100-80GB", "--sandbox", "process", "--gpu-scrub", "off",
-                          "--state-dir", str(self.tmp / "agents" / name), "--stop-grace", "1", "--concurrency", "8"])
+        ns = self.netns.get(name)
+        host = ns.host_addr if ns else "127.0.0.1"  # the portal's and Redis's address as the agent sees them
+        broker = f"redis://{host}:{self.redis_port}/0"
+        argv = [PY, "-m", "agents", "--portal", f"http://{host}:{self.web_port}", "--token", self.nodes[name],
+                "--broker", broker, "--name", name,
+                "--gpus", f"sim:{GPUS_PER_AGENT}xH100-80GB", "--sandbox", "process", "--gpu-scrub", "off",
+                "--state-dir", str(self.tmp / "agents" / name), "--stop-grace", "1", "--concurrency", "8"]
+        self.start(name, ns.argv(argv) if ns else argv, env={"CELERY_BROKER_URL": broker})
+
+    def listen_addrs(self) -> list[str]:
+        return ["127.0.0.1", *(ns.host_addr for ns in self.netns.values())]
+
+    def partition(self, name: str, on: bool) -> None:
+        """Drop every packet between node `name`'s agent and the portal side (or stop dropping them)."""
+        if name not in self.netns:
+            raise RuntimeError(f"cutting a node off needs network namespaces: {netns.available() or 'not made'}")
+        self.netns[name].partition(on)
 
     def agent_alive(self, name: str) -> bool:
         return name in self.procs and self.procs[name][0].poll() is None
@@ -210,6 +229,10 @@ class Cluster:
             f"nodes {names} to be ready; agent log:\n{self.log(names[0])[-3000:]}")
 
     def start_all(self) -> None:
+        if not netns.available():
+            names = [f"fault-{i:02d}" for i in range(1, AGENTS + 1)]  # as BOOTSTRAP names them
+            self.netns = dict(zip(names, netns.make(AGENTS)))
+            self.env["ALLOWED_HOSTS"] = ",".join(["localhost", *self.listen_addrs()])
         self.start_postgres()
         self.start_redis()
         self.bootstrap()
@@ -264,3 +287,5 @@ class Cluster:
                 pass
         if self.pgdata.exists():
             self.stop_postgres("immediate")
+        for ns in self.netns.values():
+            ns.delete()

@@ -113,6 +113,27 @@ def agent_sigstop_past_lease(c: Cluster, target: str) -> float:
     return time.monotonic()
 
 
+def agent_sigstop_within_timeout(c: Cluster, target: str) -> float:
+    # Frozen past its lease (each job's supervisor fences its job) but back before the node timeout:
+    # the returning agent reports the fenced ends, which the portal must requeue, not fail.
+    c.signal(target, signal.SIGSTOP)
+    time.sleep(float(c.env["AGENT_LEASE_S"]) + 2)  # lease 6 s, grace 1 s, node timeout 10 s
+    c.signal(target, signal.SIGCONT)
+    return time.monotonic()
+
+
+def node_partitioned(c: Cluster, target: str) -> float:
+    # Every packet between the node and the portal side dropped (iptables in the agent's network
+    # namespace), the agent and its jobs running on: the agent and the jobs' supervisors fence at the
+    # lease deadline, the portal re-places the jobs only after the node timeout; then it heals.
+    c.partition(target, True)
+    try:
+        time.sleep(float(c.env["NODE_TIMEOUT_S"]) + 6)  # the fault's duration: past the lease and the timeout
+    finally:
+        c.partition(target, False)
+    return time.monotonic()
+
+
 def agent_restarted_after_8s(c: Cluster, target: str) -> float:
     c.kill(target)
     time.sleep(8)  # the fault's duration
@@ -160,6 +181,8 @@ def portal_restarted(c: Cluster, target: str) -> float:
 FAULTS = {
     "agent-sigkill-kept-down": agent_sigkill_kept_down,
     "agent-sigstop-past-lease": agent_sigstop_past_lease,
+    "agent-sigstop-within-timeout": agent_sigstop_within_timeout,
+    "node-partitioned": node_partitioned,
     "agent-restarted-after-8s": agent_restarted_after_8s,
     "worker-killed-mid-pass": worker_killed_mid_pass,
     "redis-restarted": redis_restarted,

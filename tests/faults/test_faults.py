@@ -15,7 +15,10 @@ from tests.faults.cluster import Cluster
 from tests.faults.faults import KNOWN, run_case, table
 
 # Three faults fit in make test's 3 minutes; the others run in the full suite (python -m tests.faults).
-SHORT = ["agent-sigkill-kept-down", "agent-restarted-after-8s", "postgres-restarted"]
+# A node cut off (the agent alive, fencing itself; the node reaped; late reports refused), an agent
+# dead past its lease and back within the node timeout (the supervisors fence; the returning agent's
+# fenced ends requeued as node faults), and the portal's own database restarted.
+SHORT = ["node-partitioned", "agent-restarted-after-8s", "postgres-restarted"]
 
 
 @pytest.fixture(scope="module")
