@@ -21,7 +21,7 @@ urlpatterns = [
     # The split view serves Swagger UI's start-up script as a file: no inline script (CSP).
     path("api/docs/", SpectacularSwaggerSplitView.as_view(url_name="schema"), name="api-docs"),
     path("", include("portal.accounts.urls")),
-    path("", include("portal.tenancy.urls")),
+    path("", include("portal.pages.urls")),
     path("projects/<slug:slug>/volumes/", include(("portal.storage.urls", "volumes"))),
     path("jobs/", include("portal.jobs.urls")),
     path("nodes/", include("portal.nodes.urls")),

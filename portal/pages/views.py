@@ -13,11 +13,13 @@ from portal.core.errors import ServiceError
 from portal.core.pages import PageMixin, refused, scoped_or_404, validation_fields
 from portal.core.querysets import user_can
 from portal.jobs.models import JobTemplate
+from portal.jobs.selectors import jobs_for_list
 from portal.jobs.services import template_delete, template_save
+from portal.tenancy.models import ROLE_RANK, Membership, Project, Role
+from portal.tenancy.selectors import projects_for_home
+from portal.tenancy.services import membership_add, membership_change_role, membership_remove
 
-from .models import ROLE_RANK, Membership, Project, Role
-from .selectors import projects_for_home, quota_usage
-from .services import membership_add, membership_change_role, membership_remove
+from .selectors import quota_usage
 
 DASHBOARD_JOBS = 10
 
@@ -32,8 +34,6 @@ class HomeView(LoginRequiredMixin, ListView):
         return projects_for_home(user=self.request.user)
 
     def get_context_data(self, **kwargs):
-        from portal.jobs.selectors import jobs_for_list
-
         context = super().get_context_data(**kwargs)
         user = self.request.user
         context["usage"] = quota_usage(context["projects"])
