@@ -14,7 +14,7 @@ def throwaway_database(name: str):
         sys.exit("Set DATABASE_URL to a PostgreSQL server.")
     old = connection.settings_dict["NAME"]
     connection.settings_dict.setdefault("TEST", {})["NAME"] = name
-    connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
+    connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False, serialize=False)
     try:
         yield connection.settings_dict["NAME"]
     finally:

@@ -5,6 +5,7 @@ its views; this module must not import rest_framework.views.
 """
 import json
 import math
+import re
 
 from django.conf import settings
 from rest_framework import exceptions, pagination, status
@@ -39,7 +40,10 @@ class SizeLimitedJSONParser(JSONParser):
             raise PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes.")
         try:
             data = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant, parse_float=_finite_float)
-            _check_nesting_and_text(data)
+            if _SURROGATE_ESCAPE.search(raw):
+                _check_nesting_and_text(data)
+            else:
+                _check_nesting(data)
         except RecursionError:
             raise exceptions.ParseError(f"Malformed JSON: nested deeper than {JSON_MAX_DEPTH} levels.") from None
         except (ValueError, UnicodeError) as exc:
@@ -56,6 +60,25 @@ def _finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{text[:40]} is out of range")
     return value
+
+
+# Valid UTF-8 holds no surrogate, so a lone one can only come from a JSON escape such as \\ud800:
+# a body without one needs no walk over its strings (every heartbeat).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _check_nesting(data) -> None:
+    """Refuse more than JSON_MAX_DEPTH levels, one level at a time, looking at containers only."""
+    level, depth = [data], 1
+    while level:
+        if depth > JSON_MAX_DEPTH and any(isinstance(v, (dict, list)) for v in level):
+            raise ValueError(f"nested deeper than {JSON_MAX_DEPTH} levels")
+        inner = []
+        for value in level:
+            if isinstance(value, (dict, list)):
+                inner += [v for v in (value.values() if isinstance(value, dict) else value)
+                          if isinstance(v, (dict, list))]
+        level, depth = inner, depth + 1
 
 
 def _check_nesting_and_text(data) -> None:

@@ -11,6 +11,7 @@ from django.conf import settings
 from django.core.validators import ProhibitNullCharactersValidator
 from drf_spectacular.utils import extend_schema, extend_schema_field, inline_serializer
 from rest_framework import serializers
+from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -19,7 +20,8 @@ from portal.core.api import StrictSerializer, _flatten
 from portal.jobs.reports import job_append_log, job_confirm, job_report
 
 from .auth import IsNode, NodeTokenAuthentication
-from .services import agent_heartbeat, agent_probe_answer, agent_register
+from .models import Node
+from .services import NodeTokenRevoked, agent_heartbeat, agent_probe_answer, agent_register
 
 
 class AgentView(APIView):
@@ -240,16 +242,119 @@ class HeartbeatSerializer(StrictSerializer):
     jobs = JobKeySerializer(many=True, default=list, max_length=4096)
 
 
+# The heartbeat's fast path (docs/design.md section 10): a body of plain, well-formed values, as
+# every agent sends, is checked here by hand and gives exactly what the serializers above would
+# give; anything else (a wrong type, a bound crossed, an unknown key, a string where a number
+# goes, NUL) returns None and the serializers decide, with their messages. Nothing is accepted
+# here that they would refuse: tests/nodes/test_heartbeat_fast.py compares both on many bodies.
+_UUID = re.compile(GPU_UUID[1:-1])  # fullmatch: no trailing newline either
+_SAMPLE_KEYS = frozenset(SampleSerializer._declared_fields)
+_PROCESS_KEYS = frozenset(ProcessSerializer._declared_fields)
+_JOB_KEYS = frozenset(JobKeySerializer._declared_fields)
+# (name, whether a float is taken, bounds): the optional numbers of SampleSerializer, in its order.
+_SAMPLE_NUMBERS = (("utilization", True, 0, 100), ("memory_used_mb", False, 0, MAX_GPU_MEMORY_MB),
+                   ("memory_total_mb", False, 0, MAX_GPU_MEMORY_MB), ("temperature_c", True, -100, 250),
+                   ("power_w", True, 0, 10_000), ("power_limit_w", True, 0, 10_000),
+                   ("ecc_errors", False, 0, MAX_INT32))
+_MISSING = object()
+
+
+def _plain_text(value, max_length: int) -> bool:
+    # What a CharField keeps as it is: a non-blank string, no NUL, no whitespace to trim.
+    return (type(value) is str and 0 < len(value) <= max_length and "\x00" not in value
+            and value == value.strip())
+
+
+def _sample_fast(s) -> dict | None:
+    if type(s) is not dict or not s.keys() <= _SAMPLE_KEYS:
+        return None
+    uuid = s.get("gpu_uuid")
+    if type(uuid) is not str or not _UUID.fullmatch(uuid):
+        return None
+    ts = s.get("ts")
+    if not (ts is None or ((type(ts) is int or type(ts) is float) and 0 <= ts <= 1e11)
+            or (type(ts) is str and len(ts) <= 40 and "\x00" not in ts)):
+        return None
+    out = {"gpu_uuid": uuid, "ts": ts}
+    for name, real, low, high in _SAMPLE_NUMBERS:
+        v = s.get(name)
+        if v is not None and not ((type(v) is int or (real and type(v) is float)) and low <= v <= high):
+            return None
+        out[name] = v
+    xids = s.get("xid_errors", _MISSING)
+    if xids is _MISSING:
+        xids = []
+    elif not (type(xids) is list and len(xids) <= 1024
+              and all(type(x) is int and 0 <= x <= MAX_INT32 for x in xids)):
+        return None
+    out["xid_errors"] = list(xids)
+    processes = s.get("processes", _MISSING)
+    if processes is _MISSING:
+        processes = []
+    elif type(processes) is not list or len(processes) > 256:
+        return None
+    out["processes"] = kept = []
+    for p in processes:
+        if type(p) is not dict or "pid" not in p or not p.keys() <= _PROCESS_KEYS:
+            return None
+        pid, used = p["pid"], p.get("used_memory_mb")
+        if type(pid) is not int or not 0 <= pid <= MAX_INT32 or not (
+                used is None or (type(used) is int and 0 <= used <= MAX_GPU_MEMORY_MB)):
+            return None
+        kept.append(dict(p))
+    return out
+
+
+def heartbeat_fast(data) -> tuple[list[dict], list[dict]] | None:
+    """(samples, jobs) as HeartbeatSerializer and samples_check would validate them, for a body
+    they would take whole; None for any other (the serializers then decide)."""
+    if type(data) is not dict or not data.keys() <= {"samples", "jobs"}:
+        return None
+    samples, jobs = data.get("samples", []), data.get("jobs", [])
+    if type(samples) is not list or len(samples) > 256 or type(jobs) is not list or len(jobs) > 4096:
+        return None
+    good = []
+    for s in samples:
+        checked = _sample_fast(s)
+        if checked is None:
+            return None
+        good.append(checked)
+    keys = []
+    for j in jobs:
+        if type(j) is not dict or j.keys() != _JOB_KEYS:
+            return None
+        job_id, attempt, state = j["job_id"], j["attempt"], j["state"]
+        if not (_plain_text(job_id, 32) and _plain_text(state, 16) and type(attempt) is int
+                and 0 <= attempt <= MAX_ATTEMPT):
+            return None
+        keys.append({"job_id": job_id, "attempt": attempt, "state": state})
+    return good, keys
+
+
 class HeartbeatView(AgentView):
+    node_token_confirmed_later = True  # agent_heartbeat's UPDATE checks the token: auth may use memory
+
     @extend_schema(request=HeartbeatSerializer, responses=inline_serializer("HeartbeatAnswer", {
         "drain": serializers.BooleanField(), "stop": serializers.ListField(child=serializers.DictField()),
         "refused": serializers.ListField(child=serializers.DictField(), help_text=(
             "Samples not stored: [{position, gpu_uuid, errors}]; the rest of the batch was."))}))
     def post(self, request):
-        data = HeartbeatSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        samples, positions, refused = samples_check(data.validated_data["samples"])
-        answer = agent_heartbeat(node=self.node, samples=samples, jobs=data.validated_data["jobs"])
+        fast = heartbeat_fast(request.data)
+        if fast is not None:
+            samples, jobs = fast
+            positions, refused = range(len(samples)), []
+        else:
+            data = HeartbeatSerializer(data=request.data)
+            if not data.is_valid():
+                if not Node.objects.filter(pk=self.node.pk, token_digest=self.node.token_digest).exists():
+                    raise AuthenticationFailed("Invalid node token.")  # a revoked token learns nothing more
+                raise serializers.ValidationError(data.errors)
+            samples, positions, refused = samples_check(data.validated_data["samples"])
+            jobs = data.validated_data["jobs"]
+        try:
+            answer = agent_heartbeat(node=self.node, samples=samples, jobs=jobs)
+        except NodeTokenRevoked:
+            raise AuthenticationFailed("Invalid node token.") from None
         # The service numbers its refusals within what it was given: back to the agent's batch.
         refused += [{**r, "position": positions[r["position"]]} for r in answer.get("refused", [])]
         return Response({**answer, "refused": sorted(refused, key=lambda r: r["position"])})

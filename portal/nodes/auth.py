@@ -14,7 +14,9 @@ class NodeTokenAuthentication(authentication.BaseAuthentication):
             return None
         if len(header) != 2:
             raise exceptions.AuthenticationFailed("Malformed Authorization header; use 'Bearer <token>'.")
-        node = node_authenticate(header[1])
+        # A view that checks the token again itself (the heartbeat's UPDATE) may take it from memory.
+        view = (getattr(request, "parser_context", None) or {}).get("view")
+        node = node_authenticate(header[1], confirmed_later=getattr(view, "node_token_confirmed_later", False))
         if node is None:
             raise exceptions.AuthenticationFailed("Invalid node token.")
         return AnonymousUser(), node

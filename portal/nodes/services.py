@@ -3,7 +3,7 @@ import re
 import secrets
 import uuid
 
-from django.db import transaction
+from django.db import connection, transaction
 
 from portal.accounts import tokens
 from portal.core.context import Actor
@@ -107,10 +107,39 @@ def node_rotate_token(*, actor: Actor, node: Node) -> str:
     return secret
 
 
-def node_authenticate(secret: str) -> Node | None:
+# Nodes by token digest, for heartbeats only (node_authenticate's confirmed_later): a fleet's
+# heartbeats then read no node row; each one's UPDATE names the digest, so a rotated token or a
+# removed node is refused by the very next heartbeat (agent_heartbeat raises NodeTokenRevoked).
+_HEARTBEAT_NODES: dict[str, tuple[float, Node]] = {}
+HEARTBEAT_NODE_TTL_S = 60.0
+
+
+class NodeTokenRevoked(Exception):
+    """The node's token changed (rotated) or the node is gone since this process read it."""
+
+
+def node_authenticate(secret: str, *, confirmed_later: bool = False) -> Node | None:
+    """The node a token belongs to, or None. With ``confirmed_later`` (the heartbeat, whose own
+    UPDATE checks the token again) a node read in the last minute is answered from memory."""
+    import copy
+    import time
+
     if not tokens.looks_valid(secret, kind="gpn"):
         return None
-    return Node.objects.filter(token_digest=tokens.digest(secret)).first()
+    digest = tokens.digest(secret)
+    if confirmed_later:
+        hit = _HEARTBEAT_NODES.get(digest)
+        if hit is not None and hit[0] > time.monotonic():
+            return copy.copy(hit[1])
+    # Plain SQL: compiling the ORM's query cost more CPU than running it.
+    table = Node._meta.db_table
+    found = list(Node.objects.raw(f"SELECT * FROM {table} WHERE token_digest = %s ORDER BY id LIMIT 1", [digest]))
+    node = found[0] if found else None
+    if node is not None and confirmed_later:
+        if len(_HEARTBEAT_NODES) > 100_000:
+            _HEARTBEAT_NODES.clear()
+        _HEARTBEAT_NODES[digest] = (time.monotonic() + HEARTBEAT_NODE_TTL_S, copy.copy(node))
+    return node
 
 
 GPU_UNUSABLE_PREFIX = "Unusable for "  # health_reason of GPUs the node's sandbox cannot serve
@@ -249,6 +278,38 @@ def _model_name(g: dict) -> str:
     return f"{m.group(1)}-{mem_gb}GB" if m and mem_gb else raw[:64]
 
 
+def _sql(template: str, params: list, *, fetch: bool = False) -> list[tuple]:
+    """One statement of the heartbeat's hot path, as plain SQL (on PostgreSQL and SQLite alike):
+    the ORM's compiling of a query cost more CPU than running it. ``{node}``, ``{gpu}``, ``{job}``
+    and ``{allocation}`` name the tables."""
+    from portal.jobs.models import Allocation, Job
+
+    tables = {"node": Node._meta.db_table, "gpu": GPU._meta.db_table, "job": Job._meta.db_table,
+              "allocation": Allocation._meta.db_table}
+    with connection.cursor() as cursor:
+        cursor.execute(template.format(**tables), params)
+        return cursor.fetchall() if fetch else []
+
+
+def _datetime(value):
+    """A timestamp column read by plain SQL: SQLite gives text (naive UTC), PostgreSQL a datetime."""
+    if isinstance(value, str):
+        from datetime import timezone as dt_timezone
+
+        from django.utils.dateparse import parse_datetime
+
+        value = parse_datetime(value)
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=dt_timezone.utc)
+    return value
+
+
+def _db_now():
+    from django.utils import timezone
+
+    return connection.ops.adapt_datetimefield_value(timezone.now())
+
+
 def agent_heartbeat(*, node: Node, samples: list[dict], jobs: list[dict]) -> dict:
     """Record the heartbeat and answer with what the agent must do: drain, stop stale jobs."""
     from django.core.cache import cache
@@ -256,7 +317,15 @@ def agent_heartbeat(*, node: Node, samples: list[dict], jobs: list[dict]) -> dic
 
     from portal.jobs.reports import stale_reports
 
-    Node.objects.filter(pk=node.pk).update(last_heartbeat_at=timezone.now())
+    # Records the heartbeat, checks the token once more (node_authenticate may answer from memory)
+    # and reads what may have changed since: one statement.
+    row = _sql("UPDATE {node} SET last_heartbeat_at = %s WHERE id = %s AND token_digest = %s "
+               "RETURNING state, queue_probe, queue_verified_at", [_db_now(), node.pk, node.token_digest],
+               fetch=True)
+    if not row:
+        _HEARTBEAT_NODES.pop(node.token_digest, None)
+        raise NodeTokenRevoked(node.name)
+    node.state, node.queue_probe, node.queue_verified_at = row[0][0], row[0][1], _datetime(row[0][2])
     _queue_probe_resend(node)
     if node.state == NodeState.DOWN:
         # Back before re-registering: the reaper already failed its jobs; their reports will be stale.
@@ -294,19 +363,25 @@ def _requeue_lost_launches(*, node: Node, reported: list[dict]) -> list[int]:
     from datetime import timedelta
 
     from django.conf import settings
-    from django.db.models import Q
     from django.utils import timezone
 
     from portal.jobs.models import Job, JobState
     from portal.jobs.reports import job_requeue_after_node_fault
 
     cutoff = timezone.now() - timedelta(seconds=settings.LAUNCH_LOST_S)
+    since = connection.ops.adapt_datetimefield_value(cutoff)
     held = {(str(r.get("job_id")), int(r.get("attempt") or 0)) for r in reported}
-    late = Job.objects.filter(state__in=[JobState.ASSIGNED, JobState.STARTING, JobState.RUNNING],
-                              state_changed_at__lt=cutoff).filter(
-        Q(node=node) | Q(allocations__gpu__node=node, allocations__released_at__isnull=True)).distinct()
+    states = [JobState.ASSIGNED.value, JobState.STARTING.value, JobState.RUNNING.value]
+    # Every heartbeat asks this: plain SQL that starts from this node's jobs and open allocations
+    # (indexed), never from every job in those states across the fleet.
+    late = _sql("SELECT j.id, j.attempt FROM {job} j WHERE j.node_id = %s AND j.state IN (%s, %s, %s) "
+                "AND j.state_changed_at < %s UNION SELECT j.id, j.attempt FROM {allocation} a "
+                "JOIN {gpu} g ON g.id = a.gpu_id JOIN {job} j ON j.id = a.job_id WHERE g.node_id = %s "
+                "AND a.released_at IS NULL AND j.state IN (%s, %s, %s) AND j.state_changed_at < %s",
+                [node.pk, *states, since, node.pk, *states, since], fetch=True)
+    lost = [pk for pk, attempt in late if (str(pk), attempt) not in held]
     requeued = []
-    for job in late:
+    for job in Job.objects.filter(pk__in=lost, state__in=states, state_changed_at__lt=cutoff) if lost else ():
         if (str(job.pk), job.attempt) in held:
             continue
         if job.state == JobState.RUNNING:
