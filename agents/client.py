@@ -30,12 +30,12 @@ import urllib.parse
 import requests
 
 from agents import __version__
-from agents.protocol import EVENT_STATES, PROTOCOL_VERSION
+from agents.protocol import (CONFIRM, EVENT, EVENT_MESSAGE_MAX, EVENT_STATES, HEARTBEAT, LOG, NODE_PROBLEM_MAX, PROBE,
+                             PROTOCOL_VERSION, REGISTER, Message)
 
 log = logging.getLogger(__name__)
 
 API_PREFIX = "/api/agent/v1"
-EVENT_MESSAGE_MAX, NODE_PROBLEM_MAX = 2000, 500  # the agent API's limits on a job event's texts
 
 
 class PortalError(Exception):
@@ -126,6 +126,10 @@ class PortalClient:
 
     # -- the API ----------------------------------------------------------------
 
+    def _report(self, message: Message, body: dict, job_id: str = "") -> dict:
+        """POST one of agents.protocol's messages: its keys only, or ValueError before anything is sent."""
+        return self._post("/" + message.path.format(job_id=_q(job_id)), message.body(**body))
+
     def register(self, *, name: str, cpus: int, memory_mb: int, sandbox: str, gpus: list[dict],
                  capabilities: dict | None = None, gpus_unusable: str = "") -> dict:
         """-> {node, heartbeat_interval_s, lease_s}. ``gpus_unusable``: why the sandbox cannot give
@@ -134,20 +138,20 @@ class PortalClient:
                 "capabilities": capabilities or {}, "protocol_version": PROTOCOL_VERSION}
         if gpus_unusable:
             body["gpus_unusable"] = gpus_unusable
-        return self._post("/register", body)
+        return self._report(REGISTER, body)
 
     def probe(self, nonce: str) -> dict:
         """Answer the probe the portal sent on our queue: -> {result}; StaleAttempt (409) for the
         probe of an earlier registration."""
-        return self._post("/probe", {"nonce": nonce})
+        return self._report(PROBE, {"nonce": nonce})
 
     def heartbeat(self, *, samples: list[dict], jobs: list[dict]) -> dict:
         """-> {drain: bool, stop: [{job_id, attempt, reason}]}"""
-        return self._post("/heartbeat", {"samples": samples, "jobs": jobs})
+        return self._report(HEARTBEAT, {"samples": samples, "jobs": jobs})
 
     def confirm(self, job_id: str, attempt: int) -> dict:
         """Fencing: may this node start this attempt? -> the spec; StaleAttempt if not."""
-        return self._post(f"/jobs/{_q(job_id)}/confirm", {"attempt": attempt}).get("spec") or {}
+        return self._report(CONFIRM, {"attempt": attempt}, job_id).get("spec") or {}
 
     def event(self, job_id: str, attempt: int, state: str, *, exit_code: int | None = None,
               message: str = "", scrub_failures: list[dict] | None = None, node_problem: str = "",
@@ -167,14 +171,14 @@ class PortalClient:
             body["node_problem"] = node_problem[:NODE_PROBLEM_MAX]
         if lease_expired:
             body["lease_expired"] = True
-        return self._post(f"/jobs/{_q(job_id)}/events", body)
+        return self._report(EVENT, body, job_id)
 
     def logs(self, job_id: str, attempt: int, offset: int, data: bytes) -> dict:
         """Ship one chunk of raw output at ``offset`` (raw bytes), base64-encoded: a job may print
         anything, NUL and invalid UTF-8 included. -> {stored, size, full}; ``full`` means the
         portal keeps no more of this attempt's log."""
-        return self._post(f"/jobs/{_q(job_id)}/logs", {"attempt": attempt, "offset": offset,
-                                                      "data_base64": base64.b64encode(data).decode("ascii")})
+        return self._report(LOG, {"attempt": attempt, "offset": offset,
+                                  "data_base64": base64.b64encode(data).decode("ascii")}, job_id)
 
 
 def _q(job_id: str) -> str:

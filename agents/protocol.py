@@ -7,6 +7,8 @@ agree on lives here and nowhere else; tests/core/test_protocol.py fails when a c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 # The version of the agent API's message shapes, "MAJOR.MINOR", sent at registration. The portal
 # refuses an agent whose major differs (its messages would be misread); a minor adds optional
 # fields only. An agent that sends no version predates this field and speaks 1.x.
@@ -59,3 +61,50 @@ def is_reserved_env(name: str) -> bool:
 # portal's own job states are a superset (queued, assigned, preempted, node_fail are its verdicts).
 EVENT_STATES = ("starting", "running", "succeeded", "failed", "timeout", "oom", "cancelled")
 TERMINAL_EVENT_STATES = frozenset({"succeeded", "failed", "timeout", "oom", "cancelled"})
+
+
+# -- message shapes --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Message:
+    """One JSON object the agent sends up, by its keys. ``path``: where it is POSTed under
+    /api/agent/v1/ ({job_id} filled in); None for an object nested in another. The portal's
+    serializer for it declares exactly these fields, the required ones required (the agent API
+    refuses to load otherwise), and the agent's client builds its bodies through ``body``."""
+
+    path: str | None
+    required: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return self.required + self.optional
+
+    def body(self, **values) -> dict:
+        """The object with these values; ValueError for a key the message lacks or a required one missing."""
+        unknown = set(values) - set(self.fields)
+        missing = set(self.required) - set(values)
+        if unknown or missing:
+            raise ValueError(f"{self.path or 'message'}: unknown keys {sorted(unknown)}, missing {sorted(missing)}")
+        return values
+
+
+GPU_INVENTORY = Message(None, ("index", "uuid", "model", "memory_mb"), ("pci_bus_id", "topology"))
+REGISTER = Message("register", ("name", "cpus", "memory_mb", "sandbox", "gpus"),
+                   ("capabilities", "gpus_unusable", "protocol_version"))
+PROBE = Message("probe", ("nonce",))
+SAMPLE = Message(None, ("gpu_uuid",), ("ts", "utilization", "memory_used_mb", "memory_total_mb", "temperature_c",
+                                        "power_w", "power_limit_w", "ecc_errors", "xid_errors", "processes"))
+HEARTBEAT_JOB = Message(None, ("job_id", "attempt", "state"))
+HEARTBEAT = Message("heartbeat", (), ("samples", "jobs"))
+CONFIRM = Message("jobs/{job_id}/confirm", ("attempt",))
+SCRUB_FAILURE = Message(None, ("gpu_index", "message"))
+EVENT = Message("jobs/{job_id}/events", ("attempt", "state"),
+                ("exit_code", "message", "scrub_failures", "node_problem", "lease_expired"))
+LOG = Message("jobs/{job_id}/logs", ("attempt", "offset"), ("data", "data_base64"))  # exactly one of the two
+MESSAGES = (GPU_INVENTORY, REGISTER, PROBE, SAMPLE, HEARTBEAT_JOB, HEARTBEAT, CONFIRM, SCRUB_FAILURE, EVENT, LOG)
+
+# Longest texts of a job event: a longer report would be refused, leaving the job running there.
+EVENT_MESSAGE_MAX = 2000
+NODE_PROBLEM_MAX = 500

@@ -8,6 +8,7 @@ import re
 import binascii
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.core.validators import ProhibitNullCharactersValidator
 from drf_spectacular.utils import extend_schema, extend_schema_field, inline_serializer
 from rest_framework import serializers
@@ -15,7 +16,8 @@ from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from agents.protocol import EVENT_STATES, PROTOCOL_VERSION, protocol_major
+from agents import protocol
+from agents.protocol import EVENT_STATES, NODE_SANDBOXES, PROTOCOL_VERSION, protocol_major
 from portal.core.api import StrictSerializer, _flatten
 from portal.jobs.reports import job_append_log, job_confirm, job_report
 
@@ -48,6 +50,22 @@ GPU_UUID = r"^(?!gone-)[A-Za-z0-9][A-Za-z0-9._:/-]{0,63}$"
 CAPABILITY = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 
 
+def speaks(message: protocol.Message):
+    """The serializer of one of agents.protocol's messages: it must declare exactly the message's
+    keys, the required ones required, or the portal does not start (the contract is written once)."""
+    def check(cls):
+        declared = cls._declared_fields
+        wrong = sorted(name for name, field in declared.items()
+                       if name in message.fields and field.required != (name in message.required))
+        if set(declared) != set(message.fields) or wrong:
+            raise ImproperlyConfigured(
+                f"{cls.__name__} declares {sorted(declared)}, agents.protocol's message {sorted(message.fields)} "
+                f"(required {list(message.required)}; required here or there only: {wrong})")
+        cls.message = message
+        return cls
+    return check
+
+
 class GpuTopologySerializer(StrictSerializer):
     # A domain id per level (agents/probe: the lowest GPU index in it, or the NUMA node); null: unknown.
     nvlink = serializers.IntegerField(min_value=0, max_value=MAX_INT32, required=False, allow_null=True, default=None)
@@ -55,6 +73,7 @@ class GpuTopologySerializer(StrictSerializer):
     numa = serializers.IntegerField(min_value=0, max_value=MAX_INT32, required=False, allow_null=True, default=None)
 
 
+@speaks(protocol.GPU_INVENTORY)
 class GpuInventorySerializer(StrictSerializer):
     index = serializers.IntegerField(min_value=0, max_value=MAX_GPUS - 1)
     uuid = serializers.RegexField(GPU_UUID, max_length=64)
@@ -64,11 +83,12 @@ class GpuInventorySerializer(StrictSerializer):
     topology = GpuTopologySerializer(required=False, allow_null=True, default=None)
 
 
+@speaks(protocol.REGISTER)
 class RegisterSerializer(StrictSerializer):
     name = serializers.CharField(max_length=63)
     cpus = serializers.IntegerField(min_value=0, max_value=MAX_CPUS)
     memory_mb = serializers.IntegerField(min_value=0, max_value=MAX_NODE_MEMORY_MB)
-    sandbox = serializers.CharField(max_length=16)
+    sandbox = serializers.ChoiceField(choices=NODE_SANDBOXES)
     gpus = GpuInventorySerializer(many=True, max_length=MAX_GPUS)
     capabilities = serializers.DictField(child=serializers.BooleanField(), required=False, default=dict)
     # Why the agent's sandbox cannot give its GPUs to jobs (docker without the NVIDIA runtime); "" = it can.
@@ -117,7 +137,6 @@ class RegisterView(AgentView):
         data = RegisterSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         fields = dict(data.validated_data)
-        fields.pop("protocol_version")  # checked above; the node keeps no copy
         node = agent_register(node=self.node, **fields)
         # The agent stops its sandboxes when no heartbeat was answered for lease_s (SIGTERM, then
         # SIGKILL after fence_grace_s): NODE_TIMEOUT_S covers both (portal/settings.py).
@@ -126,6 +145,7 @@ class RegisterView(AgentView):
                          "protocol_version": PROTOCOL_VERSION})
 
 
+@speaks(protocol.PROBE)
 class ProbeSerializer(StrictSerializer):
     nonce = serializers.RegexField(r"^[0-9a-f]{32}$", max_length=32)
 
@@ -142,6 +162,7 @@ class ProbeView(AgentView):
         return Response({"result": agent_probe_answer(node=self.node, **data.validated_data)})
 
 
+@speaks(protocol.HEARTBEAT_JOB)
 class JobKeySerializer(serializers.Serializer):
     job_id = serializers.CharField(max_length=32)
     attempt = serializers.IntegerField(min_value=0, max_value=MAX_ATTEMPT)
@@ -192,6 +213,7 @@ def _optional(field_class, **bounds):
     return field_class(required=False, allow_null=True, default=None, **bounds)
 
 
+@speaks(protocol.SAMPLE)
 class SampleSerializer(serializers.Serializer):
     """One NVML reading of one GPU (agents.probe.GpuSample); a figure the GPU cannot give is null.
     Keys this portal does not know are dropped (a newer agent may send more)."""
@@ -237,6 +259,7 @@ def samples_check(samples: list[dict]) -> tuple[list[dict], list[int], list[dict
     return good, positions, refused
 
 
+@speaks(protocol.HEARTBEAT)
 class HeartbeatSerializer(StrictSerializer):
     samples = SampleListField(max_length=256, default=list)
     jobs = JobKeySerializer(many=True, default=list, max_length=4096)
@@ -360,6 +383,7 @@ class HeartbeatView(AgentView):
         return Response({**answer, "refused": sorted(refused, key=lambda r: r["position"])})
 
 
+@speaks(protocol.CONFIRM)
 class AttemptSerializer(StrictSerializer):
     attempt = serializers.IntegerField(min_value=0, max_value=MAX_ATTEMPT)
 
@@ -373,21 +397,25 @@ class ConfirmView(AgentView):
         return Response({"spec": job_confirm(node=self.node, job_id=job_id, **data.validated_data)})
 
 
+@speaks(protocol.SCRUB_FAILURE)
 class ScrubFailureSerializer(StrictSerializer):
     gpu_index = serializers.IntegerField(min_value=0, max_value=1023)
     message = serializers.CharField(max_length=500)
 
 
+@speaks(protocol.EVENT)
 class EventSerializer(StrictSerializer):
     attempt = serializers.IntegerField(min_value=0, max_value=MAX_ATTEMPT)
     state = serializers.ChoiceField(choices=EVENT_STATES)
     exit_code = serializers.IntegerField(min_value=-MAX_INT32 - 1, max_value=MAX_INT32, required=False,
                                          allow_null=True, default=None)
-    message = serializers.CharField(max_length=2000, required=False, allow_blank=True, default="")
+    message = serializers.CharField(max_length=protocol.EVENT_MESSAGE_MAX, required=False, allow_blank=True,
+                                    default="")
     # GPUs the agent could not clear after this job: the portal takes them out of service.
     scrub_failures = ScrubFailureSerializer(many=True, required=False, default=list, max_length=64)
     # Something about the node that must stop new work there (a sandbox that could not be killed).
-    node_problem = serializers.CharField(max_length=500, required=False, allow_blank=True, default="")
+    node_problem = serializers.CharField(max_length=protocol.NODE_PROBLEM_MAX, required=False, allow_blank=True,
+                                         default="")
     # The node fenced the attempt because its lease ran out (protocol 1.1): a node fault, requeued.
     lease_expired = serializers.BooleanField(required=False, default=False)
 
@@ -401,6 +429,7 @@ class EventView(AgentView):
         return Response({"result": job_report(node=self.node, job_id=job_id, **data.validated_data)})
 
 
+@speaks(protocol.LOG)
 class LogSerializer(StrictSerializer):
     """A chunk of a sandbox's output: raw bytes as base64 (what the agent sends: a job may print NUL
     or invalid UTF-8), or as text (stored UTF-8 encoded). ``offset`` counts raw bytes."""

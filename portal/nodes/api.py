@@ -27,7 +27,7 @@ class NodeSerializer(serializers.ModelSerializer):
     class Meta:
         model = Node
         fields = ["name", "state", "state_reason", "schedulable", "waiting_for", "pool", "labels", "cpus",
-                  "memory_mb", "sandbox", "last_heartbeat_at", "created_at", "gpus"]
+                  "memory_mb", "sandbox", "last_heartbeat_at", "created_at", "gpus", "protocol_version"]
 
 
 class DrainSerializer(StrictSerializer):

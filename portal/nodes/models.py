@@ -21,6 +21,8 @@ class Node(models.Model):
     sandbox = models.CharField(max_length=16, blank=True)  # what the agent reported: docker, kvm, process
     # What the agent says it can enforce, e.g. {"mps": false}: a fractional job's share needs CUDA MPS.
     capabilities = models.JSONField(default=dict, blank=True)
+    # The agent protocol its agent spoke at its last registration ("": an agent older than the field).
+    protocol_version = models.CharField(max_length=16, blank=True, default="")
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     # sha256 of the node's agent token (gpn_...); the secret is shown once by add_node.

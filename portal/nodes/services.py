@@ -146,8 +146,10 @@ GPU_UNUSABLE_PREFIX = "Unusable for "  # health_reason of GPUs the node's sandbo
 
 
 def agent_register(*, node: Node, name: str, cpus: int, memory_mb: int, sandbox: str, gpus: list[dict],
-                   capabilities: dict | None = None, gpus_unusable: str = "") -> Node:
+                   capabilities: dict | None = None, gpus_unusable: str = "", protocol_version: str = "") -> Node:
     """The agent's real inventory replaces what the operator declared; a down node comes back.
+    ``protocol_version``: the agent protocol it speaks (agents/protocol.py; "" for an agent older
+    than the field), kept on the node.
 
     ``gpus_unusable`` says why the agent's sandbox cannot give GPUs to jobs (a Docker engine
     without the NVIDIA runtime): its healthy GPUs turn unhealthy with that reason, so the
@@ -185,7 +187,7 @@ def agent_register(*, node: Node, name: str, cpus: int, memory_mb: int, sandbox:
                 GPU.objects.filter(pk=gpu.pk).update(health="unhealthy", health_reason="missing from the agent's inventory")
         _gpus_usable_apply(node=node, sandbox=sandbox, problem=gpus_unusable)
         updates = {"cpus": cpus, "memory_mb": memory_mb, "sandbox": sandbox[:16], "last_heartbeat_at": timezone.now(),
-                   "capabilities": capabilities or {}}
+                   "capabilities": capabilities or {}, "protocol_version": protocol_version}
         if node.state == NodeState.DOWN:
             updates.update(state=NodeState.READY, state_reason="")
         # No new jobs until this agent proves it receives node.<name> (a restart may bring a wrong --broker).
