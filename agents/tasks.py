@@ -5,7 +5,7 @@ consumes only the queue ``node.<name>`` (set in agents/__main__.py). The
 portal sends by name, e.g.::
 
     app.send_task("agent.launch", args=[job_id, attempt, spec], queue=f"node.{node}")
-    app.send_task("agent.stop", args=[job_id, attempt, reason, grace_s], queue=f"node.{node}")
+    app.send_task("agent.stop", args=[job_id, attempt, reason, grace_s(, signal)], queue=f"node.{node}")
     app.send_task("agent.probe", args=[nonce], queue=f"node.{node}")
 
 Tasks are thin: they hand over to the process's ``Agent`` (``bind_agent``).
@@ -64,5 +64,6 @@ def probe(nonce: str) -> str:
 
 
 @app.task(name="agent.stop")
-def stop(job_id: str, attempt: int, reason: str, grace_s: float) -> bool:
-    return _the_agent().stop(job_id, attempt, reason, grace_s)
+def stop(job_id: str, attempt: int, reason: str, grace_s: float, signal: str | None = None) -> bool:
+    """With `signal` (a checkpointing job): send it, give the job `grace_s` to save, then stop it."""
+    return _the_agent().stop(job_id, attempt, reason, grace_s, signal=signal)

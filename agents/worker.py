@@ -77,6 +77,11 @@ class Tracked:
     # Set when the node ended it because its lease ran out (the agent's fence, or the job's supervisor's):
     # the report says so and the portal requeues the job as a node fault, not the job's failure.
     lease_expired: bool = False
+    # A checkpointing job's (signal, grace_s) from its spec: sent grace_s before its time limit.
+    checkpoint: tuple[str, float] | None = None
+    warned: bool = False  # the time-limit signal went out
+    # While it stops: by when (agent clock) it will be gone, for launches waiting for its GPUs.
+    stop_deadline: float | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -122,7 +127,7 @@ class Agent:
         self._launching: set[Key] = set()
         self._launch_gpus: dict[Key, set[int]] = {}  # GPUs of launches past their wait, not yet tracked
         self._scrubbing: set[int] = set()  # GPUs a scrub is clearing right now
-        self._pending_stop: dict[Key, tuple[str, float]] = {}
+        self._pending_stop: dict[Key, tuple[str, float, str | None]] = {}
         self._unsent_xids: dict[str, list[int]] = {}
         self._stop_threads: list[threading.Thread] = []
 
@@ -252,6 +257,8 @@ class Agent:
             log.exception("job %s attempt %s: the %s driver failed unexpectedly", job_id, attempt, self.driver.name)
             return self._launch_failed(job_id, attempt, f"could not start the sandbox: {type(exc).__name__}: {exc}")
         t = Tracked(job_id, attempt, handle)
+        if ls.checkpoint_signal and ls.checkpoint_grace_s:
+            t.checkpoint = (ls.checkpoint_signal, float(ls.checkpoint_grace_s))
         with self._lock:
             self._jobs[t.key] = t
             self._dirty.update(handle.gpu_indexes)
@@ -259,7 +266,7 @@ class Agent:
         self._set_busy(handle.gpu_indexes, True)
         log.info("job %s attempt %s: started (%s %s)", job_id, attempt, self.driver.name, handle.ref)
         if pending:
-            self._begin_stop(t, "cancelled", pending[0], pending[1])
+            self._begin_stop(t, "cancelled", pending[0], pending[1], signal=pending[2])
             return "started"
         try:
             self.client.event(job_id, attempt, "running")
@@ -295,6 +302,14 @@ class Agent:
             with self._lock:
                 if key in self._pending_stop:
                     return STOPPED
+                # A sandbox checkpointing on these GPUs may take its whole grace: wait for it.
+                saving = [t.stop_deadline for t in self._jobs.values() if t.key != key and t.stop_deadline
+                          and t.terminal is None and want & set(t.handle.gpu_indexes)]
+                if saving:
+                    later = max(saving) - self._clock() + self.gpu_release_wait_s
+                    if later > deadline - time.monotonic():
+                        waited += later - (deadline - time.monotonic())
+                        deadline = time.monotonic() + later
                 held = want & ({i for t in self._jobs.values() if t.key != key and (exclusive or t.terminal or t.stop_state)
                                 for i in t.handle.gpu_indexes}
                                | ({i for k, g in self._launch_gpus.items() if k != key for i in g} if exclusive else set())
@@ -345,45 +360,53 @@ class Agent:
         return "failed"
 
     def stop(self, job_id: str, attempt: int, reason: str = "", grace_s: float | None = None,
-             *, wait: bool = True) -> bool:
+             *, signal: str | None = None, wait: bool = True) -> bool:
         """Stop one attempt (SIGTERM, grace, kill) and report it ``cancelled``
-        with ``reason``. Returns False when this agent has no such sandbox."""
+        with ``reason``. With ``signal`` (a checkpointing job moved elsewhere): that signal first,
+        up to ``grace_s`` for the job to save and exit, then SIGTERM, the agent's stop grace and
+        SIGKILL. Returns False when this agent has no such sandbox."""
         key = (str(job_id), int(attempt))
         grace = self.stop_grace_s if grace_s is None else float(grace_s)
         with self._lock:
             t = self._jobs.get(key)
             if t is None:
                 if key in self._launching:  # stop overtook its launch: apply it on arrival
-                    self._pending_stop[key] = (reason, grace)
+                    self._pending_stop[key] = (reason, grace, signal)
                     cancel = getattr(self.driver, "cancel_launch", None)
                     if cancel:  # kvm: ends a slow image conversion instead of starting a VM to stop it
                         cancel(*key)
                     return True
                 log.info("job %s attempt %s: stop for a sandbox this node does not have", *key)
                 return False
-        self._begin_stop(t, "cancelled", reason or "stopped by the portal", grace, wait=wait)
+        self._begin_stop(t, "cancelled", reason or "stopped by the portal", grace, signal=signal, wait=wait)
         return True
 
     # -- ending sandboxes ---------------------------------------------------------
 
     def _begin_stop(self, t: Tracked, state: str, reason: str, grace_s: float, *, wait: bool = False,
-                    lease_expired: bool = False) -> None:
+                    lease_expired: bool = False, signal: str | None = None) -> None:
+        if signal and not hasattr(self.driver, "signal"):
+            signal = None  # kvm: its stop already asks the guest to shut down within the grace
         with self._lock:
             if t.stop_state is not None or t.terminal is not None:
                 return  # already ending; the first reason stands
             t.stop_state, t.stop_reason, t.lease_expired = state, reason, lease_expired
-        log.info("job %s attempt %s: stopping (%s: %s, grace %ss)", t.job_id, t.attempt, state, reason, grace_s)
+            t.stop_deadline = self._clock() + grace_s + (self.stop_grace_s if signal else 0.0)
+        log.info("job %s attempt %s: stopping (%s: %s, %sgrace %ss)", t.job_id, t.attempt, state, reason,
+                 f"{signal} to checkpoint, " if signal else "", grace_s)
         if wait or not self.background:
-            self._do_stop(t, grace_s)
+            self._do_stop(t, grace_s, signal)
         else:
-            th = threading.Thread(target=self._do_stop, args=(t, grace_s), daemon=True,
+            th = threading.Thread(target=self._do_stop, args=(t, grace_s, signal), daemon=True,
                                   name=f"stop-{t.job_id}-{t.attempt}")
             th.start()
             self._stop_threads = [x for x in self._stop_threads if x.is_alive()] + [th]
 
-    def _do_stop(self, t: Tracked, grace_s: float) -> None:
+    def _do_stop(self, t: Tracked, grace_s: float, signal: str | None = None) -> None:
         try:
-            self.driver.stop(t.handle, grace_s)
+            if signal:
+                self._checkpoint_then_wait(t, signal, grace_s)
+            self.driver.stop(t.handle, self.stop_grace_s if signal else grace_s)
             state, code = self.driver.poll(t.handle)
         except Exception:  # a sandbox we cannot kill must not kill the agent
             log.exception("job %s attempt %s: stop failed; will try again", t.job_id, t.attempt)
@@ -404,6 +427,14 @@ class Agent:
         with self._lock:
             t.terminal = (t.stop_state, code, reason)
         self._finish(t)
+
+    def _checkpoint_then_wait(self, t: Tracked, signal: str, grace_s: float) -> None:
+        """Send a checkpointing job its signal and give it up to ``grace_s`` to save and exit."""
+        log.info("job %s attempt %s: %s, up to %ss to checkpoint", t.job_id, t.attempt, signal, grace_s)
+        self.driver.signal(t.handle, signal)
+        deadline = time.monotonic() + max(0.0, grace_s)
+        while time.monotonic() < deadline and self.driver.poll(t.handle)[0] == RUNNING:
+            time.sleep(0.1)
 
     def _terminal_for(self, t: Tracked, state: str, code: int | None) -> tuple[str, int | None, str]:
         if t.stop_state is not None:
@@ -543,6 +574,12 @@ class Agent:
 
     def _enforce_time_limit(self, t: Tracked) -> None:
         limit = t.handle.time_limit_s
+        if (t.checkpoint and not t.warned and t.terminal is None and t.stop_state is None and limit
+                and self._wall() >= t.handle.started_at + limit - t.checkpoint[1] and hasattr(self.driver, "signal")):
+            # Slurm's --signal: the job hears its time is nearly up while it can still save.
+            t.warned = True
+            log.info("job %s attempt %s: %s, %gs before its time limit", t.job_id, t.attempt, *t.checkpoint)
+            self.driver.signal(t.handle, t.checkpoint[0])
         if t.terminal is None and t.stop_state is None and limit and self._wall() >= t.handle.started_at + limit:
             try:
                 ended = self.driver.poll(t.handle)[0] != RUNNING
@@ -642,7 +679,8 @@ class Agent:
             log.info("portal says drain=%s", drain)
         self.drain = drain
         for s in resp.get("stop") or ():
-            self.stop(s["job_id"], s["attempt"], s.get("reason") or "stopped by the portal", wait=False)
+            self.stop(s["job_id"], s["attempt"], s.get("reason") or "stopped by the portal", s.get("grace_s"),
+                      signal=s.get("signal"), wait=False)
         return resp
 
     def write_lease(self) -> None:

@@ -7,7 +7,9 @@ reference Tiresias 2D-LAS of bench/tiresias_ref.py (independent of the core, GPU
 
 Rows: strict FIFO and first-fit FIFO (both without quotas: the plain baselines), multifactor
 (the production default: quotas on, EASY backfill), las (quotas on; under las they neither
-reorder nor preempt, so it is the same without), and the
+reorder nor preempt, so it is the same without), multifactor and las again with every job
+checkpointing (`--checkpoint-interval`, `--checkpoint-grace`: a preempted job resumes from its
+last checkpoint and loses the time since it plus the grace), and the
 reference LAS resuming preempted jobs without loss (as Tiresias assumes) and restarting them
 from zero (as our simulator does). Columns: mean JCT, mean wait (every wait), GPU-hours lost to
 preemption and that as a share of capacity x the submission window, preemptions, and the worst
@@ -35,6 +37,8 @@ CORE_RUNS = [
     ("fifo-backfill (first fit, no quotas)", dict(policy="fifo-backfill", quotas=False)),
     ("multifactor (default)", dict(policy="multifactor")),
     ("las", dict(policy="las")),  # quotas on as in production; under las they only cap and mark borrowing
+    ("multifactor, jobs checkpoint", dict(policy="multifactor", checkpoint=True)),
+    ("las, jobs checkpoint", dict(policy="las", checkpoint=True)),
 ]
 
 
@@ -53,11 +57,22 @@ def main() -> None:
     ap.add_argument("--starve", type=float, default=8.0, help="las starvation factor K")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--no-fairness", action="store_true")
+    ap.add_argument("--checkpoint-interval", type=float, default=1800.0, metavar="S",
+                    help="checkpoint rows: every job saves every S seconds of its run (0: when signalled)")
+    ap.add_argument("--checkpoint-grace", type=float, default=120.0, metavar="S",
+                    help="checkpoint rows: seconds a preempted job gets to save, counted as lost")
     a = ap.parse_args()
     thresholds = tuple(h * 3600 for h in a.threshold_gpu_h)
-    specs = [ReplaySpec(trace=a.trace, quota=a.quota, start_day=a.start_day, days=a.days, gpus=a.gpus,
-                        fairness=not a.no_fairness, explain=False, las_thresholds_gpu_s=thresholds,
-                        las_starvation_factor=a.starve, **kw) for _, kw in CORE_RUNS]
+
+    def spec(kw: dict) -> ReplaySpec:
+        kw = dict(kw)
+        if kw.pop("checkpoint", False):
+            kw.update(checkpoint_interval_s=a.checkpoint_interval, checkpoint_grace_s=a.checkpoint_grace)
+        return ReplaySpec(trace=a.trace, quota=a.quota, start_day=a.start_day, days=a.days, gpus=a.gpus,
+                          fairness=not a.no_fairness, explain=False, las_thresholds_gpu_s=thresholds,
+                          las_starvation_factor=a.starve, **kw)
+
+    specs = [spec(kw) for _, kw in CORE_RUNS]
     t0 = time.perf_counter()
     with ProcessPoolExecutor(a.workers) as ex:
         core = list(ex.map(_core, specs))
@@ -68,7 +83,8 @@ def main() -> None:
     print(f"{Path(a.trace).name}, days {a.start_day if a.start_day is not None else 'all'}"
           f"{f' +{a.days:g}' if a.days else ''}, {a.gpus} GPUs, {core[0]['jobs']} jobs "
           f"(reference: {refs[0]['jobs']}), las thresholds {', '.join(f'{h:g}' for h in a.threshold_gpu_h)} "
-          f"GPU-h, starvation factor {a.starve:g}")
+          f"GPU-h, starvation factor {a.starve:g}; checkpoint rows: every {a.checkpoint_interval:g} s, "
+          f"grace {a.checkpoint_grace:g} s")
     head = f"{'policy':<38}{'jct_mean_h':>11}{'wait_h':>8}{'lost_gpu_h':>11}{'lost_%':>8}{'preempt':>8}{'fair_max':>9}"
     print(head)
     print("-" * len(head))
@@ -88,6 +104,15 @@ def main() -> None:
     las = by["las"]["jct_mean"]
     print(f"las / reference LAS mean JCT: {las / refs[0]['jct_mean']:.2f} (reference resumes), "
           f"{las / refs[1]['jct_mean']:.2f} (reference restarts, as ours do)   (target <= 1.0)")
+    ck = by["las, jobs checkpoint"]
+    print(f"las with checkpoints / reference LAS (resume) mean JCT: {ck['jct_mean'] / refs[0]['jct_mean']:.2f}"
+          f"   (target <= 1.0)")
+    worst = max(by[n]["lost_capacity"] for n in ("multifactor, jobs checkpoint", "las, jobs checkpoint"))
+    print(f"lost to preemption when jobs checkpoint: at most {worst:.2%} of capacity   (target < 2%)")
+    fair = [by[n]["fairness_max"] for n, _ in CORE_RUNS if by[n]["fairness_max"] is not None]
+    if fair:
+        print(f"fairness_max: multifactor {by['multifactor (default)']['fairness_max']:.2f}, "
+              f"with checkpoints {by['multifactor, jobs checkpoint']['fairness_max']:.2f}   (target <= 1.1)")
     print(f"wall {time.perf_counter() - t0:.1f} s")
 
 

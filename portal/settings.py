@@ -419,6 +419,8 @@ if NODE_TIMEOUT_S < AGENT_LEASE_S + AGENT_FENCE_GRACE_S + NODE_FENCE_MARGIN_S:
         f"{NODE_FENCE_MARGIN_S:g}s = {AGENT_LEASE_S + AGENT_FENCE_GRACE_S + NODE_FENCE_MARGIN_S:g}, so a cut-off "
         f"agent has killed its sandboxes before the portal starts their jobs elsewhere")
 PREEMPT_GRACE_S = env_int("PREEMPT_GRACE_S", 30, minimum=0)
+# The longest `checkpoint.grace_s` a job may ask for: how long its GPUs may stay busy saving.
+CHECKPOINT_MAX_GRACE_S = env_int("CHECKPOINT_MAX_GRACE_S", 900, minimum=1)
 if SCHEDULER_POLICY not in ("fifo", "fifo-backfill", "multifactor", "las"):
     raise ImproperlyConfigured(
         f"SCHEDULER_POLICY: use fifo, fifo-backfill, multifactor or las, got {SCHEDULER_POLICY!r}")

@@ -105,7 +105,8 @@ def build_snapshot(now=None):
 
     fields = ("id", "project__slug", "project__organization__slug", "user__username", "gpus", "submitted_at",
               "time_limit_s", "gpu_type", "gpu_memory_mb", "priority", "preemptible", "array_parent_id",
-              "array_limit", "started_at", "state_changed_at", "sandbox", "nodes", "cpus", "memory_mb", "node__name")
+              "array_limit", "started_at", "state_changed_at", "sandbox", "nodes", "cpus", "memory_mb", "node__name",
+              "checkpoint_signal", "checkpoint_grace_s")
 
     def to_core(row, deps_ok=True) -> core.Job:
         return core.Job(
@@ -116,6 +117,7 @@ def build_snapshot(now=None):
             array_parent=str(row["array_parent_id"]) if row["array_parent_id"] else None,
             array_limit=row["array_limit"], deps_satisfied=deps_ok, sandbox=row["sandbox"], nodes=row["nodes"],
             attained_gpu_s=attained.get(row["id"], 0.0), cpus=float(row["cpus"]), memory_mb=row["memory_mb"],
+            checkpoint_grace_s=float(row["checkpoint_grace_s"] or 0) if row["checkpoint_signal"] else None,
         )
 
     config = config_from_settings()
@@ -137,8 +139,10 @@ def build_snapshot(now=None):
     through = Job.depends_on.through
     blocked = set(through.objects.filter(from_job__state=JobState.QUEUED).exclude(
         to_job__state=JobState.SUCCEEDED).values_list("from_job_id", flat=True))
-    # A held job (jobs.services.job_hold) is not in the snapshot: it keeps its `held` reason.
+    # A held job (jobs.services.job_hold) is not in the snapshot: it keeps its `held` reason; nor is
+    # one whose last attempt is still saving its checkpoint (states.requeue_holding).
     queued_rows = list(Job.objects.filter(state=JobState.QUEUED, is_array_parent=False, held=False)
+                       .exclude(resume_after__gt=now)
                        .order_by("submitted_at", "id").values(*fields, "reason_code", "reason_message",
                                                              "queue_position"))
     queued = [to_core(row, deps_ok=row["id"] not in blocked) for row in queued_rows]
@@ -275,22 +279,24 @@ def _apply_whole_starts(starts, context, start_times):
     return launches, rest
 
 
-def _apply_preemption(pre: core.Preemption, context) -> tuple[list[str], int] | None:
+def _apply_preemption(pre: core.Preemption, context) -> list[tuple] | None:
+    """Requeue a preempted job as its next attempt; returns its stops (node, job, attempt, grace,
+    signal): a checkpointing job gets its signal and grace to save, any other SIGTERM."""
+    from portal.jobs.states import requeue_holding
+
     job_id = int(pre.job_id)
     row = Job.objects.filter(pk=job_id, state__in=HOLDING).values("attempt").first()
     if row is None:
         return None
-    nodes = sorted(set(Allocation.objects.filter(job_id=job_id, released_at__isnull=True)
-                       .values_list("gpu__node__name", flat=True)))
     message = f"Preempted by job {pre.by_job_id}: {pre.reason}"
-    with transaction.atomic():
-        if not transition(job_id, to=JobState.PREEMPTED, from_states=HOLDING, attempt=row["attempt"], message=message):
-            return None
-        # Back to the queue as a new attempt: reports from the old one are now stale (fencing).
-        transition(job_id, to=JobState.QUEUED, from_states={JobState.PREEMPTED}, message="Requeued after preemption",
-                   attempt=row["attempt"], node=None, reason_code="preempted", reason_message=message)
-        Job.objects.filter(pk=job_id).update(attempt=row["attempt"] + 1)
-    return nodes, row["attempt"]
+    return requeue_holding(job_id, attempt=row["attempt"], reason_code="preempted", message=message,
+                           via=JobState.PREEMPTED)
+
+
+# Functions (job ids -> {job id: note}) whose notes lead the reason of a job waiting for capacity:
+# the autoscaler registers one ("scaling up pool h100: node h100-7 booting (45 s)"), so this module
+# imports nothing above it (portal/autoscale/apps.py).
+REASON_NOTES: list = []
 
 
 def _write_reasons(plan: core.Plan, context) -> int:
@@ -352,7 +358,7 @@ def run_pass() -> dict:
     t0 = time.perf_counter()
     now = timezone.now()
     launches: list[tuple[str, int, int]] = []
-    stops: list[tuple[str, int, int, str]] = []
+    stops: list[tuple[str, int, int, int, str | None]] = []
     with transaction.atomic():
         if not locks.try_xact_lock(locks.SCHEDULE_PASS):
             return {"skipped": "another scheduling pass is running"}
@@ -363,10 +369,7 @@ def run_pass() -> dict:
         plan = core.schedule(snapshot)
         t_planned = time.perf_counter()
         for pre in plan.preemptions:
-            done = _apply_preemption(pre, context)
-            if done:
-                nodes, attempt = done
-                stops += [(n, int(pre.job_id), attempt, "preempted") for n in nodes]
+            stops += _apply_preemption(pre, context) or []
         started = 0
         rest = plan.starts
         start_times = _start_times(plan.starts, timezone.now()) if plan.starts else {}
@@ -404,7 +407,7 @@ def run_pass() -> dict:
 
 def _publish(launches, stops) -> None:
     crashpoint("schedule.after_commit_before_publish")
-    for node_name, job_id, attempt, reason in stops:
-        send_stop(node_name, job_id, attempt, reason, settings.PREEMPT_GRACE_S)
+    for node_name, job_id, attempt, grace, signal in stops:
+        send_stop(node_name, job_id, attempt, "preempted", grace, signal)
     if launches:
         send_launches(launches, launch_specs([(node, job_id) for node, job_id, _ in launches]))

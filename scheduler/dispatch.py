@@ -41,9 +41,12 @@ def send_launches(launches: list[tuple[str, int, int]], specs: dict[tuple[str, i
         log.warning("could not publish %d launches: %s", len(launches), exc)
 
 
-def send_stop(node_name: str, job_id: int, attempt: int, reason: str, grace_s: int | None = None) -> None:
+def send_stop(node_name: str, job_id: int, attempt: int, reason: str, grace_s: int | None = None,
+              signal: str | None = None) -> None:
+    """`agent.stop`: SIGTERM, `grace_s`, SIGKILL; with `signal` (a checkpointing job) that signal
+    first and `grace_s` to save, then the agent's own stop."""
     grace = settings.PREEMPT_GRACE_S if grace_s is None else grace_s
-    _send("agent.stop", node_name, [str(job_id), attempt, reason, grace])
+    _send("agent.stop", node_name, [str(job_id), attempt, reason, grace] + ([signal] if signal else []))
 
 
 def send_probe(node_name: str, nonce: str) -> None:

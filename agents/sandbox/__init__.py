@@ -69,6 +69,10 @@ class LaunchSpec:
     # (agents/sandbox/volumes.py); and the job's checkpoint folder {"volume", "path"} there.
     volumes: list[dict] = field(default_factory=list)
     checkpoint: dict | None = None
+    # The job checkpoints (its spec's `checkpoint`): the signal it traps and its grace to save. The
+    # agent sends it before stopping the job to move it, and grace_s before its time limit.
+    checkpoint_signal: str | None = None
+    checkpoint_grace_s: float | None = None
 
     def __post_init__(self):
         if not self.command or not all(isinstance(a, str) for a in self.command):
@@ -146,6 +150,9 @@ class Driver(Protocol):
         read), and b"" when there is nothing more for now."""
 
     def stop(self, handle: SandboxHandle, grace_s: float) -> None: ...
+
+    # Optional (process, docker): send a named signal ("SIGUSR1") to the job, for a checkpoint.
+    # def signal(self, handle: SandboxHandle, name: str) -> None: ...
 
     def list_own(self) -> list[tuple[str, int, SandboxHandle]]: ...
 

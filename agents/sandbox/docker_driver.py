@@ -443,6 +443,16 @@ class DockerDriver:
         except requests.RequestException as exc:
             log.warning("job %s attempt %s: kill: %s", handle.job_id, handle.attempt, exc)
 
+    def signal(self, handle: SandboxHandle, name: str) -> None:
+        """Send the container's main process a signal by name (a checkpointing job's SIGUSR1)."""
+        c = self._get(handle)
+        if c is None or c.status != "running":
+            return
+        try:
+            c.kill(signal=name)
+        except docker.errors.APIError as exc:  # it exited meanwhile
+            log.info("job %s attempt %s: %s: %s", handle.job_id, handle.attempt, name, exc)
+
     def list_own(self) -> list[tuple[str, int, SandboxHandle]]:
         out = []
         for c in self.client.containers.list(all=True, filters={"label": [f"{LABEL_NODE}={self.node}"]}):

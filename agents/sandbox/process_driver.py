@@ -161,6 +161,13 @@ class ProcessDriver:
         if p is not None:
             p.wait()
 
+    def signal(self, handle: SandboxHandle, name: str) -> None:
+        """Send the job's process group a signal by name (a checkpointing job's SIGUSR1); the
+        supervisor leading the group only notes it."""
+        rec = self._record(handle.ref)
+        if rec and self.poll(handle)[0] == RUNNING:
+            _killpg(rec["pid"], getattr(signal, name))
+
     def list_own(self) -> list[tuple[str, int, SandboxHandle]]:
         out = []
         for rec_path in sorted(self.state_dir.glob("*/record.json")):

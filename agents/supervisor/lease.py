@@ -102,7 +102,7 @@ def _code(rc: int) -> int:
 def supervise_process(exit_path: str, lease_path: str, lease_s: float, grace_s: float, argv: list[str]) -> int:
     # Signals to the job's group reach the job; this process only notes them, so it outlives the job
     # to write the code.
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(s, lambda *_: None)
     lease = Lease(lease_path, lease_s, grace_s)
     try:

@@ -508,6 +508,13 @@ def _each_job(job_ids: list[str], act, output: Format) -> None:
 
 
 @command()
+def move(job_ids: JobRefsArg, output: OutputOpt = Format.table):
+    """Operators: move running jobs to other GPUs. Each is requeued as its next attempt; a job that
+    checkpoints gets its signal and grace to save first and resumes from its checkpoint."""
+    _each_job(job_ids, lambda client, job_id: client.move(job_id), output)
+
+
+@command()
 def hold(job_ids: JobRefsArg, output: OutputOpt = Format.table):
     """Hold queued jobs (like scontrol hold): they stay queued and are not started until released."""
     _each_job(job_ids, lambda client, job_id: client.hold(job_id), output)

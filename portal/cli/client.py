@@ -193,6 +193,9 @@ class Client:
     def update(self, job_id: int, changes: dict) -> dict:
         return self.request("PATCH", f"jobs/{job_id}/", body=changes, what=f"job {job_id}")
 
+    def move(self, job_id: int) -> dict:
+        return self.post(f"jobs/{job_id}/move/", what=f"job {job_id}")
+
     def cancel(self, job_id: int) -> dict:
         return self.post(f"jobs/{job_id}/cancel/", what=f"job {job_id}")
 

@@ -15,8 +15,8 @@ from portal.tenancy.models import Project
 
 from .models import TERMINAL, Job, JobEvent, JobTemplate, Priority
 from .selectors import LOG_PAGE_MAX_BYTES, env_reader_project_ids, env_visible, log_read
-from .services import (job_cancel, job_hold, job_release, job_resubmit, job_submit, job_update, template_delete,
-                       template_save)
+from .services import (job_cancel, job_hold, job_move, job_release, job_resubmit, job_submit, job_update,
+                       template_delete, template_save)
 from .spec import DurationField, JobSpecSerializer
 
 
@@ -36,6 +36,11 @@ class JobResourcesSerializer(serializers.Serializer):
     gpu_memory_mb = serializers.IntegerField()
     cpus = serializers.FloatField()
     memory_mb = serializers.IntegerField()
+
+
+class JobCheckpointSerializer(serializers.Serializer):
+    signal = serializers.CharField()
+    grace_s = serializers.IntegerField()
 
 
 class JobSerializer(serializers.ModelSerializer):
@@ -61,11 +66,13 @@ class JobSerializer(serializers.ModelSerializer):
                                      help_text="What the node could not enforce (e.g. a GPU share without CUDA MPS).")
     volumes = serializers.ListField(child=serializers.DictField(), read_only=True,
                                     help_text="The project's volumes mounted at /data/<name>: {name, read_only}.")
+    checkpoint = JobCheckpointSerializer(read_only=True, allow_null=True,
+                                         help_text="{signal, grace_s} when the job checkpoints, else null.")
 
     class Meta:
         model = Job
         fields = ["id", "project", "user", "name", "image", "command", "env", "resources", "time_limit", "priority",
-                  "preemptible", "sandbox", "network", "volumes", "array", "is_array_parent", "array_parent", "array_index",
+                  "preemptible", "checkpoint", "sandbox", "network", "volumes", "array", "is_array_parent", "array_parent", "array_index",
                   "array_limit", "depends_on", "template", "resubmit_of", "state", "held", "slurm_code", "slurm_id", "attempt", "reason",
                   "queue_position", "node", "placement_topology", "exit_code", "submitted_at", "started_at", "ended_at", "elapsed", "tasks",
                   "idle_since", "warnings"]
@@ -225,6 +232,15 @@ class JobViewSet(mixins.ListModelMixin, TenantViewSet):
     @action(detail=True, methods=["post"])
     def cancel(self, request, pk=None):
         job = job_cancel(actor=self.actor, job=self.get_object())
+        return Response(JobSerializer(job, context=self.get_serializer_context()).data,
+                        status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=None, responses={202: JobSerializer})
+    @action(detail=True, methods=["post"])
+    def move(self, request, pk=None):
+        """Operators: move a running job to other GPUs. It is requeued as its next attempt; a job that
+        checkpoints gets its signal and grace to save first and resumes from its checkpoint."""
+        job = job_move(actor=self.actor, job=self.get_object())
         return Response(JobSerializer(job, context=self.get_serializer_context()).data,
                         status=status.HTTP_202_ACCEPTED)
 

@@ -73,6 +73,16 @@ class Job(models.Model):
     preemptible = models.BooleanField(default=False)
     sandbox = models.CharField(max_length=8, default="docker")
     network = models.BooleanField(default=False)
+    # Checkpointing (docs/jobs.md): when it is preempted, migrated, its node drained or its GPU
+    # faulty, the job gets `checkpoint_signal` and `checkpoint_grace_s` seconds to save to
+    # GPUPORTAL_CHECKPOINT_DIR before it is stopped; its next attempt resumes from there.
+    # "" : it does not checkpoint (a preemption restarts it from zero).
+    checkpoint_signal = models.CharField(max_length=8, blank=True)
+    checkpoint_grace_s = models.PositiveIntegerField(null=True, blank=True)
+    # Requeued while its last attempt saves its checkpoint: not scheduled before this time, or
+    # before that attempt's end is reported, whichever comes first (so two attempts never share
+    # the checkpoint folder).
+    resume_after = models.DateTimeField(null=True, blank=True)
     # Arrays: the parent keeps the spec and `array`; each task has array_parent and array_index.
     array = models.CharField(max_length=32, blank=True)
     is_array_parent = models.BooleanField(default=False)
@@ -125,6 +135,13 @@ class Job(models.Model):
     def placement_topology_label(self) -> str:
         return {"nvlink": "one NVLink group", "pcie": "one PCIe switch", "numa": "one NUMA node",
                 "system": "across NUMA nodes"}.get(self.placement_topology, "")
+
+    @property
+    def checkpoint(self) -> dict | None:
+        """The spec's `checkpoint` ({signal, grace_s}), or None for a job that does not checkpoint."""
+        if not self.checkpoint_signal:
+            return None
+        return {"signal": self.checkpoint_signal, "grace_s": self.checkpoint_grace_s}
 
     @property
     def gpus_per_node(self):

@@ -77,6 +77,8 @@ def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None 
     if node_problem:
         node_drain_for_fault(node=node, problem=node_problem)
 
+    if state in AGENT_TERMINAL:
+        _checkpoint_saved(job_id, attempt)
     job = _load(job_id, attempt, node)
     if job.state in TERMINAL:
         if job.state == state or state in AGENT_TERMINAL:
@@ -117,6 +119,15 @@ def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None 
             _after_end(job)
         return "applied" if done else "duplicate"
     raise Conflict(f"Unknown state {state!r}.", code="invalid_state")
+
+
+def _checkpoint_saved(job_id, attempt: int) -> None:
+    """The end of an attempt that was stopped to checkpoint (states.requeue_holding): its successor
+    may be scheduled now, not only once the grace has passed."""
+    pk = parse_int(job_id)
+    if pk is not None and Job.objects.filter(pk=pk, attempt=attempt + 1, state=JobState.QUEUED,
+                                             resume_after__isnull=False).update(resume_after=None):
+        request_schedule_pass()
 
 
 def job_requeue_after_node_fault(job: Job, message: str) -> str:
@@ -202,8 +213,13 @@ def stale_reports(*, node, reported: list[dict]) -> list[dict]:
     if not keys:
         return []  # an idle node's heartbeat: no query at all
     ids = parse_ints([j for j, _ in keys], limit=len(keys))
-    current = {str(pk): (state, attempt) for pk, state, attempt in
-               Job.objects.filter(pk__in=ids).values_list("pk", "state", "attempt")}
+    current, saving = {}, {}
+    for pk, state, job_attempt, signal, grace, resume_after in Job.objects.filter(pk__in=ids).values_list(
+            "pk", "state", "attempt", "checkpoint_signal", "checkpoint_grace_s", "resume_after"):
+        current[str(pk)] = (state, job_attempt)
+        if signal and resume_after is not None:  # requeued to resume: its last attempt may save first
+            saving[str(pk)] = (job_attempt - 1, {"signal": signal, "grace_s": grace})
+
     placed = {str(j) for j in Allocation.objects.filter(job_id__in=ids, released_at__isnull=True,
                                                        gpu__node=node).values_list("job_id", flat=True)}
     placed |= {str(j) for j in Job.objects.filter(pk__in=ids, node=node).values_list("pk", flat=True)}
@@ -220,5 +236,8 @@ def stale_reports(*, node, reported: list[dict]) -> list[dict]:
             reason = "not placed on this node"
         else:
             continue
-        stops.append({"job_id": job_id, "attempt": attempt, "reason": reason})
+        stop = {"job_id": job_id, "attempt": attempt, "reason": reason}
+        if job_id in saving and saving[job_id][0] == attempt:
+            stop.update(saving[job_id][1])
+        stops.append(stop)
     return stops

@@ -19,10 +19,10 @@ from scheduler.dispatch import send_stop
 from .models import CANCELLABLE, HOLDING, TERMINAL, Job, JobEvent, JobState, JobTemplate
 from .selectors import gpu_hours_used_this_month
 from .spec import JobSpecSerializer, parse_array
-from .states import transition
+from .states import requeue_holding, transition
 
 SPEC_FIELDS = ("name", "image", "command", "env", "resources", "time_limit", "priority", "preemptible", "sandbox",
-               "network", "array", "depends_on")
+               "network", "array", "depends_on", "checkpoint")
 
 
 def _submit_project(actor: Actor, slug) -> Project:
@@ -101,6 +101,8 @@ def job_submit(*, actor: Actor, data: dict, idempotency_key: str = "") -> tuple[
                 gpu_memory_mb=res["gpu_memory_mb"], cpus=res["cpus"], memory_mb=res["memory_mb"],
                 time_limit_s=v["time_limit"], priority=v["priority"], preemptible=v["preemptible"],
                 sandbox=v["sandbox"], network=v["network"], template=template, volumes=v["volumes"],
+                checkpoint_signal=(v["checkpoint"] or {}).get("signal", ""),
+                checkpoint_grace_s=(v["checkpoint"] or {}).get("grace_s"),
             )
             # An array parent is never scheduled itself: its tasks carry the reasons.
             job = Job.objects.create(**common, array=v["array"], is_array_parent=bool(v["array"]),
@@ -214,6 +216,30 @@ def _send_stops_on_commit(stops, reason: str, grace_s: int | None = None):
         transaction.on_commit(lambda n=node_name, j=job_id, a=attempt: send_stop(n, j, a, reason, grace_s))
 
 
+def job_move(*, actor: Actor, job: Job) -> Job:
+    """Move a running job elsewhere (operators only): it goes back to the queue as its next attempt
+    and its current one is stopped; a checkpointing job first gets its signal and grace to save and
+    resumes from its checkpoint on whatever node the scheduler picks, any other job restarts."""
+    if not actor.is_staff and not actor.is_system:
+        raise Forbidden("Only site staff move jobs.")
+    if job.state not in HOLDING:
+        raise Conflict(f"Job {job.pk} is {job.state}; only a job that holds GPUs can be moved.", code="not_running")
+    who = actor.user.get_username() if actor.user else actor.label
+    how = "to resume from its checkpoint" if job.checkpoint_signal else "to restart (it does not checkpoint)"
+    with transaction.atomic():
+        stops = requeue_holding(job.pk, attempt=job.attempt, reason_code="moved",
+                                message=f"Moved by {who} {how}.")
+        if stops is None:
+            raise Conflict(f"Job {job.pk} changed state meanwhile; try again.", code="not_running")
+        for name, job_id, attempt, grace, signal in stops:
+            transaction.on_commit(lambda n=name, j=job_id, a=attempt, g=grace, s=signal:
+                                  send_stop(n, j, a, "moved", g, s))
+        audit_record(actor=actor, action="job.move", obj=job, project=job.project)
+    request_schedule_pass()
+    job.refresh_from_db()
+    return job
+
+
 def job_resubmit(*, actor: Actor, job: Job) -> Job:
     """A new job with the original's spec, linked to it (the original is left as it ended)."""
     data = {
@@ -222,6 +248,7 @@ def job_resubmit(*, actor: Actor, job: Job) -> Job:
                       "gpu_memory_mb": job.gpu_memory_mb, "cpus": str(job.cpus), "memory_mb": job.memory_mb},
         "time_limit": job.time_limit_s, "priority": job.priority, "preemptible": job.preemptible,
         "sandbox": job.sandbox, "network": job.network, "array": job.array, "volumes": job.volumes,
+        "checkpoint": job.checkpoint,
     }
     if job.array_parent_id:
         raise InvalidInput("Resubmit the array job, not one of its tasks.", code="array_task")

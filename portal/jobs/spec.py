@@ -98,6 +98,27 @@ class VolumeMountSerializer(StrictSerializer):
     read_only = serializers.BooleanField(default=False)
 
 
+# Signals a job may ask to get before it is stopped: the ones a program traps to save its state
+# (SIGUSR1 as Slurm's --signal uses it). SIGKILL and SIGSTOP cannot be trapped.
+CHECKPOINT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP")
+
+
+class CheckpointSerializer(StrictSerializer):
+    """The job saves its state to GPUPORTAL_CHECKPOINT_DIR when sent `signal` and resumes from it."""
+
+    signal = serializers.ChoiceField(choices=CHECKPOINT_SIGNALS, default="SIGUSR1",
+                                     help_text="Sent to the job when it must stop (preemption, migration, node "
+                                               "drain, GPU fault; and grace_s before its time limit).")
+    grace_s = serializers.IntegerField(min_value=1, default=120,
+                                       help_text="Seconds it gets to save after the signal before it is stopped "
+                                                 "(at most CHECKPOINT_MAX_GRACE_S, and under its time limit).")
+
+    def validate_grace_s(self, value):
+        if value > settings.CHECKPOINT_MAX_GRACE_S:
+            raise serializers.ValidationError(f"At most {settings.CHECKPOINT_MAX_GRACE_S} seconds.")
+        return value
+
+
 class ResourcesSerializer(StrictSerializer):
     # gpus defaults to nodes x gpus_per_node, else 0 (a CPU-only job); see validate().
     gpus = serializers.DecimalField(max_digits=6, decimal_places=3, min_value=Decimal(0), required=False,
@@ -199,6 +220,10 @@ class JobSpecSerializer(StrictSerializer):
                                        max_length=100)
     volumes = serializers.ListField(child=VolumeMountSerializer(), required=False, default=list, max_length=16,
                                     help_text="The project's volumes to mount at /data/<name>.")
+    checkpoint = CheckpointSerializer(required=False, allow_null=True, default=None,
+                                      help_text="The job checkpoints: stopped for preemption, migration, a node "
+                                                "drain or a GPU fault it gets `signal` and `grace_s` to save, and "
+                                                "its next attempt resumes from GPUPORTAL_CHECKPOINT_DIR.")
 
     def validate_image(self, value):
         if not IMAGE.match(value):
@@ -295,6 +320,9 @@ class JobSpecSerializer(StrictSerializer):
         if limit > quota.max_time_limit_s:
             errors["time_limit"] = [f"{limit} s exceeds the project maximum of {quota.max_time_limit_s} s."]
         data["time_limit"] = limit
+        checkpoint = data.get("checkpoint")
+        if checkpoint and checkpoint["grace_s"] >= limit:
+            errors["checkpoint.grace_s"] = [f"{checkpoint['grace_s']} s is not under the job's time limit of {limit} s."]
         if data.get("network") and not quota.network_allowed:
             errors["network"] = ["This project does not allow network access for jobs."]
         errors.update(_volume_errors(project, data.get("volumes") or [], data.get("sandbox")))

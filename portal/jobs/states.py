@@ -96,3 +96,54 @@ def refresh_array_parent(parent_id: int) -> None:
     elif states & {JobState.ASSIGNED, JobState.STARTING, JobState.RUNNING}:
         Job.objects.filter(Q(pk=parent_id), state=JobState.QUEUED).update(state=JobState.RUNNING,
                                                                         state_changed_at=timezone.now())
+
+
+def stop_args(signal: str, grace_s: int | None) -> tuple[int, str | None]:
+    """(grace, signal) of the `agent.stop` that ends a job's attempt to move it: a checkpointing
+    job gets its own signal and grace to save; any other SIGTERM and PREEMPT_GRACE_S."""
+    from django.conf import settings
+
+    if signal:
+        return int(grace_s or 0), signal
+    return settings.PREEMPT_GRACE_S, None
+
+
+def requeue_holding(job_id: int, *, attempt: int, reason_code: str, message: str, reason_message: str = "",
+                    via: str | None = None) -> list[tuple[str, int, int, int, str | None]] | None:
+    """Send a job that holds GPUs back to the queue as its next attempt (preemption, migration,
+    a drain, a GPU fault), in the caller's transaction. `via` is a state it passes through first
+    (`preempted`). Returns the stops to send after commit, (node, job, old attempt, grace,
+    signal) per node it held, or None when the job was no longer holding at `attempt`.
+
+    A checkpointing job is not scheduled again before its old attempt has stopped: `resume_after`
+    is set to its grace plus PREEMPT_GRACE_S from now and cleared as soon as the old attempt's
+    end is reported (reports.job_report), so two attempts never write one checkpoint folder."""
+    from datetime import timedelta
+
+    from django.conf import settings
+
+    row = Job.objects.filter(pk=job_id).values("checkpoint_signal", "checkpoint_grace_s", "node__name").first()
+    if row is None:
+        return None
+    nodes = sorted(set(Allocation.objects.filter(job_id=job_id, released_at__isnull=True)
+                       .values_list("gpu__node__name", flat=True))) or [n for n in [row["node__name"]] if n]
+    grace, signal = stop_args(row["checkpoint_signal"], row["checkpoint_grace_s"])
+    resume_after = None
+    note = reason_message or message
+    if signal:
+        resume_after = timezone.now() + timedelta(seconds=grace + settings.PREEMPT_GRACE_S)
+        note = (f"{note} It got {signal} and {grace} s to checkpoint; attempt {attempt + 1} resumes from its "
+                f"checkpoint once attempt {attempt} has stopped.")
+    with transaction.atomic():
+        if via is not None:
+            if not transition(job_id, to=via, from_states=HOLDING, attempt=attempt, message=message):
+                return None
+            came_from = {via}
+        else:
+            came_from = HOLDING
+        if not transition(job_id, to=JobState.QUEUED, from_states=came_from, attempt=attempt, node=None,
+                          message=f"{message} Requeued as attempt {attempt + 1}."[:300], reason_code=reason_code,
+                          reason_message=note[:300], resume_after=resume_after):
+            return None
+        Job.objects.filter(pk=job_id).update(attempt=attempt + 1)
+    return [(name, job_id, attempt, grace, signal) for name in nodes]

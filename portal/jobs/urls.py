@@ -15,6 +15,7 @@ urlpatterns = [
     path("<int:pk>/cancel/", views.JobCancelView.as_view(), name="cancel"),
     path("<int:pk>/resubmit/", views.JobResubmitView.as_view(), name="resubmit"),
     path("<int:pk>/hold/", views.JobHoldView.as_view(), name="hold"),
+    path("<int:pk>/move/", views.JobMoveView.as_view(), name="move"),
     path("<int:pk>/release/", views.JobHoldView.as_view(release=True), name="release"),
     path("<int:pk>/update/", views.JobUpdateView.as_view(), name="update"),
 ]

@@ -26,7 +26,8 @@ from .api import JobUpdateSerializer
 from .forms import JobFilterForm, JobSubmitForm
 from .models import CANCELLABLE, HOLDING, TERMINAL, Allocation, Job, JobState, JobTemplate, Priority
 from .selectors import LogPage, job_gpu_samples, jobs_for_list, log_end, log_read, task_histograms
-from .services import job_cancel, job_hold, job_release, job_resubmit, job_spec_check, job_submit, job_update
+from .services import (job_cancel, job_hold, job_move, job_release, job_resubmit, job_spec_check, job_submit,
+                       job_update)
 
 PAGE_SIZE = 50
 POLL_LIST = "every 3s"
@@ -160,6 +161,8 @@ def status_context(request, job: Job) -> dict:
         # Hold, release and update act on the queue only (services.job_hold and the rest decide who may).
         "queue_control": job.state == JobState.QUEUED or (job.is_array_parent and job.state not in TERMINAL),
         "priorities": Priority.choices,
+        # Operators move a running job elsewhere (services.job_move).
+        "movable": request.user.is_staff and job.state in HOLDING,
     }, request)
     return {"job": job, "status_body": body, "status_version": version(body),
             "status_trigger": "" if job.state in TERMINAL else POLL_DETAIL}
@@ -290,6 +293,20 @@ class JobCancelView(PageMixin, View):
         except ServiceError as exc:
             return refused(request, exc, back=back)
         messages.success(request, f"Job {job.pk} cancelled.")
+        return redirect(back)
+
+
+class JobMoveView(PageMixin, View):
+    """Operators: move a running job to other GPUs (it checkpoints first if it can)."""
+
+    def post(self, request, pk):
+        job = _job(request, pk)
+        back = reverse("jobs:detail", args=[job.pk])
+        try:
+            job = job_move(actor=self.actor, job=job)
+        except ServiceError as exc:
+            return refused(request, exc, back=back)
+        messages.success(request, f"Job {job.pk} is moving: requeued as attempt {job.attempt}.")
         return redirect(back)
 
 

@@ -62,15 +62,17 @@ def node_add(*, actor: Actor, name: str, gpus: str = "", pool: str = "default", 
 
 
 def node_drain(*, actor: Actor, node: Node, reason: str = "") -> Node:
-    """No new jobs; the node becomes drained once its running jobs have ended."""
+    """No new jobs; jobs that checkpoint move elsewhere (their signal, their grace, then requeued to
+    resume); the node becomes drained once the others have ended."""
     from portal.jobs.models import HOLDING
 
-    _require_staff(actor)
+    require_operator(actor, NODES_REFUSAL)
     if node.state not in (NodeState.READY, NodeState.DRAINING):
         raise Conflict(f"Node {node.name} is {node.state}; only a ready node can be drained.")
-    busy = node.jobs.filter(state__in=HOLDING).exists()
-    new_state = NodeState.DRAINING if busy else NodeState.DRAINED
     with transaction.atomic():
+        migrate_checkpointing_jobs(node=node, why=f"Node {node.name} is being drained.", reason_code="node_drained")
+        busy = node.jobs.filter(state__in=HOLDING).exists()
+        new_state = NodeState.DRAINING if busy else NodeState.DRAINED
         Node.objects.filter(pk=node.pk).update(state=new_state, state_reason=reason or f"drained by {actor.user}")
         audit_record(actor=actor, action="node.drain", obj=node, reason=reason)
     node.refresh_from_db()
@@ -87,6 +89,30 @@ def node_undrain(*, actor: Actor, node: Node) -> Node:
     node.refresh_from_db()
     request_schedule_pass()
     return node
+
+
+def migrate_checkpointing_jobs(*, node: Node, why: str, reason_code: str) -> list[int]:
+    """Move every checkpointing job off `node` (a drain, a fault), in the caller's transaction: each is
+    requeued as its next attempt, and after commit its old attempt gets its checkpoint signal and
+    grace (jobs.states.requeue_holding). Jobs that do not checkpoint are left to finish."""
+    from portal.jobs.models import HOLDING, Allocation, Job
+    from portal.jobs.states import requeue_holding
+
+    ids = set(Allocation.objects.filter(gpu__node=node, released_at__isnull=True).values_list("job_id", flat=True))
+    ids |= set(node.jobs.filter(state__in=HOLDING).values_list("pk", flat=True))
+    moved = []
+    for pk, attempt in (Job.objects.filter(pk__in=ids, state__in=HOLDING).exclude(checkpoint_signal="")
+                        .order_by("pk").values_list("pk", "attempt")):
+        stops = requeue_holding(pk, attempt=attempt, reason_code=reason_code, message=why)
+        if stops is None:
+            continue
+        moved.append(pk)
+        for name, job_id, old, grace, signal in stops:
+            transaction.on_commit(lambda n=name, j=job_id, a=old, g=grace, s=signal: send_stop(n, j, a, reason_code, g, s))
+    if moved:
+        transaction.on_commit(request_schedule_pass)
+    return moved
+
 
 
 def node_settle_drain(node_id: int) -> None:
@@ -405,40 +431,40 @@ def _requeue_lost_launches(*, node: Node, reported: list[dict]) -> list[int]:
 def gpu_unhealthy_handle(*, gpu: GPU, reason: str) -> dict:
     """What follows a GPU turning unhealthy (docs/design.md section 6); runs in the caller's transaction.
 
-    1. Each job holding the GPU: a preemptible one with attempts left goes back to the queue as
-       a new attempt (reason `gpu_unhealthy`, the scheduler places it elsewhere) and its old
-       attempt gets `agent.stop` after commit. Any other job is not killed for a fault that may
+    1. Each job holding the GPU: a checkpointing or preemptible one with attempts left goes back to
+       the queue as a new attempt (reason `gpu_unhealthy`, the scheduler places it elsewhere) and
+       its old attempt gets `agent.stop` after commit (a checkpointing job its signal and grace
+       first, and it resumes from its checkpoint). Any other job is not killed for a fault that may
        not touch it: it keeps running, with a warning on its timeline and as its reason.
     2. With GPU_HEALTH_AUTO_DRAIN on, a ready node is drained: no new job lands on it.
     """
     from django.conf import settings
 
-    from portal.jobs.models import HOLDING, Allocation, Job, JobEvent, JobState
-    from portal.jobs.states import transition
+    from portal.jobs.models import HOLDING, Allocation, Job, JobEvent
+    from portal.jobs.states import requeue_holding
 
     node = Node.objects.get(pk=gpu.node_id)
     what = f"GPU {gpu.index} of node {node.name} is unhealthy ({reason})"
     job_ids = Allocation.objects.filter(gpu=gpu, released_at__isnull=True, job__state__in=HOLDING).values("job_id")
     requeued, warned, stops = [], [], []
     for job in Job.objects.filter(pk__in=job_ids).order_by("pk"):
-        nodes = sorted(set(Allocation.objects.filter(job=job, released_at__isnull=True)
-                           .values_list("gpu__node__name", flat=True)))
-        if job.preemptible and job.attempt < settings.JOB_MAX_ATTEMPTS:
-            if transition(job.pk, to=JobState.QUEUED, from_states=HOLDING, attempt=job.attempt, node=None,
-                          message=f"{what}. Requeued as attempt {job.attempt + 1}.", reason_code="gpu_unhealthy",
-                          reason_message=f"{what}. Requeued to run on other GPUs."):
-                Job.objects.filter(pk=job.pk).update(attempt=job.attempt + 1)
-                stops += [(name, job.pk, job.attempt) for name in nodes]
+        movable = job.preemptible or bool(job.checkpoint_signal)
+        if movable and job.attempt < settings.JOB_MAX_ATTEMPTS:
+            done = requeue_holding(job.pk, attempt=job.attempt, reason_code="gpu_unhealthy", message=f"{what}.",
+                                   reason_message=f"{what}. Requeued to run on other GPUs.")
+            if done:
+                stops += done
                 requeued.append(job.pk)
             continue
-        why = "it is not preemptible" if not job.preemptible else "it has no attempts left"
+        why = "it is not preemptible and does not checkpoint" if not movable else "it has no attempts left"
         note = f"{what}. The job keeps running because {why}; check its results."[:300]
         if Job.objects.filter(pk=job.pk, attempt=job.attempt, state__in=HOLDING).update(
                 reason_code="gpu_unhealthy", reason_message=note):
             JobEvent.objects.create(job=job, attempt=job.attempt, state=job.state, message=note)
             warned.append(job.pk)
-    for name, job_id, attempt in stops:
-        transaction.on_commit(lambda n=name, j=job_id, a=attempt: send_stop(n, j, a, "gpu_unhealthy"))
+    for name, job_id, attempt, grace, signal in stops:
+        transaction.on_commit(lambda n=name, j=job_id, a=attempt, g=grace, s=signal:
+                              send_stop(n, j, a, "gpu_unhealthy", g, s))
     drained = False
     if settings.GPU_HEALTH_AUTO_DRAIN and node.state == NodeState.READY:
         node_drain(actor=Actor(user=None, label="gpu-health"), node=node, reason=f"Auto-drained: {what}"[:200])
@@ -479,8 +505,11 @@ def node_drain_for_fault(*, node: Node, problem: str) -> bool:
     from portal.jobs.models import HOLDING
 
     reason = f"Auto-drained: {problem}"[:200]
-    busy = node.jobs.filter(state__in=HOLDING).exists()
     with transaction.atomic():
+        if Node.objects.filter(pk=node.pk, state=NodeState.READY).exists():
+            migrate_checkpointing_jobs(node=node, why=f"Node {node.name} was drained: {problem}."[:250],
+                                       reason_code="node_drained")
+        busy = node.jobs.filter(state__in=HOLDING).exists()
         # Conditional: a node the reaper marked down meanwhile, or one already drained, keeps its state.
         if not Node.objects.filter(pk=node.pk, state=NodeState.READY).update(
                 state=NodeState.DRAINING if busy else NodeState.DRAINED, state_reason=reason):

@@ -113,6 +113,14 @@ class Job:
     # What its sandbox gets on each of its nodes (0: nothing accounted, as in traces without them).
     cpus: float = 0.0
     memory_mb: int = 0
+    # The job checkpoints: on preemption it gets its signal and this many seconds to save, and its
+    # next attempt resumes from the checkpoint (docs/jobs.md). None: it does not, so preempting it
+    # throws away everything its attempt did; such jobs are victims only as a last resort.
+    checkpoint_grace_s: float | None = None
+
+    @property
+    def checkpoints(self) -> bool:
+        return self.checkpoint_grace_s is not None
 
     @property
     def gpus_per_node(self) -> int:
@@ -199,10 +207,11 @@ class Config:
     # is promoted to the first queue, so long jobs are not starved.
     las_thresholds_gpu_s: tuple[float, ...] = (3600.0,)
     las_starvation_factor: float = 8.0
-    # Our departure from Tiresias, which assumes checkpoints: a preempted job restarts from zero,
-    # so the las rule preempts a running job only while its current attempt has run at most this
-    # many GPU-seconds (None: no bound). Past it, restarting the job loses more than the waiting
-    # job gains (measured in docs/scheduler.md).
+    # Our departure from Tiresias, which assumes checkpoints: a job that does not checkpoint
+    # restarts from zero, so the las rule preempts it only while its current attempt has run at
+    # most this many GPU-seconds (None: no bound). Past it, restarting the job loses more than the
+    # waiting job gains (measured in docs/scheduler.md). A checkpointing job loses only its grace
+    # and is not bounded.
     las_max_loss_gpu_s: float | None = 32 * 3600.0
     max_preempt_attempts: int = 64  # per pass; bounds the cost of a long guaranteed queue
     # Search depth, like Slurm's bf_max_job_test: after this many admitted jobs

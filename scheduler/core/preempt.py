@@ -8,6 +8,11 @@ guarantee its remaining jobs are its own, whatever they started as. Among the vi
 the fewest, then the cheapest (GPU-seconds of work lost), all on one node for a
 single-node job, on exactly as many nodes as a multi-node job asks for.
 
+Checkpointing jobs (`Job.checkpoint_grace_s`) go first: one loses only the grace it gets to save
+(its next attempt resumes), one that does not checkpoint loses its whole attempt. A job that does
+not checkpoint is taken only as a last resort: where no set of checkpointing victims (with free
+GPUs) makes room, and, like every victim, after `min_runtime_s`.
+
 Under `las` a second pool (`queue_of` given) applies Tiresias' rule instead: any running job
 past its minimum runtime whose LAS queue is higher (more attained GPU-service) than the
 queued job's may be preempted for it, whatever its quota.
@@ -57,7 +62,10 @@ class VictimPool:
         return self.left > 0
 
     def cost(self, a: Allocation) -> float:
-        return max(a.job.gpus, 0.01) * max(self.now - a.start_time, 0.0)
+        """GPU-seconds of work lost: a checkpointing job's grace, another's whole attempt so far."""
+        ran = max(self.now - a.start_time, 0.0)
+        grace = a.job.checkpoint_grace_s
+        return max(a.job.gpus, 0.01) * (ran if grace is None else min(ran, grace))
 
     def eligible(self, a: Allocation, job: Job) -> bool:
         if self.queue_of is not None:
@@ -82,7 +90,7 @@ class VictimPool:
     def _cover(self, have: int, need: int, options: list[tuple[Allocation, int]]):
         """Greedy: largest contribution first (fewest victims), then drop the
         costliest ones that turn out unnecessary."""
-        options = sorted(options, key=lambda o: (-o[1], self.cost(o[0])))
+        options = sorted(options, key=lambda o: (not o[0].job.checkpoints, -o[1], self.cost(o[0])))
         chosen, got = [], have
         for a, n in options:
             if got >= need:
@@ -108,7 +116,8 @@ class VictimPool:
         return best
 
     def _score(self, victims):
-        return (len(victims), sum(self.cost(a) for a in victims))
+        # Victims that do not checkpoint first (a last resort), then how many, then work lost.
+        return (sum(1 for a in victims if not a.job.checkpoints), len(victims), sum(self.cost(a) for a in victims))
 
     def _find_whole(self, job: Job, classes: list[ClassKey]):
         """Victims on one node for a single-node job; for a gang of `nodes` nodes, the

@@ -162,8 +162,8 @@ class _Pass:
             queue_of = {a.job.id: las_queue_running(a, now, cfg) for a in self.snap.running}
             queue_of.update((j.id, las_queue_waiting(j, now, cfg)) for j in self.snap.queued)
             bound = cfg.las_max_loss_gpu_s
-            running = [a for a in self.snap.running
-                       if bound is None or max(a.job.gpus, 0.0) * (now - a.start_time) <= bound]
+            running = [a for a in self.snap.running if bound is None or a.job.checkpoints
+                       or max(a.job.gpus, 0.0) * (now - a.start_time) <= bound]
             self._las_victims = VictimPool(running, now, cfg.min_runtime_s, self.state, self.tally,
                                            self.snap.projects, queue_of=queue_of, taken=self.preempted)
         return self._las_victims

@@ -3,7 +3,8 @@
     python -m scheduler.sim --trace tests/scheduler/data/philly_dev.csv --start-day 48 --days 1 \
         --gpus 384 --gpus-per-node 8 --policy multifactor --quota tests/scheduler/data/philly_vc_quota.csv
 
-Preempted jobs restart from zero. Prints the docs/design.md section 9 metrics,
+Preempted jobs restart from zero, or with --checkpoint-interval resume from their last
+checkpoint (every job checkpoints; the time since it and the grace are lost). Prints the docs/design.md section 9 metrics,
 overall and per tenant, as a table or (--json) as one JSON object.
 """
 from __future__ import annotations
@@ -75,12 +76,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-fairness", action="store_true", help="skip the isolated per-tenant replays")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                     help="processes for the isolated replays")
+    ap.add_argument("--checkpoint-interval", type=float, default=None, metavar="S",
+                    help="every job checkpoints every S seconds of its run (0: only when signalled) and "
+                         "resumes from its last checkpoint when preempted")
+    ap.add_argument("--checkpoint-grace", type=float, default=120.0, metavar="S",
+                    help="seconds a preempted job gets to save (counted as lost GPU-time); with --checkpoint-interval")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     a = ap.parse_args(argv)
     spec = ReplaySpec(trace=a.trace, start_day=a.start_day, days=a.days, gpus=a.gpus,
                       gpus_per_node=a.gpus_per_node, policy=a.policy, backfill=not a.no_backfill,
                       preemption=not a.no_preemption, quotas=not a.no_quotas, explain=not a.no_explain, placement=a.placement, quota=a.quota, nodes=a.nodes,
-                      load_scale=a.load_scale, fairness=not a.no_fairness, workers=a.workers)
+                      load_scale=a.load_scale, fairness=not a.no_fairness, workers=a.workers,
+                      checkpoint_interval_s=a.checkpoint_interval, checkpoint_grace_s=a.checkpoint_grace)
     out = replay(spec)
     if a.json:
         print(json.dumps(out, indent=None, sort_keys=True))

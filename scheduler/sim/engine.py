@@ -2,9 +2,15 @@
 
 A pass runs at every instant something happens (all submissions and ends at
 the same second are batched into one pass). Jobs run for their trace duration,
-killed at their walltime if longer. A preempted job goes back to the queue and
-restarts from zero (no checkpoint is assumed), keeping its submit time, so its
-lost work shows in its JCT. Preemption takes effect at once (grace period 0)
+killed at their walltime if longer. A preempted job goes back to the queue,
+keeping its submit time, so its lost work shows in its JCT. Without checkpoints
+(the default) it restarts from zero. With `checkpoint_interval_s` every job
+checkpoints (as a job spec's `checkpoint` says, docs/jobs.md): it saves every
+`checkpoint_interval_s` of its run (0: only when signalled) and, preempted, resumes
+from its last checkpoint; the work lost is the time since that checkpoint plus
+the `checkpoint_grace_s` it was given to save, which is counted as lost GPU-time
+(its GPUs go to the preemptor at once, as in production, where the portal frees
+them at the preemption and the next launch waits for the old sandbox). Preemption takes effect at once (grace period 0)
 and another pass follows straight away so the preemptor starts. A job's
 attained GPU-service (GPUs x time run, over its attempts) and when it last
 entered the queue travel with it, for `las`; passes run only at submissions
@@ -36,7 +42,8 @@ class JobRecord:
     preempted: int = 0
     queued_at: float | None = None  # when it last entered the queue (submit, or its preemption)
     wait_s: float = 0.0  # time queued over all its attempts
-    lost_gpu_s: float = 0.0  # GPU-seconds its preempted attempts ran and lost (restart from zero)
+    lost_gpu_s: float = 0.0  # GPU-seconds its preempted attempts ran and lost (since their last checkpoint)
+    progress_s: float = 0.0  # seconds of its run saved in checkpoints: its next attempt resumes there
 
 
 @dataclass
@@ -61,12 +68,22 @@ class SimResult:
     guarantees: dict[str, float] = field(default_factory=dict)
 
 
-def to_core_job(t: TraceJob, qos_map: dict[str, int] | None, nodes: int = 1) -> Job:
+def to_core_job(t: TraceJob, qos_map: dict[str, int] | None, nodes: int = 1,
+                checkpoint_grace_s: float | None = None) -> Job:
     qos = qos_map.get(t.tenant, 0) if qos_map else 0
     preemptible = bool(qos_map) and qos == 0
     return Job(t.id, t.tenant, t.tenant, t.tenant, t.gpus, t.submit,
                t.walltime if math.isfinite(t.walltime) else 90 * 86400.0,
-               gpu_type=t.gpu_type, qos=qos, preemptible=preemptible, nodes=nodes)
+               gpu_type=t.gpu_type, qos=qos, preemptible=preemptible, nodes=nodes,
+               checkpoint_grace_s=checkpoint_grace_s)
+
+
+def saved_on_preemption(ran_s: float, interval_s: float) -> float:
+    """Seconds of a preempted attempt's run its checkpoints kept: up to its last checkpoint (every
+    `interval_s` of its run; 0: it saves when signalled, so all of it)."""
+    if interval_s <= 0:
+        return ran_s
+    return math.floor(ran_s / interval_s + 1e-9) * interval_s
 
 
 def nodes_for(gpus: float, node_sizes: list[int]) -> int | None:
@@ -84,8 +101,12 @@ def nodes_for(gpus: float, node_sizes: list[int]) -> int | None:
 
 class Simulator:
     def __init__(self, jobs: list[TraceJob], nodes: list[Node], projects: dict[str, ProjectQuota],
-                 config: Config, alibaba_qos: bool = False):
+                 config: Config, alibaba_qos: bool = False, checkpoint_interval_s: float | None = None,
+                 checkpoint_grace_s: float = 0.0):
         self.nodes = nodes
+        # None: no job checkpoints (restart from zero); else every job does, as the module says.
+        self.checkpoint_interval_s = checkpoint_interval_s
+        self.checkpoint_grace_s = checkpoint_grace_s
         self.projects = projects
         self.config = config
         self.qos_map = ALIBABA_QOS if alibaba_qos else None
@@ -179,7 +200,8 @@ class Simulator:
                 changed = True
             while i < n and self.jobs[i].submit <= now:
                 t = self.jobs[i]
-                queue[t.id] = to_core_job(t, self.qos_map, self.span.get(t.id, 1))
+                queue[t.id] = to_core_job(t, self.qos_map, self.span.get(t.id, 1),
+                                          None if self.checkpoint_interval_s is None else self.checkpoint_grace_s)
                 if t.gpus > 0:
                     wait_count[t.tenant] = wait_count.get(t.tenant, 0) + 1
                 i += 1
@@ -211,7 +233,7 @@ class Simulator:
                     if job.gpus > 0:
                         wait_count[job.project] -= 1
                     att = attempt[job.id] = attempt.get(job.id, 0) + 1
-                    heapq.heappush(ends, (now + trace[job.id].runtime, att, job.id))
+                    heapq.heappush(ends, (now + trace[job.id].runtime - rec.progress_s, att, job.id))
                     if las and job.gpus > 0:  # when it passes its next threshold
                         nxt = [x for x in cfg.las_thresholds_gpu_s if x > job.attained_gpu_s]
                         if nxt:
@@ -234,7 +256,12 @@ class Simulator:
                     rec = res.records[a.job.id]
                     rec.preempted += 1
                     rec.queued_at = now
-                    lost = max(a.job.gpus, 0.0) * (now - a.start_time)
+                    ran = now - a.start_time
+                    if self.checkpoint_interval_s is not None:
+                        kept = saved_on_preemption(ran, self.checkpoint_interval_s)
+                        rec.progress_s += kept
+                        ran = ran - kept + self.checkpoint_grace_s
+                    lost = max(a.job.gpus, 0.0) * ran
                     rec.lost_gpu_s += lost
                     res.lost_gpu_s += lost
                     res.preemptions += 1

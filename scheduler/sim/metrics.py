@@ -56,7 +56,8 @@ def summarize(res: SimResult, isolated_jct: dict[str, float] | None = None) -> d
     of `isolated_gpus` (its guarantee, or an equal share without one; None only
     where it has no isolated run). wait_mean counts every wait of a job (each
     attempt's time queued), first_wait_mean only the first. lost_gpu_hours is
-    the work preempted attempts ran and lost (restart from zero); lost_capacity
+    the work preempted attempts ran and lost (all of it when restarting from zero; with checkpoints
+    the time since the last one plus the grace to save); lost_capacity
     the same over capacity x the submission window.
     Fragmented waits (enough GPUs free, but not on one node or not on the nodes a
     multi-node job asked for): how many jobs waited so, their mean time waiting so,

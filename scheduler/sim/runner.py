@@ -34,6 +34,10 @@ class ReplaySpec:
     load_scale: float = 1.0
     fairness: bool = True
     workers: int = 1
+    # Every job checkpoints every this many seconds of its run (0: when signalled) and gets this grace
+    # to save when preempted; None: no job checkpoints, a preempted one restarts from zero.
+    checkpoint_interval_s: float | None = None
+    checkpoint_grace_s: float = 0.0
 
 
 def _config(spec: ReplaySpec) -> Config:
@@ -42,6 +46,10 @@ def _config(spec: ReplaySpec) -> Config:
     return Config(policy=spec.policy, backfill=spec.backfill, preemption=spec.preemption, quotas=spec.quotas,
                   placement=spec.placement, explain=spec.explain, las_thresholds_gpu_s=tuple(spec.las_thresholds_gpu_s),
                   las_starvation_factor=spec.las_starvation_factor)
+
+
+def _checkpoints(spec: ReplaySpec) -> dict:
+    return {"checkpoint_interval_s": spec.checkpoint_interval_s, "checkpoint_grace_s": spec.checkpoint_grace_s}
 
 
 def _cluster(spec: ReplaySpec):
@@ -61,7 +69,8 @@ def _isolated(args) -> tuple[str, float | None]:
         nodes = uniform_nodes(size, spec.gpus_per_node, prefix=f"{tenant}-")
     cap = float(sum(len(n.gpus) for n in nodes))
     projects = {tenant: ProjectQuota(tenant, tenant, guaranteed_gpus=cap, max_gpus=cap)}
-    res = Simulator(jobs, nodes, projects, _config(spec), alibaba_qos=bool(spec.nodes)).run()
+    res = Simulator(jobs, nodes, projects, _config(spec), alibaba_qos=bool(spec.nodes),
+                    **_checkpoints(spec)).run()
     done = [r.end - r.trace.submit for r in res.records.values() if r.end is not None]
     return tenant, (sum(done) / len(done) if done else None)
 
@@ -75,7 +84,7 @@ def replay(spec: ReplaySpec) -> dict:
     quota = read_quota(spec.quota) if spec.quota else None
     projects = make_projects(tenants, capacity, quota)
     sim = Simulator([TraceJob(**vars(j)) for j in jobs], nodes, projects, _config(spec),
-                    alibaba_qos=bool(spec.nodes))
+                    alibaba_qos=bool(spec.nodes), **_checkpoints(spec))
     res = sim.run()
     shared_s = time.perf_counter() - t0
     iso = {}

@@ -1,0 +1,88 @@
+"""Checkpointing jobs in the core and the simulator: they are preempted first (a job that does not
+checkpoint only as a last resort), and a preempted one resumes from its last checkpoint."""
+import pytest
+
+from scheduler.core import Config, schedule
+from scheduler.sim.engine import Simulator, make_projects, saved_on_preemption
+from scheduler.sim.metrics import summarize
+from scheduler.sim.trace import TraceJob, uniform_nodes
+
+from .factories import NOW, job, nodes, quota, running, snapshot
+
+PROJECTS = {"alice": quota("alice", 8, 16), "carol": quota("carol", 0, 16)}
+
+
+def _carol(name, gpus, gpu_ids, start, **kw):
+    return running(job(name, gpus, project="carol", **kw), gpu_ids, start=start, borrowed=True)
+
+
+def test_a_checkpointing_victim_goes_before_one_that_would_lose_less_work():
+    # Two borrowed 8-GPU jobs; the one that checkpoints ran far longer, but it loses only its grace.
+    busy = [_carol("plain", 8, [f"n0-{i}" for i in range(8)], NOW - 1200),
+            _carol("saver", 8, [f"n1-{i}" for i in range(8)], NOW - 36000, checkpoint_grace_s=120)]
+    plan = schedule(snapshot(nodes(2), [job("a", 8)], busy, projects=PROJECTS))
+    assert [p.job_id for p in plan.preemptions] == ["saver"]
+
+
+def test_a_job_that_does_not_checkpoint_is_taken_only_when_nothing_else_makes_room():
+    # The checkpointing jobs hold 4 GPUs of each node: no node can be cleared with them alone.
+    busy = [_carol("plain", 4, [f"n0-{i}" for i in range(4)], NOW - 1200),
+            _carol("s0", 4, [f"n0-{i}" for i in range(4, 8)], NOW - 1200, checkpoint_grace_s=60),
+            _carol("s1", 4, [f"n1-{i}" for i in range(4)], NOW - 1200, checkpoint_grace_s=60),
+            _carol("bob", 4, [f"n1-{i}" for i in range(4, 8)], NOW - 1200)]
+    plan = schedule(snapshot(nodes(2), [job("a", 4)], busy, projects=PROJECTS))
+    assert [p.job_id for p in plan.preemptions] in (["s0"], ["s1"])  # one checkpointing job suffices
+    plan = schedule(snapshot(nodes(2), [job("a", 8)], busy, projects=PROJECTS))
+    victims = sorted(p.job_id for p in plan.preemptions)
+    assert len(victims) == 2 and sum(v.startswith("s") for v in victims) == 1  # last resort: one plain job
+
+
+def test_the_minimum_runtime_holds_for_checkpointing_jobs_too():
+    busy = [_carol("saver", 8, [f"n0-{i}" for i in range(8)], NOW - 60, checkpoint_grace_s=120)]
+    plan = schedule(snapshot(nodes(1), [job("a", 8)], busy, projects=PROJECTS))
+    assert plan.preemptions == []
+
+
+def test_las_preempts_a_long_checkpointing_job_past_the_loss_bound():
+    # 8 GPUs x 10 h is far past las_max_loss_gpu_s (32 GPU-hours): a job that restarts from zero is
+    # kept, one that checkpoints loses only its grace and yields to the job with less service.
+    for grace, expect in ((None, []), (120.0, ["long"])):
+        busy = [running(job("long", 8, project="bob", checkpoint_grace_s=grace), [f"n0-{i}" for i in range(8)],
+                        start=NOW - 36000)]
+        plan = schedule(snapshot(nodes(1), [job("new", 8)], busy, policy="las"))
+        assert [p.job_id for p in plan.preemptions] == expect
+
+
+@pytest.mark.parametrize("ran,interval,kept", [(1500, 600, 1200), (599, 600, 0), (1800, 600, 1800), (77, 0, 77)])
+def test_the_work_a_preempted_attempt_keeps(ran, interval, kept):
+    assert saved_on_preemption(ran, interval) == kept
+
+
+def _borrow_then_reclaim(**checkpoints):
+    """One GPU. Tenant a (no guarantee) borrows it at 0 for 3600 s; b (guaranteed the GPU) submits
+    a 600 s job at 1500, which preempts a (past the 600 s minimum runtime)."""
+    jobs = [TraceJob("a1", 0, 3600, 1, "a", 86400), TraceJob("b1", 1500, 600, 1, "b", 86400)]
+    projects = make_projects(["a", "b"], 1, {"a": 0, "b": 1}, gpus_per_quota_node=1)
+    return Simulator(jobs, uniform_nodes(1, 1), projects, Config(), **checkpoints).run()
+
+
+def test_without_checkpoints_a_preempted_job_restarts_from_zero():
+    res = _borrow_then_reclaim()
+    assert {k: r.end for k, r in res.records.items()} == {"a1": 2100 + 3600, "b1": 2100}
+    assert res.lost_gpu_s == 1500 and res.records["a1"].preempted == 1
+
+
+def test_a_checkpointing_job_resumes_from_its_last_checkpoint_and_loses_the_rest_and_its_grace():
+    res = _borrow_then_reclaim(checkpoint_interval_s=600, checkpoint_grace_s=60)
+    # Saved at 600 and 1200; at 1500 it loses 300 s since then plus the 60 s grace, and resumes at
+    # 2100 with 3600 - 1200 = 2400 s left.
+    assert {k: r.end for k, r in res.records.items()} == {"a1": 2100 + 2400, "b1": 2100}
+    assert res.lost_gpu_s == 360 and res.records["a1"].progress_s == 1200
+    out = summarize(res)
+    assert out["lost_gpu_hours"] == pytest.approx(360 / 3600)
+    assert out["lost_capacity"] == pytest.approx(360 / (1 * 1500))  # capacity x submission window
+
+
+def test_a_job_that_saves_when_signalled_loses_only_its_grace():
+    res = _borrow_then_reclaim(checkpoint_interval_s=0, checkpoint_grace_s=60)
+    assert res.records["a1"].end == 2100 + 2100 and res.lost_gpu_s == 60
