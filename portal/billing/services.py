@@ -11,8 +11,8 @@ from django.utils import timezone
 
 from portal.core import locks
 from portal.core.context import Actor
-from portal.core.errors import Conflict, Forbidden, InvalidInput
-from portal.core.services import audit_record
+from portal.core.errors import Conflict, InvalidInput
+from portal.core.services import audit_record, require_operator
 
 from .models import (AllocationMeter, BudgetAlert, Invoice, InvoiceLine, InvoiceStatus, RateCard,
                      UsageRecord)
@@ -249,8 +249,7 @@ def invoices_generate(*, actor: Actor, month: date, organization=None) -> list[I
     """
     from portal.tenancy.models import Organization
 
-    if not actor.is_staff and actor.label not in ("manage.py", "billing"):
-        raise Forbidden("Only site staff generate invoices.")
+    require_operator(actor, "Only site staff generate invoices.")
     start, end = month_bounds(month)
     records = UsageRecord.objects.filter(hour__gte=start, hour__lt=end)
     if organization is not None:
@@ -286,8 +285,7 @@ def invoices_generate(*, actor: Actor, month: date, organization=None) -> list[I
 
 def invoice_issue(*, actor: Actor, invoice: Invoice) -> Invoice:
     """Freeze a draft: it is never regenerated again."""
-    if not actor.is_staff:
-        raise Forbidden("Only site staff issue invoices.")
+    require_operator(actor, "Only site staff issue invoices.")
     with transaction.atomic():
         if not Invoice.objects.filter(pk=invoice.pk, status=InvoiceStatus.DRAFT).update(status=InvoiceStatus.ISSUED):
             raise Conflict("Only a draft invoice can be issued.")
@@ -300,8 +298,7 @@ def ratecard_set(*, actor: Actor, gpu_model: str, price_per_gpu_hour: Decimal, e
                  qos_multipliers: dict | None = None, currency: str = "") -> RateCard:
     """Create or replace the card of a GPU model for a day (usage already metered keeps its price
     until it is metered again; closed allocations are never repriced)."""
-    if not actor.is_staff and actor.label != "manage.py":
-        raise Forbidden("Only site staff set prices.")
+    require_operator(actor, "Only site staff set prices.")
     if price_per_gpu_hour < 0:
         raise InvalidInput("Must be zero or more.", field="price_per_gpu_hour")
     for key, value in (qos_multipliers or {}).items():

@@ -10,7 +10,7 @@ from datetime import datetime
 from enum import Enum
 
 # The job states in which nothing more happens. A copy of portal.jobs.models.TERMINAL (this
-# package imports no Django); tests/cli/test_output.py keeps the two equal.
+# package imports no Django); tests/cli/test_offline.py keeps the two equal.
 TERMINAL = frozenset({"succeeded", "failed", "cancelled", "timeout", "node_fail", "oom"})
 
 

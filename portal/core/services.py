@@ -1,7 +1,16 @@
 from django.db import models
 
 from .context import Actor
+from .errors import Forbidden
 from .models import AuditEvent
+
+
+def require_operator(actor: Actor, refusal: str) -> None:
+    """The one staff check of the services: site staff, or the portal acting on its own (a task,
+    a health rule, manage.py: Actor.is_system), run the site (nodes, tenants, quotas, prices,
+    invoices). Anyone else gets `refusal` as a 403."""
+    if not (actor.is_staff or actor.is_system):
+        raise Forbidden(refusal)
 
 
 def audit_record(*, actor: Actor, action: str, obj: models.Model, project=None, **data) -> AuditEvent:

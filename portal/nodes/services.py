@@ -9,11 +9,12 @@ from portal.accounts import tokens
 from portal.core.context import Actor
 from portal.core.errors import Conflict, Forbidden, InvalidInput
 from portal.core.queue import request_schedule_pass
-from portal.core.services import audit_record
+from portal.core.services import audit_record, require_operator
 from scheduler.dispatch import send_probe, send_stop
 
 from .models import GPU, GPUHealth, GPUMode, Node, NodeState, ReaperState
 
+NODES_REFUSAL = "Only site staff operate nodes."
 GPU_SPEC = re.compile(r"^(?P<count>\d{1,3})x(?P<model>[A-Za-z0-9][A-Za-z0-9._-]*?)(?:-(?P<mem>\d{1,4})GB)?$")
 NODE_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 QUEUE_PROBE_RESEND_S = 30
@@ -32,16 +33,10 @@ def parse_gpu_spec(text: str) -> tuple[int, str, int]:
     return count, model, mem_gb * 1024
 
 
-def _require_staff(actor: Actor) -> None:
-    # People need is_staff; the portal itself (health rules, manage.py) acts as an operator.
-    if not actor.is_staff and not actor.is_system:
-        raise Forbidden("Only site staff operate nodes.")
-
-
 def node_add(*, actor: Actor, name: str, gpus: str = "", pool: str = "default", shared: bool = False,
              cpus: int = 0, memory_mb: int = 0) -> tuple[Node, str]:
     """Create a node with GPUs from a spec; returns the node and its agent token (shown once)."""
-    _require_staff(actor)
+    require_operator(actor, NODES_REFUSAL)
     if not NODE_NAME.match(name):
         raise InvalidInput("Use lowercase letters, digits and hyphens (a DNS label).", field="name")
     count, model, memory = parse_gpu_spec(gpus) if gpus else (0, "", 0)
@@ -80,7 +75,7 @@ def node_drain(*, actor: Actor, node: Node, reason: str = "") -> Node:
 
 
 def node_undrain(*, actor: Actor, node: Node) -> Node:
-    _require_staff(actor)
+    require_operator(actor, NODES_REFUSAL)
     if node.state not in (NodeState.DRAINING, NodeState.DRAINED):
         raise Conflict(f"Node {node.name} is {node.state}; only a draining or drained node can be undrained.")
     with transaction.atomic():
@@ -125,7 +120,7 @@ def node_settle_drain(node_id: int) -> None:
 
 def node_rotate_token(*, actor: Actor, node: Node) -> str:
     """A new agent token for the node (the old one stops working at once)."""
-    _require_staff(actor)
+    require_operator(actor, NODES_REFUSAL)
     secret = tokens.generate("gpn")
     with transaction.atomic():
         Node.objects.filter(pk=node.pk).update(token_digest=tokens.digest(secret))

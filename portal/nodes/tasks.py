@@ -1,8 +1,8 @@
 from celery import shared_task
 
+from .services import nodes_reap
+
 
 @shared_task(name="nodes.reap_nodes", ignore_result=True)
 def reap_nodes() -> dict:
-    from .services import nodes_reap
-
     return nodes_reap()

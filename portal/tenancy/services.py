@@ -10,7 +10,7 @@ from guardian.shortcuts import assign_perm, remove_perm
 from portal.core.context import Actor
 from portal.core.errors import Conflict, Forbidden, InvalidInput
 from portal.core.querysets import check_token_project, user_can
-from portal.core.services import audit_record
+from portal.core.services import audit_record, require_operator
 from portal.core.text import check_plain_name
 
 from .models import ALL_PROJECT_PERMS, ROLE_PERMS, Membership, Organization, Project, Quota, Role
@@ -28,11 +28,6 @@ def _sync_perms(*, user, project: Project, role: str | None) -> None:
             remove_perm(f"tenancy.{perm}", user, project)
 
 
-def _require_staff(actor: Actor, what: str) -> None:
-    if not actor.is_staff:
-        raise Forbidden(f"Only site staff can {what}.")
-
-
 def _require_manage(actor: Actor, project: Project) -> None:
     check_token_project(actor, project)
     if not user_can(actor.user, "manage", project):
@@ -46,7 +41,7 @@ def _actor_is_owner(actor: Actor, project: Project) -> bool:
 
 
 def organization_create(*, actor: Actor, slug: str, name: str, max_gpus: int | None = None) -> Organization:
-    _require_staff(actor, "create organizations")
+    require_operator(actor, "Only site staff can create organizations.")
     check_plain_name(name)
     with transaction.atomic():
         if Organization.objects.filter(slug=slug).exists():
@@ -59,7 +54,7 @@ def organization_create(*, actor: Actor, slug: str, name: str, max_gpus: int | N
 def project_create(*, actor: Actor, organization: Organization, slug: str, name: str, description: str = "",
                    owner=None, quota: dict | None = None) -> Project:
     """Create a project with its quota; `owner` (a User) becomes its first owner."""
-    _require_staff(actor, "create projects")
+    require_operator(actor, "Only site staff can create projects.")
     check_plain_name(name)
     try:
         with transaction.atomic():
@@ -95,7 +90,7 @@ def project_update(*, actor: Actor, project: Project, **changes) -> Project:
 
 def quota_update(*, actor: Actor, project: Project, **changes) -> Quota:
     """Quotas are set by operators: a tenant never raises its own limits."""
-    _require_staff(actor, "change quotas")
+    require_operator(actor, "Only site staff can change quotas.")
     check_token_project(actor, project)
     with transaction.atomic():
         quota = Quota.objects.select_for_update().get(project=project)
