@@ -1,15 +1,14 @@
-"""The agent API, /api/agent/v1/: node agents report up (register, heartbeat, job events, logs).
+"""The agent API's node reports, /api/agent/v1/: register, probe, heartbeat; AgentView and the
+bounds every agent report shares. Job reports (confirm, events, logs) are portal/agentapi/jobs.py,
+above jobs; portal/agentapi/urls.py puts all of them under one URL prefix.
 
 Only node tokens (gpn_...) authenticate here, and a node token authenticates nowhere else.
 409 means "stale": the agent must stop that attempt and start nothing for it.
 """
-import base64
 import re
-import binascii
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-from django.core.validators import ProhibitNullCharactersValidator
 from drf_spectacular.utils import extend_schema, extend_schema_field, inline_serializer
 from rest_framework import serializers
 from rest_framework.exceptions import AuthenticationFailed
@@ -17,9 +16,8 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agents import protocol
-from agents.protocol import EVENT_STATES, NODE_SANDBOXES, PROTOCOL_VERSION, protocol_major
+from agents.protocol import NODE_SANDBOXES, PROTOCOL_VERSION, protocol_major
 from portal.core.api import StrictSerializer, _flatten
-from portal.jobs.reports import job_append_log, job_confirm, job_report
 
 from .auth import IsNode, NodeTokenAuthentication
 from .models import Node
@@ -381,90 +379,3 @@ class HeartbeatView(AgentView):
         # The service numbers its refusals within what it was given: back to the agent's batch.
         refused += [{**r, "position": positions[r["position"]]} for r in answer.get("refused", [])]
         return Response({**answer, "refused": sorted(refused, key=lambda r: r["position"])})
-
-
-@speaks(protocol.CONFIRM)
-class AttemptSerializer(StrictSerializer):
-    attempt = serializers.IntegerField(min_value=0, max_value=MAX_ATTEMPT)
-
-
-class ConfirmView(AgentView):
-    @extend_schema(request=AttemptSerializer, responses=inline_serializer("Confirmed", {
-        "spec": serializers.DictField()}))
-    def post(self, request, job_id):
-        data = AttemptSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        return Response({"spec": job_confirm(node=self.node, job_id=job_id, **data.validated_data)})
-
-
-@speaks(protocol.SCRUB_FAILURE)
-class ScrubFailureSerializer(StrictSerializer):
-    gpu_index = serializers.IntegerField(min_value=0, max_value=1023)
-    message = serializers.CharField(max_length=500)
-
-
-@speaks(protocol.EVENT)
-class EventSerializer(StrictSerializer):
-    attempt = serializers.IntegerField(min_value=0, max_value=MAX_ATTEMPT)
-    state = serializers.ChoiceField(choices=EVENT_STATES)
-    exit_code = serializers.IntegerField(min_value=-MAX_INT32 - 1, max_value=MAX_INT32, required=False,
-                                         allow_null=True, default=None)
-    message = serializers.CharField(max_length=protocol.EVENT_MESSAGE_MAX, required=False, allow_blank=True,
-                                    default="")
-    # GPUs the agent could not clear after this job: the portal takes them out of service.
-    scrub_failures = ScrubFailureSerializer(many=True, required=False, default=list, max_length=64)
-    # Something about the node that must stop new work there (a sandbox that could not be killed).
-    node_problem = serializers.CharField(max_length=protocol.NODE_PROBLEM_MAX, required=False, allow_blank=True,
-                                         default="")
-    # The node fenced the attempt because its lease ran out (protocol 1.1): a node fault, requeued.
-    lease_expired = serializers.BooleanField(required=False, default=False)
-
-
-class EventView(AgentView):
-    @extend_schema(request=EventSerializer, responses=inline_serializer("EventApplied", {
-        "result": serializers.CharField()}))
-    def post(self, request, job_id):
-        data = EventSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        return Response({"result": job_report(node=self.node, job_id=job_id, **data.validated_data)})
-
-
-@speaks(protocol.LOG)
-class LogSerializer(StrictSerializer):
-    """A chunk of a sandbox's output: raw bytes as base64 (what the agent sends: a job may print NUL
-    or invalid UTF-8), or as text (stored UTF-8 encoded). ``offset`` counts raw bytes."""
-
-    attempt = serializers.IntegerField(min_value=0, max_value=2**31 - 1)
-    offset = serializers.IntegerField(min_value=0, max_value=2**53)
-    data = serializers.CharField(required=False, allow_blank=True, trim_whitespace=False, max_length=4 * 1024 * 1024)
-    data_base64 = serializers.CharField(required=False, allow_blank=True, trim_whitespace=False,
-                                        max_length=6 * 1024 * 1024)
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # Log text may hold NUL: it is stored as bytes, so DRF's refusal of it does not apply.
-        field = self.fields["data"]
-        field.validators = [v for v in field.validators if not isinstance(v, ProhibitNullCharactersValidator)]
-
-    def validate(self, attrs):
-        if ("data" in attrs) == ("data_base64" in attrs):
-            raise serializers.ValidationError({"data": ["Send exactly one of data and data_base64."]})
-        if "data" in attrs:
-            # A lone surrogate (valid JSON, not valid Unicode) becomes "?": the chunk is still kept.
-            return {**attrs, "data": attrs["data"].encode("utf-8", errors="replace")}
-        try:
-            raw = base64.b64decode(attrs.pop("data_base64"), validate=True)
-        except (binascii.Error, ValueError):
-            raise serializers.ValidationError({"data_base64": ["Not valid base64."]}) from None
-        return {**attrs, "data": raw}
-
-
-class LogView(AgentView):
-    @extend_schema(request=LogSerializer, responses=inline_serializer("LogStored", {
-        "stored": serializers.BooleanField(help_text="Some of the chunk was new and kept."),
-        "size": serializers.IntegerField(help_text="Bytes stored for this attempt."),
-        "full": serializers.BooleanField(help_text="The attempt's log reached JOB_LOG_MAX_BYTES: stop sending.")}))
-    def post(self, request, job_id):
-        data = LogSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        return Response(job_append_log(node=self.node, job_id=job_id, **data.validated_data))

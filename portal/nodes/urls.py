@@ -1,4 +1,4 @@
-"""Node pages for site staff (the agent API is urls_agent.py, the REST API urls_api.py)."""
+"""Node pages for site staff (the agent API is portal/agentapi/, the REST API urls_api.py)."""
 from django.urls import path
 
 from . import views

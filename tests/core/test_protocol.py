@@ -14,7 +14,7 @@ from portal.core.context import Actor
 from portal.jobs.models import TERMINAL, JobState
 from portal.jobs.reports import AGENT_TERMINAL
 from portal.jobs.spec import JobSpecSerializer
-from portal.nodes.agent_api import EventSerializer
+from portal.agentapi.jobs import EventSerializer
 from portal.nodes.services import node_add
 from scheduler.core import sandbox_hosts as scheduler_hosts
 

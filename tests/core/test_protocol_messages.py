@@ -13,6 +13,7 @@ from agents.client import PortalClient
 from portal.core.context import Actor
 from portal.jobs.models import Job, JobLogChunk
 from portal.jobs.services import job_submit
+from portal.agentapi import jobs as agent_jobs
 from portal.nodes import agent_api
 from portal.nodes.models import Node
 from portal.nodes.services import node_add
@@ -24,7 +25,7 @@ IMAGE = "gpuportal/busybox:latest"
 
 
 def agent_serializers() -> dict:
-    return {cls.message: cls for cls in vars(agent_api).values()
+    return {cls.message: cls for module in (agent_api, agent_jobs) for cls in vars(module).values()
             if isinstance(cls, type) and issubclass(cls, serializers.Serializer) and hasattr(cls, "message")}
 
 
@@ -52,7 +53,7 @@ def test_a_serializer_that_drifts_from_the_protocol_stops_the_portal():
 
 
 def test_the_contract_supplies_the_choices_and_limits():
-    fields = agent_api.EventSerializer().fields
+    fields = agent_jobs.EventSerializer().fields
     assert list(fields["state"].choices) == list(protocol.EVENT_STATES)
     assert fields["message"].max_length == protocol.EVENT_MESSAGE_MAX
     assert fields["node_problem"].max_length == protocol.NODE_PROBLEM_MAX

@@ -1,0 +1,16 @@
+"""/api/agent/v1/: every report an agent sends, whichever app takes it."""
+from django.urls import path
+
+from portal.nodes import agent_api as nodes
+
+from . import jobs
+
+app_name = "agent"
+urlpatterns = [
+    path("register", nodes.RegisterView.as_view(), name="register"),
+    path("heartbeat", nodes.HeartbeatView.as_view(), name="heartbeat"),
+    path("probe", nodes.ProbeView.as_view(), name="probe"),
+    path("jobs/<str:job_id>/confirm", jobs.ConfirmView.as_view(), name="confirm"),
+    path("jobs/<str:job_id>/events", jobs.EventView.as_view(), name="events"),
+    path("jobs/<str:job_id>/logs", jobs.LogView.as_view(), name="logs"),
+]
