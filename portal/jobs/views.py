@@ -284,30 +284,43 @@ class JobMetricsView(PageMixin, View):
         return JsonResponse(body)
 
 
-class JobCancelView(PageMixin, View):
+class JobActionView(PageMixin, View):
+    """A button on the job page: `act` on the job (a service, which decides who may), then back to
+    the page with what `done` says, or with the refusal."""
+
+    def act(self, job: Job) -> Job:
+        raise NotImplementedError
+
+    def done(self, job: Job) -> str:
+        raise NotImplementedError
+
     def post(self, request, pk):
         job = _job(request, pk)
         back = reverse("jobs:detail", args=[job.pk])
         try:
-            job = job_cancel(actor=self.actor, job=job)
+            job = self.act(job)
         except ServiceError as exc:
             return refused(request, exc, back=back)
-        messages.success(request, f"Job {job.pk} cancelled.")
+        messages.success(request, self.done(job))
         return redirect(back)
 
 
-class JobMoveView(PageMixin, View):
+class JobCancelView(JobActionView):
+    def act(self, job):
+        return job_cancel(actor=self.actor, job=job)
+
+    def done(self, job):
+        return f"Job {job.pk} cancelled."
+
+
+class JobMoveView(JobActionView):
     """Operators: move a running job to other GPUs (it checkpoints first if it can)."""
 
-    def post(self, request, pk):
-        job = _job(request, pk)
-        back = reverse("jobs:detail", args=[job.pk])
-        try:
-            job = job_move(actor=self.actor, job=job)
-        except ServiceError as exc:
-            return refused(request, exc, back=back)
-        messages.success(request, f"Job {job.pk} is moving: requeued as attempt {job.attempt}.")
-        return redirect(back)
+    def act(self, job):
+        return job_move(actor=self.actor, job=job)
+
+    def done(self, job):
+        return f"Job {job.pk} is moving: requeued as attempt {job.attempt}."
 
 
 class JobHoldView(PageMixin, View):
