@@ -130,6 +130,13 @@ class Agent:
         self._pending_stop: dict[Key, tuple[str, float, str | None]] = {}
         self._unsent_xids: dict[str, list[int]] = {}
         self._stop_threads: list[threading.Thread] = []
+        # Sandboxes a driver saw end (a pidfd, Docker's die event): the supervisor wakes for them at
+        # once instead of at its next tick (run_supervisor). None: one ended, which is not known.
+        self._ended: set[str | None] = set()
+        self._wake = threading.Event()
+        # Ends seen before the launch that started the sandbox tracked it (a job like `true`): by ref,
+        # when seen; the launch hands them to the supervisor once it tracks the sandbox.
+        self._early_ends: dict[str, float] = {}
 
     # -- start-up ---------------------------------------------------------------
 
@@ -261,6 +268,9 @@ class Agent:
             t.checkpoint = (ls.checkpoint_signal, float(ls.checkpoint_grace_s))
         with self._lock:
             self._jobs[t.key] = t
+            if self._early_ends.pop(handle.ref, None) is not None:
+                self._ended.add(handle.ref)
+                self._wake.set()
             self._dirty.update(handle.gpu_indexes)
             pending = self._pending_stop.pop(t.key, None)
         self._set_busy(handle.gpu_indexes, True)
@@ -538,15 +548,23 @@ class Agent:
 
     # -- supervisor -----------------------------------------------------------------
 
-    def supervise_once(self) -> None:
-        """One pass over every sandbox: enforce time limits, notice exits, ship logs, report ends;
-        then the lease. Each step is guarded on its own, so nothing that goes wrong in one (a report
-        the portal refuses, a driver error) skips another step, another job, or the lease check."""
+    def supervise_once(self, only: set[str] | None = None) -> None:
+        """One pass over every sandbox (or over those whose ``handle.ref`` is in ``only``): enforce
+        time limits, notice exits, ship logs, report ends; then the lease. Each step is guarded on its
+        own, so nothing that goes wrong in one (a report the portal refuses, a driver error) skips
+        another step, another job, or the lease check."""
         with self._lock:
-            jobs = list(self._jobs.values())
+            jobs = [t for t in self._jobs.values() if only is None or t.handle.ref in only]
         for t in jobs:
             self._supervise(t)
         self._guarded(None, "lease check", self.check_lease)
+
+    def sandbox_ended(self, ref: str | None = None) -> None:
+        """A driver saw the sandbox ``ref`` end: its supervision (exit, log tail, report) runs now.
+        Called from the driver's watcher thread; many ends together make one pass."""
+        with self._lock:
+            self._ended.add(ref)
+        self._wake.set()
 
     def _supervise(self, t: Tracked) -> None:
         # 1. Enforcement first, from the handle and the clock alone: no report can get in its way.
@@ -731,9 +749,33 @@ class Agent:
             stop.wait(self.heartbeat_interval_s)
 
     def run_supervisor(self, stop: threading.Event, interval_s: float = 1.0) -> None:
-        while not stop.wait(interval_s):
+        """A full pass every ``interval_s``; in between, a pass over the sandboxes the driver saw end
+        (``watch_exits``: process sandboxes by pidfd, docker by the engine's events), so an exit is
+        reported within milliseconds rather than up to a tick later."""
+        watch = getattr(self.driver, "watch_exits", None)
+        if watch is not None:
             try:
-                self.supervise_once()
+                watch(self.sandbox_ended)
+            except Exception:  # the ticks still notice every exit
+                log.exception("watching sandbox exits failed; noticing them every %ss", interval_s)
+        next_full = time.monotonic() + interval_s
+        while not stop.is_set():
+            self._wake.wait(max(0.0, min(interval_s, next_full - time.monotonic())))
+            if stop.is_set():
+                break
+            self._wake.clear()
+            with self._lock:
+                ended, self._ended = self._ended, set()
+                tracked = {t.handle.ref for t in self._jobs.values()}
+                now = time.monotonic()
+                self._early_ends = {ref: seen for ref, seen in self._early_ends.items() if now - seen < 600}
+                self._early_ends.update((ref, now) for ref in ended if ref is not None and ref not in tracked)
+            try:
+                if time.monotonic() >= next_full or None in ended:
+                    self.supervise_once()
+                    next_full = time.monotonic() + interval_s
+                elif ended:
+                    self.supervise_once(only=ended)
             except Exception:
                 log.exception("supervisor loop error")
 

@@ -387,6 +387,28 @@ class DockerDriver:
         except docker.errors.APIError as exc:  # 403/409: a rank joined meanwhile
             log.debug("job network %s kept: %s", net.name, exc.explanation or exc)
 
+    def watch_exits(self, ended) -> None:
+        """Call ``ended(container id)`` as soon as one of this node's containers dies: the engine's
+        event stream, read by one thread. After the stream broke (the engine restarted) it calls
+        ``ended(None)``, since deaths may have gone unseen meanwhile, and reads it again."""
+        import threading
+
+        def run():
+            delay = 1.0
+            while True:
+                try:
+                    for event in self.client.api.events(decode=True, filters={
+                            "type": "container", "event": ["die"], "label": [f"{LABEL_NODE}={self.node}"]}):
+                        delay = 1.0
+                        ended(event.get("id") or (event.get("Actor") or {}).get("ID"))
+                except Exception as exc:  # the agent's ticks still notice every exit
+                    log.warning("docker events stream broke (%s); reading it again in %.0fs", exc, delay)
+                ended(None)
+                time.sleep(delay)
+                delay = min(delay * 2, 30.0)
+
+        threading.Thread(target=run, name="docker-exits", daemon=True).start()
+
     def poll(self, handle: SandboxHandle) -> tuple[str, int | None]:
         c = self._get(handle)
         if c is None:

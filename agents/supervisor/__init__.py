@@ -14,7 +14,6 @@ job's parent (``SOURCE``), where nothing of the agent's environment or packages 
 """
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,9 +21,11 @@ SOURCE = (Path(__file__).with_name("lease.py")).read_text()
 ROOT = str(Path(__file__).resolve().parents[2])  # where ``agents`` is importable from
 
 
-def start(kind: str, ref: str, lease_path: Path, lease_s: float, grace_s: float, *extra: str) -> subprocess.Popen:
+def start(kind: str, ref: str, lease_path: Path, lease_s: float, grace_s: float, *extra: str) -> "subprocess.Popen":
     """Start ``python -m agents.supervisor KIND REF`` detached (a session of its own, so it outlives the
     agent and a signal to the agent's group); its messages go to ``supervisors.log`` beside the lease."""
+    import subprocess  # here: the supervisor process imports this package and needs none of it
+
     with open(lease_path.parent / "supervisors.log", "ab") as errf:
         return subprocess.Popen(
             [sys.executable, "-m", "agents.supervisor", kind, ref, "--lease-file", str(lease_path),

@@ -14,7 +14,6 @@ the group (this process with it: the record is already on disk).
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -104,6 +103,8 @@ def supervise_process(exit_path: str, lease_path: str, lease_s: float, grace_s: 
     # to write the code.
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(s, lambda *_: None)
+    import subprocess  # here: the docker and kvm supervisors import this module and need none of it
+
     lease = Lease(lease_path, lease_s, grace_s)
     try:
         p = subprocess.Popen(argv)
@@ -111,12 +112,15 @@ def supervise_process(exit_path: str, lease_path: str, lease_s: float, grace_s: 
         print(f"gpuportal: could not start {argv[0]!r}: {exc}", file=sys.stderr, flush=True)
         _write_exit(exit_path, "127")
         return 127
+    ended = _exit_waiter(p.pid)
     while True:
-        try:
-            rc = _code(p.wait(timeout=CHECK_S))
+        # Woken by the job's exit (a pidfd), else every CHECK_S for the lease: subprocess's own wait
+        # with a timeout would ask waitpid every few milliseconds for as long as the job runs.
+        ended(CHECK_S)
+        rc = p.poll()
+        if rc is not None:
+            rc = _code(rc)
             break
-        except subprocess.TimeoutExpired:
-            pass
         if lease.expired():
             print(f"gpuportal: the node's lease ran out at {time.ctime(lease.deadline)}; stopping the job "
                   f"(SIGTERM, SIGKILL after {lease.grace_s:g}s)", file=sys.stderr, flush=True)
@@ -129,6 +133,17 @@ def supervise_process(exit_path: str, lease_path: str, lease_s: float, grace_s: 
             os.killpg(0, signal.SIGKILL)  # the job's children too, and this process: the record is written
     _write_exit(exit_path, str(rc))
     return rc
+
+
+def _exit_waiter(pid: int):
+    """A function that waits up to its argument's seconds for process ``pid`` to exit."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfds (Linux before 5.3): sleep, then ask
+        return time.sleep
+    import select
+
+    return lambda timeout: select.select([fd], [], [], timeout)
 
 
 def main(args: list[str]) -> int:
