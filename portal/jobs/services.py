@@ -11,7 +11,7 @@ from portal.core.context import Actor
 from portal.core.errors import Conflict, Forbidden, InvalidInput, Unprocessable
 from portal.core.querysets import check_token_project, user_can
 from portal.core.queue import request_schedule_pass
-from portal.core.services import audit_record
+from portal.core.services import audit_record, require_operator
 from portal.core.text import check_plain_name
 from portal.tenancy.models import Project
 from scheduler.dispatch import send_stop
@@ -220,8 +220,7 @@ def job_move(*, actor: Actor, job: Job) -> Job:
     """Move a running job elsewhere (operators only): it goes back to the queue as its next attempt
     and its current one is stopped; a checkpointing job first gets its signal and grace to save and
     resumes from its checkpoint on whatever node the scheduler picks, any other job restarts."""
-    if not actor.is_staff and not actor.is_system:
-        raise Forbidden("Only site staff move jobs.")
+    require_operator(actor, "Only site staff move jobs.")
     if job.state not in HOLDING:
         raise Conflict(f"Job {job.pk} is {job.state}; only a job that holds GPUs can be moved.", code="not_running")
     who = actor.user.get_username() if actor.user else actor.label
