@@ -3,12 +3,12 @@ from django.urls import path
 
 from portal.nodes import agent_api as nodes
 
-from . import jobs
+from . import heartbeat, jobs
 
 app_name = "agent"
 urlpatterns = [
     path("register", nodes.RegisterView.as_view(), name="register"),
-    path("heartbeat", nodes.HeartbeatView.as_view(), name="heartbeat"),
+    path("heartbeat", heartbeat.HeartbeatView.as_view(), name="heartbeat"),
     path("probe", nodes.ProbeView.as_view(), name="probe"),
     path("jobs/<str:job_id>/confirm", jobs.ConfirmView.as_view(), name="confirm"),
     path("jobs/<str:job_id>/events", jobs.EventView.as_view(), name="events"),

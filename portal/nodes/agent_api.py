@@ -1,6 +1,6 @@
-"""The agent API's node reports, /api/agent/v1/: register, probe, heartbeat; AgentView and the
-bounds every agent report shares. Job reports (confirm, events, logs) are portal/agentapi/jobs.py,
-above jobs; portal/agentapi/urls.py puts all of them under one URL prefix.
+"""The agent API's node reports, /api/agent/v1/: register, probe, and the heartbeat's checks (the fast path and its serializers); AgentView and
+the bounds every agent report shares. The heartbeat itself and job reports (confirm, events, logs) are in
+portal/agentapi/, above jobs; portal/agentapi/urls.py puts all of them under one URL prefix.
 
 Only node tokens (gpn_...) authenticate here, and a node token authenticates nowhere else.
 409 means "stale": the agent must stop that attempt and start nothing for it.
@@ -11,7 +11,6 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from drf_spectacular.utils import extend_schema, extend_schema_field, inline_serializer
 from rest_framework import serializers
-from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -20,8 +19,7 @@ from agents.protocol import NODE_SANDBOXES, PROTOCOL_VERSION, protocol_major
 from portal.core.api import StrictSerializer, _flatten
 
 from .auth import IsNode, NodeTokenAuthentication
-from .models import Node
-from .services import NodeTokenRevoked, agent_heartbeat, agent_probe_answer, agent_register
+from .services import agent_probe_answer, agent_register
 
 
 class AgentView(APIView):
@@ -350,32 +348,3 @@ def heartbeat_fast(data) -> tuple[list[dict], list[dict]] | None:
             return None
         keys.append({"job_id": job_id, "attempt": attempt, "state": state})
     return good, keys
-
-
-class HeartbeatView(AgentView):
-    node_token_confirmed_later = True  # agent_heartbeat's UPDATE checks the token: auth may use memory
-
-    @extend_schema(request=HeartbeatSerializer, responses=inline_serializer("HeartbeatAnswer", {
-        "drain": serializers.BooleanField(), "stop": serializers.ListField(child=serializers.DictField()),
-        "refused": serializers.ListField(child=serializers.DictField(), help_text=(
-            "Samples not stored: [{position, gpu_uuid, errors}]; the rest of the batch was."))}))
-    def post(self, request):
-        fast = heartbeat_fast(request.data)
-        if fast is not None:
-            samples, jobs = fast
-            positions, refused = range(len(samples)), []
-        else:
-            data = HeartbeatSerializer(data=request.data)
-            if not data.is_valid():
-                if not Node.objects.filter(pk=self.node.pk, token_digest=self.node.token_digest).exists():
-                    raise AuthenticationFailed("Invalid node token.")  # a revoked token learns nothing more
-                raise serializers.ValidationError(data.errors)
-            samples, positions, refused = samples_check(data.validated_data["samples"])
-            jobs = data.validated_data["jobs"]
-        try:
-            answer = agent_heartbeat(node=self.node, samples=samples, jobs=jobs)
-        except NodeTokenRevoked:
-            raise AuthenticationFailed("Invalid node token.") from None
-        # The service numbers its refusals within what it was given: back to the agent's batch.
-        refused += [{**r, "position": positions[r["position"]]} for r in answer.get("refused", [])]
-        return Response({**answer, "refused": sorted(refused, key=lambda r: r["position"])})

@@ -130,7 +130,7 @@ def node_rotate_token(*, actor: Actor, node: Node) -> str:
 
 # Nodes by token digest, for heartbeats only (node_authenticate's confirmed_later): a fleet's
 # heartbeats then read no node row; each one's UPDATE names the digest, so a rotated token or a
-# removed node is refused by the very next heartbeat (agent_heartbeat raises NodeTokenRevoked).
+# removed node is refused by the very next heartbeat (node_heartbeat raises NodeTokenRevoked).
 _HEARTBEAT_NODES: dict[str, tuple[float, Node]] = {}
 HEARTBEAT_NODE_TTL_S = 60.0
 
@@ -301,14 +301,11 @@ def _model_name(g: dict) -> str:
     return f"{m.group(1)}-{mem_gb}GB" if m and mem_gb else raw[:64]
 
 
-def _sql(template: str, params: list, *, fetch: bool = False) -> list[tuple]:
+def raw_sql(template: str, params: list, *, fetch: bool = False, **tables) -> list[tuple]:
     """One statement of the heartbeat's hot path, as plain SQL (on PostgreSQL and SQLite alike):
-    the ORM's compiling of a query cost more CPU than running it. ``{node}``, ``{gpu}``, ``{job}``
-    and ``{allocation}`` name the tables."""
-    from portal.jobs.models import Allocation, Job
-
-    tables = {"node": Node._meta.db_table, "gpu": GPU._meta.db_table, "job": Job._meta.db_table,
-              "allocation": Allocation._meta.db_table}
+    the ORM's compiling of a query cost more CPU than running it. ``{node}`` and ``{gpu}`` name
+    this app's tables; a caller names others in ``tables``."""
+    tables = {"node": Node._meta.db_table, "gpu": GPU._meta.db_table, **tables}
     with connection.cursor() as cursor:
         cursor.execute(template.format(**tables), params)
         return cursor.fetchall() if fetch else []
@@ -333,94 +330,22 @@ def _db_now():
     return connection.ops.adapt_datetimefield_value(timezone.now())
 
 
-def agent_heartbeat(*, node: Node, samples: list[dict], jobs: list[dict]) -> dict:
-    """Record the heartbeat and answer with what the agent must do: drain, stop stale jobs."""
-    from django.core.cache import cache
-    from django.utils import timezone
-
-    from portal.jobs.reports import stale_reports
-
-    # Records the heartbeat, checks the token once more (node_authenticate may answer from memory)
-    # and reads what may have changed since: one statement.
-    row = _sql("UPDATE {node} SET last_heartbeat_at = %s WHERE id = %s AND token_digest = %s "
-               "RETURNING state, queue_probe, queue_verified_at", [_db_now(), node.pk, node.token_digest],
-               fetch=True)
+def node_heartbeat(*, node: Node) -> Node:
+    """Record a heartbeat of ``node`` and read back what may have changed since (its state, the
+    queue probe): one statement, which also checks the token once more (node_authenticate may
+    answer from memory): NodeTokenRevoked when it was rotated or the node removed. A node back
+    before re-registering turns ready: the reaper already failed its jobs, their reports are stale."""
+    row = raw_sql("UPDATE {node} SET last_heartbeat_at = %s WHERE id = %s AND token_digest = %s "
+                  "RETURNING state, queue_probe, queue_verified_at", [_db_now(), node.pk, node.token_digest],
+                  fetch=True)
     if not row:
         _HEARTBEAT_NODES.pop(node.token_digest, None)
         raise NodeTokenRevoked(node.name)
     node.state, node.queue_probe, node.queue_verified_at = row[0][0], row[0][1], _datetime(row[0][2])
     _queue_probe_resend(node)
     if node.state == NodeState.DOWN:
-        # Back before re-registering: the reaper already failed its jobs; their reports will be stale.
         Node.objects.filter(pk=node.pk, state=NodeState.DOWN).update(state=NodeState.READY, state_reason="")
-    refused = []
-    if samples:
-        from portal.metrics.services import samples_own
-
-        # Only this node's GPUs: a node token must not write another node's live tile or health.
-        samples, refused = samples_own(node=node, samples=samples)
-    if samples:
-        # Live tiles read the latest sample per GPU from the cache (Redis in production).
-        cache.set_many({f"gpu-sample:{s.get('gpu_uuid')}": s for s in samples if s.get("gpu_uuid")}, timeout=300)
-        # Charts and health rules need history in PostgreSQL: one COPY batch per heartbeat.
-        from portal.metrics.services import samples_ingest
-
-        samples_ingest(node=node, samples=samples)
-    _requeue_lost_launches(node=node, reported=jobs)
-    return {"drain": node.state in (NodeState.DRAINING, NodeState.DRAINED), "stop": stale_reports(node=node,
-                                                                                              reported=jobs),
-            "refused": refused}
-
-
-def _requeue_lost_launches(*, node: Node, reported: list[dict]) -> list[int]:
-    """Reconcile what the node holds with what the portal placed there: a job assigned or starting
-    on this node for LAUNCH_LOST_S that the heartbeat does not list (the agent lists what it runs
-    and what it is launching) never reached a sandbox, re-sent launches included: it is requeued
-    as a new attempt rather than held, and billed, with nothing running. So is a job `running`
-    there for LAUNCH_LOST_S that the heartbeat does not list: the agent lists every sandbox until
-    the portal has taken its end (an end found after a restart included), so the node lost it
-    with no exit to report (a sandbox removed, a node rebooted while its agent was down); it
-    would otherwise stay running forever. Either ends `node_fail` once out of attempts. The other
-    direction, a sandbox the portal does not know or of a stale attempt, is stopped by
-    `stale_reports`. Returns the requeued job ids."""
-    from datetime import timedelta
-
-    from django.conf import settings
-    from django.utils import timezone
-
-    from portal.jobs.models import Job, JobState
-    from portal.jobs.reports import job_requeue_after_node_fault
-
-    cutoff = timezone.now() - timedelta(seconds=settings.LAUNCH_LOST_S)
-    since = connection.ops.adapt_datetimefield_value(cutoff)
-    held = {(str(r.get("job_id")), int(r.get("attempt") or 0)) for r in reported}
-    states = [JobState.ASSIGNED.value, JobState.STARTING.value, JobState.RUNNING.value]
-    # Every heartbeat asks this: plain SQL that starts from this node's jobs and open allocations
-    # (indexed), never from every job in those states across the fleet.
-    late = _sql("SELECT j.id, j.attempt FROM {job} j WHERE j.node_id = %s AND j.state IN (%s, %s, %s) "
-                "AND j.state_changed_at < %s UNION SELECT j.id, j.attempt FROM {allocation} a "
-                "JOIN {gpu} g ON g.id = a.gpu_id JOIN {job} j ON j.id = a.job_id WHERE g.node_id = %s "
-                "AND a.released_at IS NULL AND j.state IN (%s, %s, %s) AND j.state_changed_at < %s",
-                [node.pk, *states, since, node.pk, *states, since], fetch=True)
-    lost = [pk for pk, attempt in late if (str(pk), attempt) not in held]
-    requeued = []
-    for job in Job.objects.filter(pk__in=lost, state__in=states, state_changed_at__lt=cutoff) if lost else ():
-        if (str(job.pk), job.attempt) in held:
-            continue
-        if job.state == JobState.RUNNING:
-            why = f"Node {node.name} no longer holds it (running, but not among what the node runs; its exit is lost)."
-        else:
-            why = (f"Node {node.name} never started it ({job.state} for over {settings.LAUNCH_LOST_S}s, "
-                   f"not on the node).")
-        if job_requeue_after_node_fault(job, why):
-            requeued.append(job.pk)
-    if requeued:
-        import logging
-
-        logging.getLogger(__name__).warning("node %s: requeued %s, placed there but not held by the node",
-                                            node.name, requeued)
-        request_schedule_pass()
-    return requeued
+    return node
 
 
 def gpu_unhealthy_handle(*, gpu: GPU, reason: str) -> dict:

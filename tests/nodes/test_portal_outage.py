@@ -146,7 +146,7 @@ def test_a_bad_query_is_still_a_500(agent, monkeypatch):
     def broken(**kw):
         raise ProgrammingError("relation does not exist")
 
-    monkeypatch.setattr("portal.nodes.agent_api.agent_heartbeat", broken)
+    monkeypatch.setattr("portal.agentapi.heartbeat.agent_heartbeat", broken)
     agent.raise_request_exception = False
     assert heartbeat(agent).status_code == 500
 
