@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 os.environ.setdefault("DEBUG", "1")
 os.environ.setdefault("LAUNCH_RESEND_S", "3600")  # measure passes, not re-sends of the first pass
+os.environ.setdefault("LAUNCH_LOST_S", "7200")  # must exceed LAUNCH_RESEND_S
 
 import django  # noqa: E402
 

@@ -360,6 +360,8 @@ JOB_UIDS = env_str("GPUPORTAL_JOB_UIDS", "2000000-2999999")
 
 # Jobs and scheduling.
 JOB_ARRAY_MAX_TASKS = env_int("JOB_ARRAY_MAX_TASKS", 1000, minimum=1)
+# Jobs one batch submit (POST /api/v1/jobs/batch/) may hold; the request body limit applies too.
+JOB_BATCH_MAX_JOBS = env_int("JOB_BATCH_MAX_JOBS", 10000, minimum=1)
 JOB_DEFAULT_TIME_LIMIT_S = env_int("JOB_DEFAULT_TIME_LIMIT_S", 3600, minimum=1)
 # Each attempt keeps at most this many bytes of log (the head, then a truncation notice).
 JOB_LOG_MAX_BYTES = env_int("JOB_LOG_MAX_BYTES", 10 * 1024 * 1024, minimum=4096)
@@ -369,6 +371,9 @@ SCHEDULER_POLICY = env_str("SCHEDULER_POLICY", "multifactor")
 SCHEDULER_QUOTAS = env_bool("SCHEDULER_QUOTAS", True)
 SCHEDULER_PLACEMENT = env_str("SCHEDULER_PLACEMENT", "bestfit")
 SCHEDULER_MIN_RUNTIME_S = env_int("SCHEDULER_MIN_RUNTIME_S", 600, minimum=0)
+# Requested passes start at least this far apart (Slurm's sched_min_interval); requests meanwhile
+# coalesce into the next one (portal/core/passes.py).
+SCHEDULER_PASS_INTERVAL_S = env_float("SCHEDULER_PASS_INTERVAL_S", 0.2)
 SCHEDULER_FAIRSHARE_HALF_LIFE_S = env_int("SCHEDULER_FAIRSHARE_HALF_LIFE_S", 7 * 86400, minimum=60)
 # Kept from each node's registered CPUs and memory for its own system (agent, engine, kernel): the
 # scheduler places jobs, GPU or CPU-only, only while their cpus and memory_mb fit in the rest.

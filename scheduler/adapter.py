@@ -26,9 +26,11 @@ from django.utils import timezone
 
 from portal.core import locks
 from portal.core.crashpoints import crashpoint
+from portal.core.passes import pass_begins
 from portal.jobs.models import HOLDING, QOS_VALUE, TERMINAL, Allocation, Job, JobState
 from portal.jobs.selectors import decayed_usage, gpu_hours_used_this_month, launch_specs
 from portal.jobs.states import transition
+from portal.jobs.usage import usage_fold
 from portal.nodes.models import GPU, GPUHealth, GPUMode, Node, NodeState
 from portal.tenancy.models import Organization, Quota
 from scheduler import core
@@ -353,16 +355,22 @@ def _resend_stale_launches(now) -> list[tuple[str, int, int]]:
     return out
 
 
-def run_pass() -> dict:
-    """One scheduling pass (see the module docstring for the steps)."""
+def run_pass(*, wait: bool = False) -> dict:
+    """One scheduling pass (see the module docstring for the steps). With `wait` (the task), a
+    pass that finds another running waits for it instead of returning: a requested pass is never
+    dropped, and requests coalesce before they are queued (portal/core/passes.py)."""
     t0 = time.perf_counter()
-    now = timezone.now()
     launches: list[tuple[str, int, int]] = []
     stops: list[tuple[str, int, int, int, str | None]] = []
     with transaction.atomic():
-        if not locks.try_xact_lock(locks.SCHEDULE_PASS):
+        if wait:
+            locks.xact_lock(locks.SCHEDULE_PASS)
+        elif not locks.try_xact_lock(locks.SCHEDULE_PASS):
             return {"skipped": "another scheduling pass is running"}
+        pass_begins()  # requests from now on ask for the next pass
+        now = timezone.now()
         cancelled = _cancel_failed_dependents()
+        usage_fold()  # released allocations into the running usage totals the snapshot reads
         snapshot, context = build_snapshot(now)
         t_built = time.perf_counter()
         crashpoint("schedule.after_snapshot")

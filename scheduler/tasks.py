@@ -6,4 +6,4 @@ from celery import shared_task
 def schedule_pass() -> dict:
     from .adapter import run_pass
 
-    return run_pass()
+    return run_pass(wait=True)

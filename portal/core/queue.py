@@ -10,17 +10,19 @@ import logging
 from django.db import transaction
 
 from portal.celery import app
+from portal.core import passes
 
 log = logging.getLogger(__name__)
 
 SCHEDULE_PASS = "scheduler.schedule_pass"  # scheduler/tasks.py
 
 
-def send(name: str, *, args=(), queue: str) -> bool:
-    """Publish the task `name` now; False (and a warning) when the broker cannot be reached."""
+def send(name: str, *, args=(), queue: str, countdown: float = 0.0) -> bool:
+    """Publish the task `name` (to run after `countdown` seconds); False (and a warning) when the
+    broker cannot be reached."""
     try:
         # No retries: a broker hiccup must not hang or fail the request that asked.
-        app.send_task(name, args=list(args), queue=queue, retry=False)
+        app.send_task(name, args=list(args), queue=queue, retry=False, countdown=countdown or None)
     except Exception as exc:  # kombu raises several types for an unreachable broker
         log.warning("could not queue %s%s: %s", name, list(args), exc)
         return False
@@ -33,4 +35,7 @@ def request_schedule_pass() -> None:
 
 
 def _publish_schedule_pass() -> None:
-    send(SCHEDULE_PASS, queue="scheduler")
+    # Coalesced: nothing is queued while a requested pass has not begun (portal/core/passes.py).
+    countdown = passes.pass_request()
+    if countdown is not None and not send(SCHEDULE_PASS, queue="scheduler", countdown=countdown):
+        passes.pass_request_failed()

@@ -224,6 +224,10 @@ class Allocation(models.Model):
     borrowed = models.BooleanField(default=False)
     started_at = models.DateTimeField()
     released_at = models.DateTimeField(null=True, blank=True)
+    # Its GPU-seconds are in the usage totals (ProjectMonthUsage, ProjectFairshare): set once, by
+    # portal.jobs.usage.usage_fold, in the transaction that adds them. Until then readers count it
+    # from the row itself, so the totals are exact whenever the fold runs.
+    tallied = models.BooleanField(default=False)
 
     class Meta:
         constraints = [
@@ -231,7 +235,31 @@ class Allocation(models.Model):
             models.UniqueConstraint(fields=["gpu"], condition=models.Q(released_at__isnull=True, shared=False),
                                     name="allocation_one_open_per_whole_gpu"),
         ]
-        indexes = [models.Index(fields=["released_at"])]
+        indexes = [models.Index(fields=["released_at"]),
+                   # The few rows read live: open ones and those released since the last fold.
+                   models.Index(fields=["job"], condition=models.Q(tallied=False), name="allocation_untallied")]
+
+
+class ProjectMonthUsage(models.Model):
+    """GPU-seconds of a project's tallied allocations that fall in one UTC month (an allocation
+    across a month's end counts in both): what budgets read instead of the month's allocations."""
+
+    project = models.ForeignKey("tenancy.Project", on_delete=models.CASCADE, related_name="+")
+    month = models.DateField()  # its first day
+    gpu_s = models.FloatField(default=0.0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["project", "month"], name="projectmonthusage_unique")]
+
+
+class ProjectFairshare(models.Model):
+    """A project's tallied GPU-seconds, each weighted by 0.5 ** (age of its end / half_life_s), as
+    of `as_of`: the fair-share usage at any later time is decayed_gpu_s * 0.5 ** (elapsed / half-life)."""
+
+    project = models.OneToOneField("tenancy.Project", on_delete=models.CASCADE, primary_key=True, related_name="+")
+    half_life_s = models.FloatField()
+    decayed_gpu_s = models.FloatField(default=0.0)
+    as_of = models.DateTimeField()
 
 
 class JobLogChunk(models.Model):

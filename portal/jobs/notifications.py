@@ -36,7 +36,21 @@ def notify_on_commit(job_id: int, attempt: int, kind: str) -> None:
 
 
 def _publish(job_id: int, attempt: int, kind: str) -> None:
-    send("jobs.notify", args=[job_id, attempt, kind], queue="default")  # portal/jobs/tasks.py
+    if mail_wanted(job_id, kind):  # no task for the many ends nobody asked to hear about
+        send("jobs.notify", args=[job_id, attempt, kind], queue="default")  # portal/jobs/tasks.py
+
+
+def mail_wanted(job_id: int, kind: str) -> bool:
+    """Whether the submitter has an address and wants this kind of email, in one query (the task
+    asks again when it sends, as preferences may change meanwhile)."""
+    from portal.accounts.models import NotificationPreference
+
+    field = f"job_{kind}"
+    row = Job.objects.filter(pk=job_id).values_list("user__email", f"user__notification_preference__{field}").first()
+    if row is None or not row[0]:
+        return False
+    wants = row[1]  # None: no preferences saved, the defaults hold
+    return bool(NotificationPreference._meta.get_field(field).default if wants is None else wants)
 
 
 def job_notify(*, job_id: int, attempt: int, kind: str) -> bool:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone as dt_timezone
 from decimal import Decimal
 
-from django.db.models import Count, Max, Q, Sum
+from django.db.models import Count, Max, Sum
 from django.utils import timezone
 
 from portal.core.querysets import allowed_project_ids, staff_bypass
@@ -18,39 +18,63 @@ def month_start(now: datetime | None = None) -> datetime:
     return now.astimezone(dt_timezone.utc).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
 
 
+def decay(value: float, seconds: float, half_life_s: float) -> float:
+    """`value` after `seconds` of exponential decay with this half-life."""
+    return value * 0.5 ** (seconds / half_life_s)
+
+
+def untallied_allocations(project_ids):
+    """Allocations not in the usage totals yet (portal/jobs/usage.py): the open ones and those
+    released since the last fold, a few per GPU whatever the history."""
+    return Allocation.objects.filter(job__project_id__in=list(project_ids), tallied=False).values_list(
+        "job__project_id", "started_at", "released_at", "fraction")
+
+
 def gpu_hours_used_this_month(project_ids, now: datetime | None = None) -> dict[int, float]:
-    """GPU-hours each project's allocations covered since the start of the month (open ones up to now)."""
+    """GPU-hours each project's allocations covered since the start of the month (open ones up to now).
+
+    Two indexed reads whatever the month's history: the month's running total, and the
+    allocations not in it yet."""
+    from .models import ProjectMonthUsage
+
     now = now or timezone.now()
     start = month_start(now)
+    ids = list(project_ids)
     used: dict[int, float] = defaultdict(float)
-    rows = Allocation.objects.filter(job__project_id__in=list(project_ids)).filter(
-        Q(released_at__isnull=True) | Q(released_at__gt=start)
-    ).values_list("job__project_id", "started_at", "released_at", "fraction")
-    for project_id, started, released, fraction in rows:
+    for project_id, gpu_s in ProjectMonthUsage.objects.filter(project_id__in=ids, month=start.date()).values_list(
+            "project_id", "gpu_s"):
+        used[project_id] += gpu_s / 3600
+    for project_id, started, released, fraction in untallied_allocations(ids):
         seconds = ((released or now) - max(started, start)).total_seconds()
         used[project_id] += max(0.0, seconds) * float(fraction) / 3600
     return dict(used)
 
 
-def decayed_usage(project_ids, *, half_life_s: float, now: datetime | None = None, horizon_half_lives: int = 6):
-    """GPU-seconds per project, each allocation weighted by 0.5 ** (age / half_life).
-
-    Age is measured to the allocation's end (now for open ones); allocations older than
-    `horizon_half_lives` half-lives weigh under 2% and are skipped.
-    """
-    from datetime import timedelta
+def decayed_usage(project_ids, *, half_life_s: float, now: datetime | None = None) -> dict[int, float]:
+    """GPU-seconds per project, each allocation weighted by 0.5 ** (age / half_life), age measured
+    to the allocation's end (now for open ones): the running total decayed to now, plus the
+    allocations not in it yet. A total kept under another half-life (the setting changed; the
+    next fold rebuilds it) is replaced by its project's allocations."""
+    from .models import ProjectFairshare
 
     now = now or timezone.now()
-    horizon = now - timedelta(seconds=half_life_s * horizon_half_lives)
+    ids = list(project_ids)
     usage: dict[int, float] = defaultdict(float)
-    rows = Allocation.objects.filter(job__project_id__in=list(project_ids)).filter(
-        Q(released_at__isnull=True) | Q(released_at__gt=horizon)
-    ).values_list("job__project_id", "started_at", "released_at", "fraction")
+    stale = []
+    for project_id, half_life, value, as_of in ProjectFairshare.objects.filter(project_id__in=ids).values_list(
+            "project_id", "half_life_s", "decayed_gpu_s", "as_of"):
+        if half_life != half_life_s:
+            stale.append(project_id)
+        else:
+            usage[project_id] += decay(value, (now - as_of).total_seconds(), half_life_s)
+    rows = list(untallied_allocations(ids))
+    if stale:
+        rows += Allocation.objects.filter(job__project_id__in=stale, tallied=True).values_list(
+            "job__project_id", "started_at", "released_at", "fraction")
     for project_id, started, released, fraction in rows:
         end = released or now
         seconds = max(0.0, (end - started).total_seconds()) * float(fraction)
-        age = (now - end).total_seconds()
-        usage[project_id] += seconds * 0.5 ** (age / half_life_s)
+        usage[project_id] += decay(seconds, (now - end).total_seconds(), half_life_s)
     return dict(usage)
 
 

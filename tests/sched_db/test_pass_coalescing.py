@@ -1,0 +1,122 @@
+"""Passes coalesce (portal/core/passes.py): a burst of submits queues one pass until that pass
+begins, the task waits for a running pass instead of being dropped, and no notification task is
+queued for an end nobody asked to hear about."""
+import threading
+
+import pytest
+from django.core.cache import cache
+from django.db import connections, transaction
+from django.test import override_settings
+
+from portal.accounts.models import NotificationPreference
+from portal.core import locks, passes
+from portal.core.context import Actor
+from portal.jobs.models import HOLDING, Job, JobState
+from portal.jobs.services import job_submit
+from portal.jobs.states import transition
+from portal.nodes.services import node_add
+from scheduler.adapter import run_pass
+
+IMAGE = "gpuportal/busybox:latest"
+
+
+@pytest.fixture
+def published(monkeypatch):
+    """What the portal queues (task name, countdown), instead of the broker."""
+    assert passes.shared_cache(), "these tests need the Redis cache: set REDIS_URL (make test does)"
+    calls = []
+    monkeypatch.setattr("portal.core.queue.app.send_task",
+                        lambda name, args=(), queue=None, countdown=None, **kw: calls.append((name, countdown)))
+    monkeypatch.setattr("scheduler.dispatch._send", lambda *a, **k: None)
+    cache.delete(passes.FLAG)
+    yield calls
+    cache.delete(passes.FLAG)
+
+
+def submit(demo, n, **over):
+    actor = Actor(user=demo.users["alice"])
+    for i in range(n):
+        job_submit(actor=actor, data={"project": "vision", "name": f"j{i}", "image": IMAGE, "command": ["true"],
+                                      "resources": {"gpus": 1}, **over})
+
+
+def passes_queued(calls) -> list:
+    return [countdown for name, countdown in calls if name == "scheduler.schedule_pass"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_burst_of_submits_queues_one_pass_until_it_begins(demo, published):
+    node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="8xH100-80GB")
+    assert len(passes_queued(published)) == 1  # the new node asked for one
+    run_pass()  # it begins
+    published.clear()
+    submit(demo, 40)
+    assert len(passes_queued(published)) == 1
+    with override_settings(SCHEDULER_PASS_INTERVAL_S=60):
+        result = run_pass()  # the queued pass begins: the next request queues the next pass
+        assert result["started"] == 8 and result["queued"] == 40
+        submit(demo, 20)
+    (_, later) = passes_queued(published)
+    # Passes start SCHEDULER_PASS_INTERVAL_S apart: the one queued right after a pass waits the rest.
+    assert 50 < later <= 60
+
+
+@pytest.mark.django_db(transaction=True)
+def test_without_the_shared_cache_every_request_queues_a_pass(demo, published):
+    unreachable = {"default": {"BACKEND": "portal.core.cache.ResilientRedisCache",
+                               "LOCATION": "redis://127.0.0.1:9/0", "OPTIONS": {"socket_connect_timeout": 0.2}}}
+    with override_settings(CACHES=unreachable):
+        submit(demo, 3)
+    assert len(passes_queued(published)) == 3
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_pass_task_waits_for_a_running_pass_instead_of_dropping_its_request(demo, published):
+    held, release, results = threading.Event(), threading.Event(), []
+
+    def running_pass():
+        try:
+            with transaction.atomic():
+                locks.xact_lock(locks.SCHEDULE_PASS)
+                held.set()
+                assert release.wait(30)
+        finally:
+            connections.close_all()
+
+    other = threading.Thread(target=running_pass)
+    other.start()
+    assert held.wait(30)
+    assert run_pass()["skipped"]  # a plain call returns at once, as before
+
+    def task():
+        try:
+            results.append(run_pass(wait=True))
+        finally:
+            connections.close_all()
+
+    waiting = threading.Thread(target=task)
+    waiting.start()
+    waiting.join(timeout=0.5)
+    assert waiting.is_alive() and not results  # it waits for the lock
+    release.set()
+    other.join(timeout=30)
+    waiting.join(timeout=30)
+    assert results and "skipped" not in results[0]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_notification_task_is_queued_only_when_the_submitter_wants_the_mail(demo, published):
+    node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="8xH100-80GB")
+    submit(demo, 3)
+    run_pass()
+    jobs = list(Job.objects.filter(state__in=HOLDING).order_by("pk"))
+    published.clear()
+    # Defaults: success is not mailed, failure is.
+    assert transition(jobs[0].pk, to=JobState.SUCCEEDED, from_states=HOLDING, attempt=jobs[0].attempt)
+    assert transition(jobs[1].pk, to=JobState.FAILED, from_states=HOLDING, attempt=jobs[1].attempt)
+    assert [name for name, _ in published if name == "jobs.notify"] == ["jobs.notify"]
+    NotificationPreference.objects.update_or_create(user=demo.users["alice"], defaults={"job_succeeded": True})
+    published.clear()
+    assert transition(jobs[2].pk, to=JobState.SUCCEEDED, from_states=HOLDING, attempt=jobs[2].attempt)
+    assert [name for name, _ in published if name == "jobs.notify"] == ["jobs.notify"]
+
