@@ -23,10 +23,11 @@ app.conf.task_routes = {
     "billing.*": {"queue": "scheduler"},
     "metrics.*": {"queue": "scheduler"},
     "jobs.flag_idle": {"queue": "scheduler"},
+    "autoscale.*": {"queue": "scheduler"},
 }
 app.autodiscover_tasks(["portal.core", "portal.accounts", "portal.tenancy", "portal.nodes", "portal.jobs"])
 app.autodiscover_tasks(["scheduler"], related_name="tasks")
-app.autodiscover_tasks(["portal.billing", "portal.metrics"])
+app.autodiscover_tasks(["portal.billing", "portal.metrics", "portal.autoscale"])
 app.conf.beat_schedule = {
     # Passes also run on submit, job end and node change; this catches everything else.
     "schedule-pass": {"task": "scheduler.schedule_pass", "schedule": 5.0, "options": {"queue": "scheduler"}},
@@ -40,6 +41,9 @@ app.conf.beat_schedule = {
     "prune-metrics": {"task": "metrics.prune", "schedule": 3600.0, "options": {"queue": "scheduler"}},
     # Reads the minute rollups; flags (and, where a project asks, cancels) jobs idling on GPUs.
     "flag-idle-jobs": {"task": "jobs.flag_idle", "schedule": 60.0, "options": {"queue": "scheduler"}},
+    # Node pools: scale up for waiting work, release idle nodes (docs/autoscaling.md); a no-op without pools.
+    "autoscale": {"task": "autoscale.tick", "schedule": settings.AUTOSCALE_INTERVAL_S,
+                  "options": {"queue": "scheduler"}},
 }
 
 

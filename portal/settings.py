@@ -125,6 +125,7 @@ INSTALLED_APPS = [
     "portal.storage",
     "portal.metrics",
     "portal.console",
+    "portal.autoscale",
 ]
 
 MIDDLEWARE = [
@@ -388,6 +389,14 @@ LAUNCH_LOST_S = env_int("LAUNCH_LOST_S", 180, minimum=1)
 if LAUNCH_LOST_S <= LAUNCH_RESEND_S:
     raise ImproperlyConfigured(f"LAUNCH_LOST_S: {LAUNCH_LOST_S} must be longer than LAUNCH_RESEND_S "
                                f"({LAUNCH_RESEND_S}), so a lost launch is re-sent before its job is requeued")
+# Autoscaling (docs/autoscaling.md): the node pools themselves are rows (admin, /console/autoscaling/).
+# How often the autoscaler ticks (beat); the URL the nodes it starts give their agents; where the
+# `local` provider keeps its agents' folders.
+AUTOSCALE_INTERVAL_S = env_float("AUTOSCALE_INTERVAL_S", 10.0)
+if AUTOSCALE_INTERVAL_S <= 0:
+    raise ImproperlyConfigured(f"AUTOSCALE_INTERVAL_S: must be above 0, got {AUTOSCALE_INTERVAL_S:g}")
+AUTOSCALE_PORTAL_URL = env_str("AUTOSCALE_PORTAL_URL", "http://127.0.0.1:8000")
+AUTOSCALE_LOCAL_ROOT = Path(env_str("AUTOSCALE_LOCAL_ROOT", str(VAR_DIR / "autoscale")))
 TESTING_CRASHPOINTS = env_bool("GPUPORTAL_CRASHPOINTS", False)
 # Nodes and agents (seconds; docs/configuration.md, "Node leases"). An agent that has not had a
 # heartbeat answered for AGENT_LEASE_S stops its sandboxes (SIGTERM, AGENT_FENCE_GRACE_S, SIGKILL);

@@ -301,13 +301,27 @@ def _apply_preemption(pre: core.Preemption, context) -> list[tuple] | None:
 REASON_NOTES: list = []
 
 
+def _notes(plan: core.Plan) -> dict[str, str]:
+    from scheduler.core.autoscale import wants_capacity
+
+    ids = [j for j, r in plan.waiting.items() if wants_capacity(r)]
+    notes: dict[str, str] = {}
+    for source in REASON_NOTES if ids else ():
+        try:
+            notes.update(source(ids))
+        except Exception:  # a note is a courtesy: it never fails a pass
+            log.exception("reason notes from %r failed", source)
+    return notes
+
+
 def _write_reasons(plan: core.Plan, context) -> int:
     changed = []
+    notes = _notes(plan)
     for job_id, reason in plan.waiting.items():
         row = context["queued"].get(job_id)
         if row is None:
             continue
-        message = reason.message[:300]
+        message = (f"{notes[job_id]}. {reason.message}" if job_id in notes else reason.message)[:300]
         if (row["reason_code"], row["reason_message"], row["queue_position"]) != (reason.code, message, reason.position):
             changed.append(Job(pk=int(job_id), reason_code=reason.code, reason_message=message,
                                queue_position=reason.position))
