@@ -78,9 +78,17 @@ class PortalClient:
         self._sleep = sleep
         self.last_contact: float | None = None
         self.lease_renewed_at: float | None = None
+        # Called at each renewal, retries included (the agent rewrites the node's lease file there, so
+        # the jobs' supervisors see it at once, not after a heartbeat's whole retry loop).
+        self.on_lease_renewed = None
         self.portal_outage: str = ""  # what the portal last said is out ("database"), "" once it answers
 
     # -- transport ------------------------------------------------------------
+
+    def _renewed(self, sent: float) -> None:
+        self.lease_renewed_at = max(self.lease_renewed_at or sent, sent)
+        if self.on_lease_renewed is not None:
+            self.on_lease_renewed()
 
     def _post(self, path: str, body: dict) -> dict:
         url = self.base + path
@@ -105,11 +113,11 @@ class PortalClient:
                         log.warning("the portal says its %s is out; jobs keep running while it answers", outage)
                     self.portal_outage = outage
                     last_err += f" (portal {outage} outage)"
-                    self.lease_renewed_at = max(self.lease_renewed_at or sent, sent)
+                    self._renewed(sent)
                 continue
             self.portal_outage = ""
             if path in LEASE_PATHS and r.status_code < 400:
-                self.lease_renewed_at = max(self.lease_renewed_at or sent, sent)
+                self._renewed(sent)
             if r.status_code == 409:
                 self.last_contact = self._clock()
                 raise StaleAttempt(f"{path}: stale ({_detail(r)})", 409)

@@ -122,6 +122,9 @@ class Agent:
         self.drain = False
         self.fenced = False  # True after the lease ran out, until the portal answers again
         self._started = clock()
+        self._lease_file_lock = threading.Lock()
+        if hasattr(client, "on_lease_renewed"):  # each renewal reaches the lease file at once, retries included
+            client.on_lease_renewed = self.write_lease
         self._lock = threading.RLock()
         self._jobs: dict[Key, Tracked] = {}
         self._launching: set[Key] = set()
@@ -217,6 +220,7 @@ class Agent:
                 self._pending_stop.pop(key, None)  # nothing started: nothing left to stop
 
     def _launch(self, job_id: str, attempt: int, spec: dict) -> str:
+        held = self._lease_renewed()  # the lease this confirmation stands on
         try:
             confirmed = self.client.confirm(job_id, attempt)
         except StaleAttempt:
@@ -250,6 +254,8 @@ class Agent:
         if problem:
             # Not the job's fault: the report asks the portal to requeue it and to look at this node.
             return self._launch_failed(job_id, attempt, problem[0], scrub_failures=problem[1], node_problem=problem[0])
+        if not self._confirmation_holds(job_id, attempt, held):
+            return "stale"
         try:
             handle = self.driver.launch(ls)
         except SandboxError as exc:
@@ -285,6 +291,32 @@ class Agent:
         except PortalUnreachable:
             log.warning("job %s attempt %s: could not report running; the heartbeat will", job_id, attempt)
         return "started"
+
+    def _lease_renewed(self) -> float:
+        renewed = getattr(self.client, "lease_renewed_at", None)
+        return renewed if renewed is not None else self._started
+
+    def _confirmation_holds(self, job_id: str, attempt: int, held: float) -> bool:
+        """A confirmation counts within the lease that was current when it was asked for: while that
+        lease runs, the portal cannot have reaped this node and re-placed the job. Past it (the agent
+        was frozen or cut off, or the launch waited long for GPUs or an image) the node may have been
+        reaped and come back meanwhile, so the portal is asked again, under a lease valid now.
+        Raises PortalUnreachable when it cannot be (the task retries); False: stale, start nothing."""
+        if self._clock() - held <= self.lease_s:
+            return True
+        held = self._lease_renewed()
+        if self._clock() - held > self.lease_s:
+            raise PortalUnreachable(f"job {job_id} attempt {attempt}: the lease ran out during the launch; "
+                                    "not starting it on an old confirmation")
+        try:
+            self.client.confirm(job_id, attempt)
+        except StaleAttempt:
+            log.info("job %s attempt %s: stale by the time it could start (the lease ran out meanwhile); "
+                     "starting nothing", job_id, attempt)
+            return False
+        if self._clock() - held > self.lease_s:
+            raise PortalUnreachable(f"job {job_id} attempt {attempt}: the lease ran out during the launch")
+        return True
 
     def _adopt_existing(self, job_id: str, attempt: int) -> bool:
         """A sandbox for this attempt already exists (an earlier run of the
@@ -708,12 +740,13 @@ class Agent:
         path = getattr(self.driver, "lease_path", None)
         if path is None:
             return
-        renewed = getattr(self.client, "lease_renewed_at", None)
-        left = (renewed if renewed is not None else self._started) + self.lease_s - self._clock()
-        try:
-            write_lease(path, self._wall() + left, self.fence_grace_s)
-        except OSError as exc:  # the supervisors keep the last deadline they read: it only runs out
-            log.error("could not write the lease file %s: %s", path, exc)
+        with self._lease_file_lock:  # one writer at a time, so a later renewal is never overwritten
+            renewed = getattr(self.client, "lease_renewed_at", None)
+            left = (renewed if renewed is not None else self._started) + self.lease_s - self._clock()
+            try:
+                write_lease(path, self._wall() + left, self.fence_grace_s)
+            except OSError as exc:  # the supervisors keep the last deadline they read: it only runs out
+                log.error("could not write the lease file %s: %s", path, exc)
 
     def check_lease(self) -> bool:
         """Stop every sandbox once the portal has been silent for longer than the

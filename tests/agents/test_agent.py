@@ -58,6 +58,31 @@ def test_confirm_409_starts_nothing(env):
     assert env.driver.launched == [] and env.portal.events == []
 
 
+@pytest.mark.parametrize("replaced", [True, False])
+def test_a_launch_that_outlived_its_lease_asks_again_before_starting(env, monkeypatch, replaced):
+    """Confirmed, then frozen past the lease before the start: meanwhile the portal may have reaped the
+    node, re-placed the job and taken the node back at its next heartbeat. The old confirmation no
+    longer counts: the agent asks again, and starts nothing on a 409."""
+    ready = env.agent._gpus_ready
+
+    def frozen_then_back(ls):
+        env.clock.t += 31  # past the 30 s lease
+        env.portal.heartbeat(samples=[], jobs=[])  # back: the lease is renewed, the node is up again
+        if replaced:
+            env.portal.stale.add(("j1", 1))  # the job runs elsewhere as attempt 2 by now
+        return ready(ls)
+    monkeypatch.setattr(env.agent, "_gpus_ready", frozen_then_back)
+    assert env.agent.launch("j1", 1, SPEC) == ("stale" if replaced else "started")
+    # Asked again (a 409 is not recorded by the fake): without asking it would have started.
+    assert env.portal.confirms == [("j1", 1)] * (1 if replaced else 2)
+    assert [(s.job_id, s.attempt) for s in env.driver.launched] == ([] if replaced else [("j1", 1)])
+
+
+def test_a_launch_within_its_lease_is_confirmed_once(env):
+    assert env.agent.launch("j1", 1, SPEC) == "started"
+    assert env.portal.confirms == [("j1", 1)]
+
+
 def test_confirm_unreachable_starts_nothing_and_raises_for_retry(env):
     from agents.client import PortalUnreachable
 

@@ -100,3 +100,29 @@ def test_log_and_event_calls_do_not_renew_the_lease():
         agent.heartbeat_once()
     assert driver.running() == [] and agent.fenced
     assert driver.stopped[-1][2] == 3.0  # the fence grace, not the 10 s stop grace
+
+
+def test_a_heartbeat_retrying_through_an_outage_keeps_the_lease_file_fresh(tmp_path):
+    """One heartbeat call retries for twice the lease while the portal gives its outage answer: each
+    answer renews the lease and reaches the node's lease file at once (not when the call gives up),
+    so the jobs' supervisors never fence them."""
+    stub = PortalStub()
+    client = PortalClient(stub.url, TOKEN, timeout_s=2, retries=40, backoff_s=0.1, max_backoff_s=0.1)
+    driver = ProcessDriver(node="retry", state_dir=str(tmp_path))
+    agent = Agent(name="retry", client=client, driver=driver, probe=SimProbe("1xH100-80GB", node_name="retry"),
+                  stop_grace_s=1.0, scrub_gpus=False)
+    try:
+        agent.register()
+        agent.lease_s, agent.fence_grace_s = LEASE_S, 0.5
+        assert agent.launch("j1", 1, JOB) == "started"
+        stub.outage = True
+        t0 = time.monotonic()
+        with pytest.raises(PortalUnreachable):
+            client.heartbeat(samples=[], jobs=[])
+        assert time.monotonic() - t0 > 2 * LEASE_S
+        assert running(type("Live", (), dict(driver=driver)), "j1")
+    finally:
+        for _, _, handle in driver.list_own():
+            driver.stop(handle, 0)
+            driver.remove(handle)
+        stub.close()

@@ -1,4 +1,5 @@
-"""The fault suite as one command: `python -m tests.faults --full` (every fault, more jobs) or
+"""The fault suite as one command: `python -m tests.faults --full` (every fault, the 5-minute outages
+included, more jobs) or
 `python -m tests.faults FAULT...`. Prints the table: fault, result, time to detect, time to
 recover, time until every job ended. Runs against a cluster of its own (tests/faults/cluster.py);
 needs PostgreSQL's server binaries and redis-server installed, nothing running."""
@@ -9,20 +10,21 @@ import tempfile
 from pathlib import Path
 
 from tests.faults.cluster import Cluster
-from tests.faults.faults import FAULTS, run_case, table
+from tests.faults.faults import FAULTS, LONG, run_case, table
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.faults", description=__doc__)
     parser.add_argument("faults", nargs="*", metavar="FAULT", help=f"faults to run (default: all): {', '.join(FAULTS)}")
-    parser.add_argument("--full", action="store_true", help="every fault with the full load")
+    parser.add_argument("--full", action="store_true",
+                        help=f"every fault with the full load, the long ones ({', '.join(sorted(LONG))}) included")
     parser.add_argument("--jobs", type=int, default=None, help="jobs submitted before each fault")
     parser.add_argument("--keep", action="store_true", help="keep the cluster's folder (logs, ground truth)")
     args = parser.parse_args()
     unknown = [f for f in args.faults if f not in FAULTS]
     if unknown:
         parser.error(f"unknown fault(s) {', '.join(unknown)}; choose from {', '.join(FAULTS)}")
-    faults = args.faults or list(FAULTS)
+    faults = args.faults or [f for f in FAULTS if args.full or f not in LONG]
     jobs = args.jobs or (24 if args.full else 10)
     tmp = Path(tempfile.mkdtemp(prefix="gpuportal-faults-"))
     cluster = Cluster(tmp)

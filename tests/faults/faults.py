@@ -5,8 +5,8 @@ fault always hits a running job with time left), then the rest of the load, inje
 while that load runs, lets it recover, waits until every accepted job is terminal, and runs
 the checker. Submissions keep coming during the fault: a 201 is an accepted job and must end.
 
-Time to detect: from the fault to the portal's first reaction (the target node marked down,
-or the API answering an error). Time to recover: from the end of the fault (a restart, a
+Time to detect: from the fault to the portal's first reaction (the target node marked down, a
+job requeued, or the API answering an error). Time to recover: from the end of the fault (a restart, a
 SIGCONT; the fault itself for an agent kept down) until the API answers 200 and every node
 with a live agent is ready again.
 """
@@ -43,7 +43,8 @@ class Watch:
 
     def __init__(self, cluster: Cluster, target: str):
         self.cluster, self.target = cluster, target
-        self.first_error = self.first_down = None
+        self.first_error = self.first_down = self.first_requeue = None
+        self.requeues = self._requeues()
         self.armed = False  # an error seen under load before the fault must not count
         self._stop = threading.Event()
         self._th = threading.Thread(target=self._run, daemon=True)
@@ -56,12 +57,21 @@ class Watch:
             now = time.monotonic()
             if self.first_error is None and not self.cluster.api_ok():
                 self.first_error = now
+            if self.first_requeue is None and self.requeues is not None and (self._requeues() or 0) > self.requeues:
+                self.first_requeue = now
             if self.first_down is None:
                 try:
                     if self.cluster.sql("SELECT state FROM nodes_node WHERE name = %s", [self.target], col=0) == ["down"]:
                         self.first_down = now
                 except Exception:  # the database may be the fault
                     pass
+
+    def _requeues(self) -> int | None:
+        try:
+            return self.cluster.sql("SELECT count(*) FROM jobs_jobevent WHERE state = 'queued' "
+                                    "AND message LIKE %s", ["%Requeued as attempt%"], col=0)[0]
+        except Exception:  # the database may be the fault
+            return None
 
     def arm(self) -> float:
         self.armed = True
@@ -81,10 +91,11 @@ class Load:
         self.last_refusal = ""
 
     def submit(self, run_s: float | None = None, gpus: int | None = None) -> int | None:
+        run_s = run_s or self.rng.uniform(2, 8)
         body = {"project": "vision", "name": "fault", "image": "gpuportal/busybox:latest",
-                "command": job_command(self.cluster.truth, run_s or self.rng.uniform(2, 8)),
+                "command": job_command(self.cluster.truth, run_s),
                 "resources": {"gpus": gpus or self.rng.choice([1, 1, 2, 2, 3, 4]), "cpus": 0.1, "memory_mb": 64},
-                "time_limit": 300}
+                "time_limit": max(300, int(2 * run_s))}
         try:
             r = requests.post(f"{self.cluster.url}/api/v1/jobs/", json=body, headers=self.cluster.headers(), timeout=10)
         except requests.RequestException:
@@ -172,6 +183,23 @@ def postgres_restarted(c: Cluster, target: str) -> float:
     return time.monotonic()
 
 
+LONG_OUTAGE_S = 300
+
+
+def postgres_down_5min(c: Cluster, target: str) -> float:
+    c.stop_postgres("immediate")
+    time.sleep(LONG_OUTAGE_S)
+    c.start_postgres()
+    return time.monotonic()
+
+
+def redis_down_5min(c: Cluster, target: str) -> float:
+    c.kill("redis")
+    time.sleep(LONG_OUTAGE_S)
+    c.start_redis()
+    return time.monotonic()
+
+
 def portal_restarted(c: Cluster, target: str) -> float:
     c.stop_portal(kill=True)
     c.start_portal()
@@ -188,18 +216,31 @@ FAULTS = {
     "redis-restarted": redis_restarted,
     "postgres-restarted": postgres_restarted,
     "portal-restarted": portal_restarted,
+    "postgres-down-5min": postgres_down_5min,
+    "redis-down-5min": redis_down_5min,
 }
+# Long faults: only in the full suite, and their first job outlasts the outage; every job running when
+# the fault began must run on to its own end as the same attempt (the portal's outage is no node's).
+LONG = {"postgres-down-5min", "redis-down-5min"}
+FIRST_RUN_S = {f: LONG_OUTAGE_S + 40 for f in LONG}
+SUBMIT_EVERY_S = {f: 15.0 for f in LONG}  # fewer submissions during a long outage: the backlog must drain
+SURVIVE = LONG | {"postgres-restarted", "redis-restarted", "portal-restarted"}
 AGENT_KEPT_DOWN = {"agent-sigkill-kept-down"}
 # Faults that still break an invariant, and why: the table says "known gap", the pytest case is
-# xfail(strict=True). Remove an entry when its fix lands. None at present.
-KNOWN: dict[str, str] = {}
+# xfail(strict=True). Remove an entry when its fix lands.
+KNOWN: dict[str, str] = {
+    "portal-restarted": "a cold restart of every portal process takes longer than the suite's 6 s lease on a "
+                        "loaded machine (gunicorn answers nothing for 10-20 s): the agents cannot tell a stopped "
+                        "portal from a partition, fence their jobs at the lease, and the portal requeues them as "
+                        "node faults; running jobs survive only a restart shorter than AGENT_LEASE_S",
+}
 
 
 def run_case(c: Cluster, fault: str, jobs: int = 10, seed: int = 1, drain_timeout: float = 150) -> Outcome:
     out = Outcome(fault)
     load = Load(c, seed)
     c.extra_accepted = []
-    first = load.submit(run_s=25, gpus=1)
+    first = load.submit(run_s=FIRST_RUN_S.get(fault, 25), gpus=1)
     assert first is not None, f"the first job was refused: {load.last_refusal}"
     target = wait_for(lambda: (r := c.sql("SELECT j.state, n.name FROM jobs_job j JOIN nodes_node n ON n.id = j.node_id "
                                           "WHERE j.id = %s", [first])) and r[0][0] == "running" and r[0][1], 60,
@@ -211,11 +252,13 @@ def run_case(c: Cluster, fault: str, jobs: int = 10, seed: int = 1, drain_timeou
     stop_submitting = threading.Event()
 
     def keep_submitting():  # accepted during the fault: must end too
-        while not stop_submitting.wait(1.0):
+        while not stop_submitting.wait(SUBMIT_EVERY_S.get(fault, 1.0)):
             load.submit()
 
     submitter = threading.Thread(target=keep_submitting, daemon=True)
     watch = Watch(c, target)
+    running = dict(c.sql("SELECT id, attempt FROM jobs_job WHERE id = ANY(%s) AND state = 'running'",
+                         [load.accepted]))
     submitter.start()
     try:
         t0 = watch.arm()
@@ -244,12 +287,18 @@ def run_case(c: Cluster, fault: str, jobs: int = 10, seed: int = 1, drain_timeou
         except AssertionError:
             pass  # the checker names the jobs that did not end
         out.drain_s = time.monotonic() - t0
-        firsts = [t for t in (watch.first_down, watch.first_error) if t is not None]
+        firsts = [t for t in (watch.first_down, watch.first_error, watch.first_requeue) if t is not None]
         out.detect_s = min(firsts) - t0 if firsts else None
     finally:
         stop_submitting.set()
         watch.stop()
     out.problems += check(c, accepted)
+    if fault in SURVIVE:  # the portal's own outage: what ran goes on, as the same attempt, to its own end
+        for job_id, state, attempt in c.sql("SELECT id, state, attempt FROM jobs_job WHERE id = ANY(%s)",
+                                            [list(running)]):
+            if (state, attempt) != ("succeeded", running[job_id]):
+                out.problems.append(f"job {job_id}, running at the fault as attempt {running[job_id]}, did not run "
+                                    f"on: {state} at attempt {attempt}")
     if fault in AGENT_KEPT_DOWN:  # back for the next case
         c.start_agent(target)
         c.wait_nodes_ready(c.nodes, timeout=90)
