@@ -15,8 +15,8 @@ from portal.tenancy.models import Project
 
 from .models import TERMINAL, Job, JobEvent, JobTemplate, Priority
 from .selectors import LOG_PAGE_MAX_BYTES, env_reader_project_ids, env_visible, log_read
-from .services import (job_cancel, job_hold, job_move, job_release, job_resubmit, job_submit, job_update,
-                       template_delete, template_save)
+from .services import (job_cancel, job_hold, job_move, job_release, job_resubmit, job_submit, job_submit_batch,
+                       job_update, template_delete, template_save)
 from .spec import DurationField, JobSpecSerializer
 
 
@@ -175,14 +175,28 @@ class LogsQuerySerializer(serializers.Serializer):
     attempt = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False)
 
 
+class JobBatchSerializer(serializers.Serializer):
+    """A batch submit (documentation only: services.job_submit_batch checks it)."""
+
+    jobs = serializers.ListField(child=JobSpecSerializer(), min_length=1,
+                                 help_text="Job specs; each is `defaults` under its own fields. At most "
+                                           "JOB_BATCH_MAX_JOBS (10,000). Any refused job refuses the batch: "
+                                           "errors name `jobs[i].field`.")
+    defaults = serializers.DictField(required=False, help_text="Spec fields every job of the batch shares.")
+
+
+class JobBatchResultSerializer(serializers.Serializer):
+    ids = serializers.ListField(child=serializers.IntegerField(), help_text="The new jobs, in the order given.")
+
+
 class JobViewSet(mixins.ListModelMixin, TenantViewSet):
     """Jobs of the projects you may see. Submit with `submit` scope; cancel returns 202."""
 
     scoped_model = Job
     serializer_class = JobSerializer
     filterset_class = JobFilter
-    scope_for_action = {"create": "submit", "cancel": "submit", "resubmit": "submit", "hold": "submit",
-                        "release": "submit", "partial_update": "submit"}
+    scope_for_action = {"create": "submit", "batch": "submit", "cancel": "submit", "resubmit": "submit",
+                        "hold": "submit", "release": "submit", "partial_update": "submit"}
 
     def get_queryset(self):
         qs = super().get_queryset().select_related("project", "user", "node", "template")
@@ -227,6 +241,13 @@ class JobViewSet(mixins.ListModelMixin, TenantViewSet):
         job = self.get_queryset().get(pk=job.pk)
         return Response(JobSerializer(job, context=self.get_serializer_context()).data,
                         status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+
+    @extend_schema(request=JobBatchSerializer, responses={201: JobBatchResultSerializer})
+    @action(detail=False, methods=["post"])
+    def batch(self, request):
+        """Submit many jobs at once, all or nothing: each is `defaults` under its own fields."""
+        ids = job_submit_batch(actor=self.actor, data=request.data)
+        return Response({"ids": ids}, status=status.HTTP_201_CREATED)
 
     @extend_schema(request=None, responses={202: JobSerializer})
     @action(detail=True, methods=["post"])

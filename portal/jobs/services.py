@@ -86,24 +86,12 @@ def job_submit(*, actor: Actor, data: dict, idempotency_key: str = "") -> tuple[
     spec.is_valid(raise_exception=True)
     v = spec.validated_data
     res = v["resources"]
-    quota = project.quota
-    if res["gpus"] > 0 and quota.gpu_hours_budget is not None:
-        used = gpu_hours_used_this_month([project.pk]).get(project.pk, 0.0)
-        if used >= float(quota.gpu_hours_budget):
-            raise Conflict(f"The project's GPU-hour budget is spent: {used:.1f} of {quota.gpu_hours_budget} "
-                           "GPU-hours this month. Ask an owner to raise it.", code="budget_exhausted")
+    if res["gpus"] > 0:
+        _check_budget(project)
     try:
         with transaction.atomic():
             deps = _dependencies(project, v["depends_on"])
-            common = dict(
-                project=project, user=actor.user, name=v["name"], image=v["image"], command=v["command"],
-                env=v["env"], gpus=res["gpus"], nodes=res["nodes"], gpu_type=res["gpu_type"],
-                gpu_memory_mb=res["gpu_memory_mb"], cpus=res["cpus"], memory_mb=res["memory_mb"],
-                time_limit_s=v["time_limit"], priority=v["priority"], preemptible=v["preemptible"],
-                sandbox=v["sandbox"], network=v["network"], template=template, volumes=v["volumes"],
-                checkpoint_signal=(v["checkpoint"] or {}).get("signal", ""),
-                checkpoint_grace_s=(v["checkpoint"] or {}).get("grace_s"),
-            )
+            common = job_fields(actor, project, v, template)
             # An array parent is never scheduled itself: its tasks carry the reasons.
             job = Job.objects.create(**common, array=v["array"], is_array_parent=bool(v["array"]),
                                      idempotency_key=idempotency_key, idempotency_fingerprint=fingerprint,
@@ -130,6 +118,144 @@ def job_submit(*, actor: Actor, data: dict, idempotency_key: str = "") -> tuple[
         raise
     request_schedule_pass()
     return job, True
+
+
+def job_fields(actor: Actor, project: Project, v: dict, template: JobTemplate | None) -> dict:
+    """A new Job's fields from a checked spec (JobSpecSerializer's validated data)."""
+    res = v["resources"]
+    return dict(
+        project=project, user=actor.user, name=v["name"], image=v["image"], command=v["command"],
+        env=v["env"], gpus=res["gpus"], nodes=res["nodes"], gpu_type=res["gpu_type"],
+        gpu_memory_mb=res["gpu_memory_mb"], cpus=res["cpus"], memory_mb=res["memory_mb"],
+        time_limit_s=v["time_limit"], priority=v["priority"], preemptible=v["preemptible"],
+        sandbox=v["sandbox"], network=v["network"], template=template, volumes=v["volumes"],
+        checkpoint_signal=(v["checkpoint"] or {}).get("signal", ""),
+        checkpoint_grace_s=(v["checkpoint"] or {}).get("grace_s"),
+    )
+
+
+def _check_budget(project: Project) -> None:
+    """A GPU job is refused (409) once the project's GPU-hours this month reach its budget."""
+    quota = project.quota
+    if quota.gpu_hours_budget is None:
+        return
+    used = gpu_hours_used_this_month([project.pk]).get(project.pk, 0.0)
+    if used >= float(quota.gpu_hours_budget):
+        raise Conflict(f"The project's GPU-hour budget is spent: {used:.1f} of {quota.gpu_hours_budget} "
+                       "GPU-hours this month. Ask an owner to raise it.", code="budget_exhausted")
+
+
+# What the jobs of a batch (a sweep) usually differ in: checked one by one, field by field, so the
+# rest of their spec is checked once. No rule across fields reads them.
+PER_JOB_FIELDS = ("name", "env")
+
+
+def _check_field(serializer: JobSpecSerializer, field: str, value):
+    """One spec field checked as the whole spec would check it (the field, then validate_<field>)."""
+    try:
+        value = serializer.fields[field].run_validation(value)
+        if (check := getattr(serializer, f"validate_{field}", None)) is not None:
+            value = check(value)
+    except serializers.ValidationError as exc:
+        raise serializers.ValidationError({field: exc.detail}) from None
+    return value
+
+
+def job_submit_batch(*, actor: Actor, data) -> list[int]:
+    """Submit many jobs in one request, all or nothing; returns their ids in the given order.
+
+    `data` is {"jobs": [spec, ...], "defaults": {spec fields}}: each job is `defaults` under its
+    own fields, checked as a single submit would be (project, role, template, quota rules, budget).
+    Any refusal refuses the whole batch (400 naming `jobs[i].field`) and stores nothing. Jobs
+    that differ only in their name and environment are checked once. Plain jobs are stored with one bulk insert;
+    a batch holding an array, a dependency or a session port stores its jobs one by one.
+    """
+    from django.conf import settings
+
+    if not isinstance(data, dict):
+        raise InvalidInput("Expected a JSON object.")
+    defaults, specs = data.get("defaults", {}), data.get("jobs")
+    if not isinstance(defaults, dict):
+        raise InvalidInput("Expected a JSON object of spec fields.", field="defaults")
+    if not isinstance(specs, list) or not specs:
+        raise InvalidInput("Expected a list of at least one job spec.", field="jobs")
+    if len(specs) > settings.JOB_BATCH_MAX_JOBS:
+        raise InvalidInput(f"At most {settings.JOB_BATCH_MAX_JOBS} jobs in one request.", field="jobs")
+    projects: dict[str, Project] = {}
+    # Distinct specs (without their name) per project, each checked once, by one list serializer
+    # per project: building a serializer costs more than checking a spec.
+    distinct: dict[int, dict[str, tuple[dict, list[int]]]] = {}
+    parsed: list[tuple | None] = []  # per job: (project, template, spec key, name)
+    errors: dict[str, list] = {}
+    for i, item in enumerate(specs):
+        parsed.append(None)
+        if not isinstance(item, dict):
+            errors[f"jobs[{i}]"] = ["Expected a JSON object."]
+            continue
+        try:
+            slug = {**defaults, **item}.get("project")
+            if not isinstance(slug, str) or slug not in projects:
+                projects[slug] = _submit_project(actor, slug)  # InvalidInput for a bad or unknown slug
+            project = projects[slug]
+            merged, template = merge_template(project, {**defaults, **item})
+        except InvalidInput as exc:
+            errors.update({f"jobs[{i}].{k}": msgs for k, msgs in exc.as_fields().items()} or
+                          {f"jobs[{i}]": [exc.message]})
+            continue
+        own = {f: merged.pop(f) for f in PER_JOB_FIELDS if f in merged}
+        key = json.dumps(merged, sort_keys=True, default=str)
+        distinct.setdefault(project.pk, {}).setdefault(key, (merged, []))[1].append(i)
+        parsed[i] = (project, template, key, own)
+    checked: dict[tuple[int, str], dict] = {}
+    gpu_sizes: dict = {}  # the cluster's node sizes, read once for the whole batch
+    for project_pk, by_key in distinct.items():
+        keys = list(by_key)
+        spec = JobSpecSerializer(data=[by_key[k][0] for k in keys], many=True,
+                                 context={"project": next(p for p in projects.values() if p.pk == project_pk),
+                                          "gpu_sizes": gpu_sizes})
+        if spec.is_valid():
+            checked.update({(project_pk, k): v for k, v in zip(keys, spec.validated_data)})
+            continue
+        found = spec.errors
+        for n, detail in (found.items() if isinstance(found, dict) else enumerate(found)):
+            if not isinstance(detail, dict):
+                continue  # a spec with no errors of its own
+            for i in by_key[keys[int(n)]][1]:
+                errors.update({f"jobs[{i}].{field}": msgs for field, msgs in detail.items()})
+    fields_of = JobSpecSerializer()
+    items = []
+    for i, entry in enumerate(parsed):
+        if entry is None:
+            continue
+        project, template, key, own = entry
+        try:
+            own = {f: _check_field(fields_of, f, value) for f, value in own.items()}
+        except serializers.ValidationError as exc:
+            errors.update({f"jobs[{i}].{f}": msgs for f, msgs in exc.detail.items()})
+            continue
+        if (project.pk, key) in checked:
+            items.append((project, {**checked[(project.pk, key)], **own}, template))
+    if errors:
+        raise serializers.ValidationError(errors)
+    for project in {p.pk: p for p, v, _ in items if v["resources"]["gpus"] > 0}.values():
+        _check_budget(project)
+    plain = all(not (v["array"] or v["depends_on"] or v.get("ports")) for _, v, _ in items)
+    with transaction.atomic():
+        if plain:
+            jobs = Job.objects.bulk_create([
+                Job(**job_fields(actor, project, v, template), reason_code="new",
+                    reason_message="Waiting for the scheduler's next pass.") for project, v, template in items],
+                batch_size=2000)
+        else:
+            jobs = [job_submit(actor=actor, data={**defaults, **item})[0] for item in specs]
+        by_project: dict[int, list[Job]] = {}
+        for job in jobs:
+            by_project.setdefault(job.project_id, []).append(job)
+        for mine in by_project.values():
+            audit_record(actor=actor, action="job.submit_batch", obj=mine[0], project=mine[0].project,
+                         jobs=len(mine), first=mine[0].pk, last=mine[-1].pk)
+    request_schedule_pass()
+    return [job.pk for job in jobs]
 
 
 def job_spec_check(*, actor: Actor, data: dict) -> None:

@@ -166,19 +166,23 @@ class ResourcesSerializer(StrictSerializer):
         return data
 
 
-def _cluster_fit(res: dict) -> dict[str, list[str]]:
+def _cluster_fit(res: dict, known: dict | None = None) -> dict[str, list[str]]:
     """Field errors when no node set of the cluster could ever hold the job: more nodes than
     there are, or more GPUs per node than the largest has (of the asked type). A cluster with no
-    such node yet refuses nothing: its jobs wait until nodes register."""
+    such node yet refuses nothing: its jobs wait until nodes register. `known` keeps the node
+    sizes by GPU type for the next call (a batch submit reads them once)."""
     from django.db.models import Count
 
     from portal.nodes.models import GPU
 
-    gpus = GPU.objects.all()
-    if res["gpu_type"]:
-        gpus = gpus.filter(model=res["gpu_type"])
-    sizes = sorted(gpus.values("node_id").annotate(n=Count("id")).values_list("n", flat=True).order_by(),
-                   reverse=True)
+    known = {} if known is None else known
+    if res["gpu_type"] not in known:
+        gpus = GPU.objects.all()
+        if res["gpu_type"]:
+            gpus = gpus.filter(model=res["gpu_type"])
+        known[res["gpu_type"]] = sorted(
+            gpus.values("node_id").annotate(n=Count("id")).values_list("n", flat=True).order_by(), reverse=True)
+    sizes = known[res["gpu_type"]]
     if not sizes:
         return {}  # no node yet, or none of this type (the scheduler then says gpu_type)
     nodes, per = res["nodes"], int(res["gpus"]) // res["nodes"]
@@ -315,7 +319,7 @@ class JobSpecSerializer(StrictSerializer):
                 errors["resources.gpu_type"] = [f"{res['gpu_type']} is not allowed here; allowed: "
                                                 f"{', '.join(quota.allowed_gpu_types)}."]
             if res["gpus"] >= 1 and not any(k.startswith("resources.") for k in errors):
-                errors.update(_cluster_fit(res))
+                errors.update(_cluster_fit(res, self.context.get("gpu_sizes")))
         limit = data.get("time_limit") or min(settings.JOB_DEFAULT_TIME_LIMIT_S, quota.max_time_limit_s)
         if limit > quota.max_time_limit_s:
             errors["time_limit"] = [f"{limit} s exceeds the project maximum of {quota.max_time_limit_s} s."]
