@@ -103,6 +103,7 @@ class ScaleEvent(models.Model):
         SCALE_UP = "scale_up", "Scale up"
         REGISTERED = "registered", "Node registered"
         RELEASE = "release", "Release (drained)"
+        CONSOLIDATE = "consolidate", "Consolidate (jobs moved off)"
         RELEASED = "released", "Released"
         BOOT_TIMEOUT = "boot_timeout", "Boot timeout"
         PROVIDER_ERROR = "provider_error", "Provider error"

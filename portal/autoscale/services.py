@@ -293,6 +293,51 @@ def release(name: str, *, reason: str, now) -> bool:
     return _delete(pn, final_state=PoolNodeState.RELEASED, reason=reason, now=now)
 
 
+def _movable() -> set[str]:
+    """Running jobs the autoscaler may move to consolidate: they checkpoint, and are not do-not-disrupt."""
+    from portal.jobs.models import Job
+
+    return {str(j) for j in Job.objects.filter(state__in=_holding(), do_not_disrupt=False)
+            .exclude(checkpoint_signal="").values_list("pk", flat=True)}
+
+
+def consolidate(name: str, job_ids: list[str], *, now) -> bool:
+    """Move the checkpointing jobs off a lightly used node so it can be released: drain it (under the
+    scheduling lock, after checking it holds exactly these jobs, each still movable), then move
+    each job (it saves its checkpoint and resumes on another node of the pool). The node is deleted
+    by a later tick once empty, as any release."""
+    from portal.core import locks
+    from portal.jobs.models import Job
+    from portal.jobs.services import job_move
+
+    wanted = {int(j) for j in job_ids}
+    with transaction.atomic():
+        locks.xact_lock(locks.SCHEDULE_PASS)
+        pn = PoolNode.objects.select_for_update().filter(name=name, state=PoolNodeState.READY).select_related(
+            "pool").first()
+        if pn is None or pn.node_id is None:
+            return False
+        holding = Job.objects.filter(state__in=_holding(), node_id=pn.node_id)
+        held = set(holding.values_list("pk", flat=True))
+        movable = set(holding.filter(do_not_disrupt=False).exclude(checkpoint_signal="").values_list("pk", flat=True))
+        if held != wanted or movable != wanted:
+            return False  # a job started or changed meanwhile: keep the node
+        why = (f"consolidating: moving job{'s' if len(wanted) > 1 else ''} {', '.join(map(str, sorted(wanted)))} "
+               f"(checkpointing) to the pool's other nodes, then releasing it")
+        if not Node.objects.filter(pk=pn.node_id, state=NodeState.READY).update(
+                state=NodeState.DRAINING, state_reason=f"autoscaler: {why}"[:200]):
+            return False
+        PoolNode.objects.filter(pk=pn.pk).update(state=PoolNodeState.RELEASING, release_started_at=now, reason=why)
+        audit_record(actor=ACTOR, action="node.drain", obj=pn.node, reason=f"autoscaler: {why}")
+        _event(pn.pool, ScaleEvent.Kind.CONSOLIDATE, f"{name}: {why}", nodes=[name], now=now)
+    for job in Job.objects.filter(pk__in=wanted):
+        try:
+            job_move(actor=ACTOR, job=job)
+        except ServiceError as exc:  # it ended meanwhile: nothing to move
+            log.info("consolidating %s: job %s not moved: %s", name, job.pk, exc)
+    return True
+
+
 def tick(now=None) -> dict:
     """One autoscaler tick (module docstring)."""
     now = now or timezone.now()
@@ -329,7 +374,7 @@ def _tick(now, pools) -> dict:
     specs = [_spec(p, now) for p in pools.values()]
     nodes = _pool_nodes(now)
     budgets = _budgets({j.project for j in snapshot.queued}, now)
-    sp = autoscale(snapshot, plan, specs, nodes, budgets, now.timestamp())
+    sp = autoscale(snapshot, plan, specs, nodes, budgets, now.timestamp(), movable=_movable())
     for name, jobs in sp.on_booting.items():
         PoolNode.objects.filter(name=name, state=PoolNodeState.BOOTING).update(jobs=[int(j) for j in jobs])
     added = []
@@ -355,6 +400,9 @@ def _tick(now, pools) -> dict:
         idle = now.timestamp() - (node.idle_since or now.timestamp())
         if release(name, reason=f"idle for {idle:.0f} s (pool idle time {pools[node.pool].idle_release_s} s)",
                    now=now):
+            released.append(name)
+    for name, job_ids in sp.consolidate.items():
+        if consolidate(name, job_ids, now=now):
             released.append(name)
     cache.set(NOTES_KEY, sp.notes, timeout=max(60, int(4 * settings.AUTOSCALE_INTERVAL_S)))
     return {**out, "added": added, "released": released, "notes": len(sp.notes),

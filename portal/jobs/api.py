@@ -72,7 +72,7 @@ class JobSerializer(serializers.ModelSerializer):
     class Meta:
         model = Job
         fields = ["id", "project", "user", "name", "image", "command", "env", "resources", "time_limit", "priority",
-                  "preemptible", "checkpoint", "sandbox", "network", "volumes", "array", "is_array_parent", "array_parent", "array_index",
+                  "preemptible", "do_not_disrupt", "checkpoint", "sandbox", "network", "volumes", "array", "is_array_parent", "array_parent", "array_index",
                   "array_limit", "depends_on", "template", "resubmit_of", "state", "held", "slurm_code", "slurm_id", "attempt", "reason",
                   "queue_position", "node", "placement_topology", "exit_code", "submitted_at", "started_at", "ended_at", "elapsed", "tasks",
                   "idle_since", "warnings"]

@@ -71,6 +71,8 @@ class Job(models.Model):
     time_limit_s = models.PositiveIntegerField()
     priority = models.CharField(max_length=8, choices=Priority.choices, default=Priority.NORMAL)
     preemptible = models.BooleanField(default=False)
+    # Never moved to consolidate nodes (the autoscaler's scale-down, docs/autoscaling.md), checkpoint or not.
+    do_not_disrupt = models.BooleanField(default=False)
     sandbox = models.CharField(max_length=8, default="docker")
     network = models.BooleanField(default=False)
     # Checkpointing (docs/jobs.md): when it is preempted, migrated, its node drained or its GPU

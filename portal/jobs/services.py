@@ -22,7 +22,7 @@ from .spec import JobSpecSerializer, parse_array
 from .states import requeue_holding, transition
 
 SPEC_FIELDS = ("name", "image", "command", "env", "resources", "time_limit", "priority", "preemptible", "sandbox",
-               "network", "array", "depends_on", "checkpoint")
+               "network", "array", "depends_on", "checkpoint", "do_not_disrupt")
 
 
 def _submit_project(actor: Actor, slug) -> Project:
@@ -131,6 +131,7 @@ def job_fields(actor: Actor, project: Project, v: dict, template: JobTemplate | 
         sandbox=v["sandbox"], network=v["network"], template=template, volumes=v["volumes"],
         checkpoint_signal=(v["checkpoint"] or {}).get("signal", ""),
         checkpoint_grace_s=(v["checkpoint"] or {}).get("grace_s"),
+        do_not_disrupt=v.get("do_not_disrupt", False),
     )
 
 
@@ -372,6 +373,7 @@ def job_resubmit(*, actor: Actor, job: Job) -> Job:
         "resources": {"gpus": str(job.gpus), "nodes": job.nodes, "gpu_type": job.gpu_type,
                       "gpu_memory_mb": job.gpu_memory_mb, "cpus": str(job.cpus), "memory_mb": job.memory_mb},
         "time_limit": job.time_limit_s, "priority": job.priority, "preemptible": job.preemptible,
+        "do_not_disrupt": job.do_not_disrupt,
         "sandbox": job.sandbox, "network": job.network, "array": job.array, "volumes": job.volumes,
         "checkpoint": job.checkpoint,
     }

@@ -217,6 +217,8 @@ class JobSpecSerializer(StrictSerializer):
     time_limit = DurationField(required=False)
     priority = serializers.ChoiceField(choices=Priority.choices, default=Priority.NORMAL)
     preemptible = serializers.BooleanField(default=False)
+    do_not_disrupt = serializers.BooleanField(
+        default=False, help_text="Never move this job to consolidate nodes before releasing one (docs/autoscaling.md).")
     sandbox = serializers.ChoiceField(choices=JOB_SANDBOXES, default=DEFAULT_SANDBOX)
     network = serializers.BooleanField(default=False)
     array = serializers.CharField(max_length=64, required=False, allow_blank=True, default="")

@@ -88,6 +88,8 @@ class ScalePlan:
     up: dict[str, PoolUp] = field(default_factory=dict)
     on_booting: dict[str, list[str]] = field(default_factory=dict)  # booting node -> jobs it will take
     release: list[str] = field(default_factory=list)
+    # Consolidation: node -> the jobs to move off it (to free nodes of the pool) so it can be released.
+    consolidate: dict[str, list[str]] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)  # job id -> why it waits (limits, back-off)
     demand_gpus: dict[str, float] = field(default_factory=dict)  # pool -> GPUs of its demand jobs
 
@@ -129,9 +131,11 @@ def _parts(job) -> list[int]:
 
 
 def autoscale(snapshot: Snapshot, plan: Plan, pools: list[PoolSpec], nodes: list[PoolNode],
-              budgets: dict[str, float | None] | None = None, now: float | None = None) -> ScalePlan:
+              budgets: dict[str, float | None] | None = None, now: float | None = None,
+              movable: set[str] | frozenset = frozenset()) -> ScalePlan:
     """What to add and release after this pass. `budgets`: remaining GPU-hours this month per
-    project (None or absent: no budget)."""
+    project (None or absent: no budget). `movable`: running jobs that may be moved to consolidate
+    (they checkpoint and are not marked do-not-disrupt)."""
     now = snapshot.now if now is None else now
     out = ScalePlan()
     budgets = dict(budgets or {})
@@ -244,4 +248,47 @@ def autoscale(snapshot: Snapshot, plan: Plan, pools: list[PoolSpec], nodes: list
                        and now - n.idle_since >= p.idle_release_s), key=lambda n: (n.idle_since, n.name))
         room = min(live[p.name] - p.min_nodes, p.max_concurrent_releases - releasing[p.name])
         out.release += [n.name for n in idle[:max(room, 0)]]
+        room -= len(idle[:max(room, 0)])
+        if room > 0 and movable:
+            out.consolidate.update(_consolidate(snapshot, p, nodes, set(out.release), movable, now, room))
+    return out
+
+
+def _consolidate(snapshot: Snapshot, pool: PoolSpec, nodes: list[PoolNode], releasing: set[str],
+                 movable, now: float, room: int) -> dict[str, list[str]]:
+    """Lightly used ready nodes (at most half their GPUs busy, no job started there for the pool's
+    idle time) whose every job may move and fits, whole, on the free GPUs of the pool's other
+    ready nodes: those jobs are moved (they resume from their checkpoints) and the node is released
+    once empty. Least used first, at most `room` nodes."""
+    mine = {n.name for n in nodes if n.pool == pool.name and n.state == READY and n.name not in releasing}
+    core_nodes = {n.name: n for n in snapshot.nodes if n.name in mine}
+    gpu_node = {g.id: n.name for n in core_nodes.values() for g in n.gpus}
+    jobs_on: dict[str, list] = {name: [] for name in core_nodes}
+    used: dict[str, float] = {name: 0.0 for name in core_nodes}
+    last_start: dict[str, float] = {}
+    for a in snapshot.running:
+        names = {gpu_node.get(g) for g in a.gpu_ids} - {None}
+        for name in names:
+            jobs_on[name].append(a)
+            used[name] += sum(1 for g in a.gpu_ids if gpu_node.get(g) == name)
+            last_start[name] = max(last_start.get(name, a.start_time), a.start_time)
+    free = {name: sum(1 for g in n.gpus if g.healthy) - used[name] for name, n in core_nodes.items()
+            if n.schedulable}
+    out: dict[str, list[str]] = {}
+    candidates = sorted((name for name in core_nodes if jobs_on[name]), key=lambda n: (used[n], n))
+    for name in candidates:
+        if len(out) >= room:
+            break
+        allocs = jobs_on[name]
+        if used[name] > pool.gpus_per_node / 2 or now - last_start.get(name, now) < pool.idle_release_s:
+            continue
+        if any(a.job.id not in movable or a.job.nodes > 1 or a.fractions for a in allocs):
+            continue
+        bins = [[other, f] for other, f in sorted(free.items(), key=lambda kv: (kv[1], kv[0]))
+                if other != name and other not in out and f > 0]
+        if all(_fit([len(a.gpu_ids)], bins) for a in sorted(allocs, key=lambda a: -len(a.gpu_ids))):
+            out[name] = sorted(a.job.id for a in allocs)
+            for other, f in bins:
+                free[other] = f
+            free.pop(name, None)
     return out

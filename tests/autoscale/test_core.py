@@ -100,3 +100,23 @@ def test_idle_nodes_are_released_longest_idle_first_within_the_limits():
 def test_min_nodes_are_kept_without_demand():
     out = run([], [], [pool(min_nodes=2)])
     assert out.up["h100"].nodes == 2 and out.up["h100"].wanted == 0
+
+
+def test_a_lightly_used_node_of_movable_jobs_is_consolidated_onto_the_others():
+    a, b = node("h100-1"), node("h100-2")
+    running = [Allocation(job(100 + k), [f"h100-1/{k}"], 0.0) for k in range(4)]  # a: half busy, not movable
+    running += [Allocation(job(200), ["h100-2/0"], 0.0), Allocation(job(201, gpus=2), ["h100-2/1", "h100-2/2"], 0.0)]
+    pool_nodes = [PoolNode("h100-1", "h100", READY, 0.0), PoolNode("h100-2", "h100", READY, 0.0)]
+
+    def plan(movable, now=1000.0, **kw):
+        snap = Snapshot(now, [a, b], running, [], {}, {}, {})
+        return autoscale(snap, schedule(snap), [pool(**kw)], pool_nodes, None, now, movable=movable)
+
+    assert plan({"200", "201"}).consolidate == {"h100-2": ["200", "201"]}
+    # A do-not-disrupt (or non-checkpointing) job on it: the node stays.
+    assert plan({"200"}).consolidate == {}
+    # A job started there within the idle time: it stays too.
+    assert plan({"200", "201"}, now=200.0).consolidate == {}
+    # No room left on the other node for all of them: nothing moves.
+    running += [Allocation(job(300 + k), [f"h100-1/{4 + k}"], 0.0) for k in range(2)]
+    assert plan({"200", "201"}).consolidate == {}

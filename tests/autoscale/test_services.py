@@ -205,3 +205,54 @@ def test_a_release_racing_a_submit_never_leaves_a_job_on_a_deleted_node(demo, tm
     run_pass()
     if pn.state == "released":
         assert not Allocation.objects.filter(gpu__node__name="h100-1").exists()
+
+
+def test_checkpointing_jobs_are_moved_off_a_lightly_used_node_which_is_then_released(demo, tmp_path, calls):
+    """Consolidation: node h100-2 runs one checkpointing job, h100-1 has room for it. The job is moved
+    (its checkpoint signal and grace, then it resumes elsewhere) and h100-2 is released once empty;
+    a do-not-disrupt job, or one that does not checkpoint, keeps its node."""
+    from portal.jobs.states import transition
+    from portal.nodes.services import node_add
+
+    pool = make_pool(tmp_path, idle_release_s=60, max_concurrent_releases=2)
+    long_ago = timezone.now() - timedelta(hours=1)
+    for name in ("h100-1", "h100-2"):
+        node, _ = node_add(actor=Actor(user=None, label="test"), name=name, gpus="8xH100-80GB", pool="h100",
+                           cpus=16, memory_mb=65536)
+        PoolNode.objects.create(pool=pool, name=name, node=node, gpus=8, state="ready", created_at=long_ago,
+                                registered_at=long_ago)
+    actor = Actor(user=demo.users["alice"])
+    spec = {"project": "vision", "name": "c", "image": IMAGE, "command": ["true"],
+            "resources": {"gpus": 1, "cpus": 0.1, "memory_mb": 64}, "checkpoint": {"signal": "SIGUSR1", "grace_s": 30}}
+    no_checkpoint = {k: v for k, v in spec.items() if k != "checkpoint"}
+    keep, _ = job_submit(actor=actor, data={**no_checkpoint, "resources": {"gpus": 4, "cpus": 0.1, "memory_mb": 64}})
+    run_pass()  # best fit: the 4-GPU job on h100-1
+    Node.objects.filter(name="h100-1").update(state="drained")
+    fixed, _ = job_submit(actor=actor, data={**spec, "do_not_disrupt": True})
+    run_pass()  # on h100-2
+    Node.objects.filter(name="h100-1").update(state="ready")
+    assert Job.objects.get(pk=fixed.pk).node.name == "h100-2" and Job.objects.get(pk=keep.pk).node.name == "h100-1"
+    for j in (keep, fixed):
+        transition(j.pk, to="starting", from_states={"assigned"})
+        transition(j.pk, to="running", from_states={"starting"})
+    Allocation.objects.update(started_at=long_ago)
+    services.tick()
+    assert not ScaleEvent.objects.filter(kind="consolidate").exists()  # do-not-disrupt: h100-2 stays
+    Job.objects.filter(pk=fixed.pk).update(do_not_disrupt=False)
+    services.tick()
+    ev = ScaleEvent.objects.get(kind="consolidate")
+    assert ev.nodes == ["h100-2"] and f"moving job {fixed.pk} (checkpointing)" in ev.reason
+    moved = Job.objects.get(pk=fixed.pk)
+    assert moved.state == "queued" and moved.attempt == 2 and moved.reason_code == "moved"
+    assert Node.objects.get(name="h100-2").state in ("draining", "drained")
+    assert PoolNode.objects.get(name="h100-2").state == "releasing"
+    assert Job.objects.get(pk=keep.pk).state == "running"  # the other node's job is not touched
+    # Once the old attempt has stopped (its allocation released), a later tick deletes the node.
+    Allocation.objects.filter(job=moved, released_at__isnull=True).update(released_at=timezone.now())
+    services.tick(now=timezone.now() + timedelta(seconds=30))
+    assert PoolNode.objects.get(name="h100-2").state == "released"
+    assert "suspend h100-2 " in calls.read_text()
+    # The moved job resumes on the pool's other node.
+    Job.objects.filter(pk=moved.pk).update(resume_after=None)
+    run_pass()
+    assert Job.objects.get(pk=moved.pk).node.name == "h100-1"
