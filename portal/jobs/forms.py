@@ -9,11 +9,12 @@ from agents.protocol import DEFAULT_SANDBOX, JOB_SANDBOXES
 from portal.core.numbers import parse_int
 
 from .models import JobState, Priority
+from .spec import CHECKPOINT_SIGNALS
 
 # The API's field names for the form's resource inputs.
 RESOURCE_FIELDS = ("gpus", "nodes", "gpus_per_node", "gpu_type", "gpu_memory_mb", "cpus", "memory_mb")
 # Spec fields a template may lock -> the inputs that show them.
-INPUTS_FOR_SPEC_FIELD = {"resources": RESOURCE_FIELDS}
+INPUTS_FOR_SPEC_FIELD = {"resources": RESOURCE_FIELDS, "checkpoint": ("checkpoint_signal", "checkpoint_grace_s")}
 
 
 def _number(**attrs):
@@ -49,6 +50,12 @@ class JobSubmitForm(forms.Form):
     preemptible = forms.BooleanField(required=False, label="Preemptible (cheaper; may be stopped and requeued)")
     sandbox = forms.ChoiceField(choices=[(s, s) for s in JOB_SANDBOXES], initial=DEFAULT_SANDBOX, label="Sandbox")
     network = forms.BooleanField(required=False, label="Network access (if the project allows it)")
+    checkpoint_signal = forms.ChoiceField(required=False, label="Checkpoints on",
+                                          choices=[("", "No checkpoints")] + [(s, s) for s in CHECKPOINT_SIGNALS],
+                                          help_text="The signal the job traps to save to GPUPORTAL_CHECKPOINT_DIR: "
+                                                    "then a preemption or a move resumes it instead of restarting it.")
+    checkpoint_grace_s = forms.CharField(required=False, label="Seconds to save", widget=_number(placeholder="120"),
+                                         help_text="How long it may take after the signal.")
     array = forms.CharField(required=False, max_length=64, label="Array",
                             help_text="Run as an array: 0-99, 1,3,5, with an optional %N cap on tasks at once.")
     depends_on = forms.CharField(required=False, max_length=1000, label="Depends on",
@@ -77,6 +84,8 @@ class JobSubmitForm(forms.Form):
                 initial.update({k: value[k] for k in RESOURCE_FIELDS if k in value})
             elif key == "depends_on" and isinstance(value, list):
                 initial[key] = ", ".join(str(v) for v in value)
+            elif key == "checkpoint" and isinstance(value, dict):
+                initial.update(checkpoint_signal=value.get("signal", "SIGUSR1"), checkpoint_grace_s=value.get("grace_s"))
             else:
                 initial[key] = value
         return initial
@@ -125,6 +134,9 @@ class JobSubmitForm(forms.Form):
                 data[key] = d[key].strip()
         if d.get("depends_on"):
             data["depends_on"] = d["depends_on"]
+        if d.get("checkpoint_signal"):
+            grace = (d.get("checkpoint_grace_s") or "").strip()
+            data["checkpoint"] = {"signal": d["checkpoint_signal"], **({"grace_s": grace} if grace else {})}
         if self.template is not None:
             data["template"] = self.template.name
             for key in locked:
@@ -152,6 +164,8 @@ class JobSubmitForm(forms.Form):
             return parts[1] if len(parts) > 1 and parts[1] in RESOURCE_FIELDS else "gpus"
         if parts[0] == "template":
             return None
+        if parts[0] == "checkpoint":
+            return "checkpoint_grace_s" if parts[1:2] == ["grace_s"] else "checkpoint_signal"
         return parts[0] if parts[0] in self.fields else None
 
 
