@@ -1,15 +1,27 @@
 """Writes for nodes and GPUs: registration by operators, drain and undrain."""
+import copy
+import logging
 import re
 import secrets
+import time
 import uuid
+from datetime import timedelta
+from datetime import timezone as dt_timezone
 
+from django.conf import settings
 from django.db import connection, transaction
+from django.db.models import Q
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 
 from portal.accounts import tokens
 from portal.core.context import Actor
 from portal.core.errors import Conflict, Forbidden, InvalidInput
 from portal.core.queue import request_schedule_pass
 from portal.core.services import audit_record, require_operator
+from portal.jobs.models import HOLDING, Allocation, Job, JobEvent
+from portal.jobs.reports import job_requeue_after_node_fault
+from portal.jobs.states import requeue_holding
 from scheduler.dispatch import send_probe, send_stop
 
 from .models import GPU, GPUHealth, GPUMode, Node, NodeState, ReaperState
@@ -59,8 +71,6 @@ def node_add(*, actor: Actor, name: str, gpus: str = "", pool: str = "default", 
 def node_drain(*, actor: Actor, node: Node, reason: str = "") -> Node:
     """No new jobs; jobs that checkpoint move elsewhere (their signal, their grace, then requeued to
     resume); the node becomes drained once the others have ended."""
-    from portal.jobs.models import HOLDING
-
     require_operator(actor, NODES_REFUSAL)
     if node.state not in (NodeState.READY, NodeState.DRAINING):
         raise Conflict(f"Node {node.name} is {node.state}; only a ready node can be drained.")
@@ -90,9 +100,6 @@ def migrate_checkpointing_jobs(*, node: Node, why: str, reason_code: str) -> lis
     """Move every checkpointing job off `node` (a drain, a fault), in the caller's transaction: each is
     requeued as its next attempt, and after commit its old attempt gets its checkpoint signal and
     grace (jobs.states.requeue_holding). Jobs that do not checkpoint are left to finish."""
-    from portal.jobs.models import HOLDING, Allocation, Job
-    from portal.jobs.states import requeue_holding
-
     ids = set(Allocation.objects.filter(gpu__node=node, released_at__isnull=True).values_list("job_id", flat=True))
     ids |= set(node.jobs.filter(state__in=HOLDING).values_list("pk", flat=True))
     moved = []
@@ -112,8 +119,6 @@ def migrate_checkpointing_jobs(*, node: Node, why: str, reason_code: str) -> lis
 
 def node_settle_drain(node_id: int) -> None:
     """A draining node with no job left becomes drained (called when a job ends)."""
-    from portal.jobs.models import HOLDING
-
     if not Node.objects.filter(pk=node_id, jobs__state__in=HOLDING).exists():
         Node.objects.filter(pk=node_id, state=NodeState.DRAINING).update(state=NodeState.DRAINED)
 
@@ -142,9 +147,6 @@ class NodeTokenRevoked(Exception):
 def node_authenticate(secret: str, *, confirmed_later: bool = False) -> Node | None:
     """The node a token belongs to, or None. With ``confirmed_later`` (the heartbeat, whose own
     UPDATE checks the token again) a node read in the last minute is answered from memory."""
-    import copy
-    import time
-
     if not tokens.looks_valid(secret, kind="gpn"):
         return None
     digest = tokens.digest(secret)
@@ -176,8 +178,6 @@ def agent_register(*, node: Node, name: str, cpus: int, memory_mb: int, sandbox:
     without the NVIDIA runtime): its healthy GPUs turn unhealthy with that reason, so the
     scheduler places no GPU job there and the nodes page says why. A later registration
     without it (the runtime was installed, the agent restarted) puts them back in service."""
-    from django.utils import timezone
-
     if name != node.name:
         raise Forbidden(f"This token belongs to node {node.name}, not {name}.", field="name")
     with transaction.atomic():
@@ -253,19 +253,12 @@ def _gpus_usable_apply(*, node: Node, sandbox: str, problem: str) -> None:
 
 
 def _queue_verified_in_tests() -> dict:
-    from django.conf import settings
-    from django.utils import timezone
-
     return {"queue_verified_at": timezone.now(), "queue_probe": ""} if settings.TEST_NODES_SKIP_QUEUE_PROBE else {}
 
 
 def _queue_probe_resend(node: Node) -> None:
     """A probe still unanswered QUEUE_PROBE_RESEND_S after it was sent goes again (the broker may
     have been down at registration); once a while, so a misconfigured agent does not fill its queue."""
-    from datetime import timedelta
-
-    from django.utils import timezone
-
     if not node.queue_probe or node.queue_verified_at is not None:
         return
     now = timezone.now()
@@ -279,8 +272,6 @@ def agent_probe_answer(*, node: Node, nonce: str) -> str:
     """The agent got the probe from its queue: from now on the node takes jobs. Returns
     "verified", or "duplicate" for a probe answered again; an unknown nonce (a probe of an
     earlier registration) is a Conflict."""
-    from django.utils import timezone
-
     with transaction.atomic():
         if not Node.objects.filter(pk=node.pk, queue_probe=nonce).exclude(queue_probe="").update(
                 queue_probe="", queue_verified_at=timezone.now()):
@@ -314,10 +305,6 @@ def raw_sql(template: str, params: list, *, fetch: bool = False, **tables) -> li
 def _datetime(value):
     """A timestamp column read by plain SQL: SQLite gives text (naive UTC), PostgreSQL a datetime."""
     if isinstance(value, str):
-        from datetime import timezone as dt_timezone
-
-        from django.utils.dateparse import parse_datetime
-
         value = parse_datetime(value)
         if value is not None and value.tzinfo is None:
             value = value.replace(tzinfo=dt_timezone.utc)
@@ -325,8 +312,6 @@ def _datetime(value):
 
 
 def _db_now():
-    from django.utils import timezone
-
     return connection.ops.adapt_datetimefield_value(timezone.now())
 
 
@@ -358,11 +343,6 @@ def gpu_unhealthy_handle(*, gpu: GPU, reason: str) -> dict:
        not touch it: it keeps running, with a warning on its timeline and as its reason.
     2. With GPU_HEALTH_AUTO_DRAIN on, a ready node is drained: no new job lands on it.
     """
-    from django.conf import settings
-
-    from portal.jobs.models import HOLDING, Allocation, Job, JobEvent
-    from portal.jobs.states import requeue_holding
-
     node = Node.objects.get(pk=gpu.node_id)
     what = f"GPU {gpu.index} of node {node.name} is unhealthy ({reason})"
     job_ids = Allocation.objects.filter(gpu=gpu, released_at__isnull=True, job__state__in=HOLDING).values("job_id")
@@ -422,8 +402,6 @@ def node_drain_for_fault(*, node: Node, problem: str) -> bool:
     """Drain a node its agent reports broken (a GPU it could not scrub, a sandbox it could not kill),
     whatever GPU_HEALTH_AUTO_DRAIN says: no new job lands there until an operator undrains it
     (docs/reliability.md rule 5). Returns True when this call drained it."""
-    from portal.jobs.models import HOLDING
-
     reason = f"Auto-drained: {problem}"[:200]
     with transaction.atomic():
         if Node.objects.filter(pk=node.pk, state=NodeState.READY).exists():
@@ -449,16 +427,6 @@ def nodes_reap() -> dict:
        likelier culprit: mark nothing, say so, and count leases afresh once it is over (the
        Kubernetes all-zones rule), so the nodes that come back last are not reaped for it.
     """
-    import logging
-    from datetime import timedelta
-
-    from django.conf import settings
-    from django.db.models import Q
-    from django.utils import timezone
-
-    from portal.jobs.models import HOLDING, Job
-    from portal.jobs.reports import job_requeue_after_node_fault
-
     now = timezone.now()
     cutoff = now - timedelta(seconds=settings.NODE_TIMEOUT_S)
     fresh_since = _reaper_mark_run(now)
@@ -500,11 +468,6 @@ def nodes_reap() -> dict:
 
 def _reaper_mark_run(now):
     """Record this reaper run; returns since when every node's lease counts (ReaperState)."""
-    import logging
-    from datetime import timedelta
-
-    from django.conf import settings
-
     with transaction.atomic():
         state, created = ReaperState.objects.select_for_update().get_or_create(
             pk=1, defaults={"last_run_at": now, "leases_fresh_since": now - timedelta(days=1)})
