@@ -47,7 +47,8 @@ def fill():
     projects = list(Project.objects.all())
     users = {p.pk: get_user_model().objects.filter(memberships__project=p, memberships__role__in=["owner", "member"])
              .first() for p in projects}
-    nodes = Node.objects.bulk_create([Node(name=f"n{i:04d}", state="ready", last_heartbeat_at=timezone.now())
+    nodes = Node.objects.bulk_create([Node(name=f"n{i:04d}", state="ready", last_heartbeat_at=timezone.now(),
+                                           queue_verified_at=timezone.now())  # takes jobs (Node.schedulable)
                                       for i in range(NODES)])
     gpus = GPU.objects.bulk_create([GPU(node=n, index=g, uuid=f"GPU-{uuid.uuid4()}", model="H100-80GB",
                                         memory_mb=81920) for n in nodes for g in range(GPUS_PER_NODE)])
@@ -79,7 +80,15 @@ def main():
               f"in {time.perf_counter() - t0:.1f}s (database {name})")
         for i in range(3):
             t = time.perf_counter()
-            result = run_pass()
+            if i == 2 and os.environ.get("PROFILE"):
+                import cProfile
+                import pstats
+
+                profile = cProfile.Profile()
+                result = profile.runcall(run_pass)
+                pstats.Stats(profile).sort_stats("cumtime").print_stats(40)
+            else:
+                result = run_pass()
             print(f"pass {i + 1}: {time.perf_counter() - t:.2f}s total  build {result['build_s']:.2f}s  "
                   f"core {result['core_s']:.2f}s  apply {result['apply_s']:.2f}s  commit+publish {result['commit_publish_s']:.2f}s  started {result['started']}  waiting {result['waiting']}  "
                   f"reasons written {result['reasons_written']}")

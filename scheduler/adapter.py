@@ -28,7 +28,7 @@ from portal.core import locks
 from portal.core.crashpoints import crashpoint
 from portal.core.passes import pass_begins
 from portal.jobs.models import HOLDING, QOS_VALUE, TERMINAL, Allocation, Job, JobState
-from portal.jobs.selectors import decayed_usage, gpu_hours_used_this_month, launch_specs
+from portal.jobs.selectors import launch_specs, usage_for_pass
 from portal.jobs.states import transition
 from portal.jobs.usage import usage_fold
 from portal.nodes.models import GPU, GPUHealth, GPUMode, Node, NodeState
@@ -154,8 +154,8 @@ def build_snapshot(now=None):
     project_slugs = {j.project for j in queued} | {a.job.project for a in running}
     quotas = Quota.objects.filter(project__slug__in=project_slugs).select_related("project__organization")
     project_ids = {q.project.slug: q.project_id for q in quotas}
-    used_hours = gpu_hours_used_this_month(project_ids.values(), now)
-    usage = decayed_usage(project_ids.values(), half_life_s=settings.SCHEDULER_FAIRSHARE_HALF_LIFE_S, now=now)
+    used_hours, usage = usage_for_pass(project_ids.values(), half_life_s=settings.SCHEDULER_FAIRSHARE_HALF_LIFE_S,
+                                       now=now)
     projects = {}
     for q in quotas:
         slug = q.project.slug

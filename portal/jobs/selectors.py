@@ -35,19 +35,8 @@ def gpu_hours_used_this_month(project_ids, now: datetime | None = None) -> dict[
 
     Two indexed reads whatever the month's history: the month's running total, and the
     allocations not in it yet."""
-    from .models import ProjectMonthUsage
-
-    now = now or timezone.now()
-    start = month_start(now)
     ids = list(project_ids)
-    used: dict[int, float] = defaultdict(float)
-    for project_id, gpu_s in ProjectMonthUsage.objects.filter(project_id__in=ids, month=start.date()).values_list(
-            "project_id", "gpu_s"):
-        used[project_id] += gpu_s / 3600
-    for project_id, started, released, fraction in untallied_allocations(ids):
-        seconds = ((released or now) - max(started, start)).total_seconds()
-        used[project_id] += max(0.0, seconds) * float(fraction) / 3600
-    return dict(used)
+    return _month_hours(ids, now or timezone.now(), list(untallied_allocations(ids)))
 
 
 def decayed_usage(project_ids, *, half_life_s: float, now: datetime | None = None) -> dict[int, float]:
@@ -55,10 +44,35 @@ def decayed_usage(project_ids, *, half_life_s: float, now: datetime | None = Non
     to the allocation's end (now for open ones): the running total decayed to now, plus the
     allocations not in it yet. A total kept under another half-life (the setting changed; the
     next fold rebuilds it) is replaced by its project's allocations."""
+    ids = list(project_ids)
+    return _decayed(ids, half_life_s, now or timezone.now(), list(untallied_allocations(ids)))
+
+
+def usage_for_pass(project_ids, *, half_life_s: float, now: datetime) -> tuple[dict[int, float], dict[int, float]]:
+    """(gpu_hours_used_this_month, decayed_usage) with one read of the untallied allocations: a pass
+    needs both, and the open allocations are most of those rows."""
+    ids = list(project_ids)
+    rows = list(untallied_allocations(ids))
+    return _month_hours(ids, now, rows), _decayed(ids, half_life_s, now, rows)
+
+
+def _month_hours(ids: list[int], now: datetime, rows: list) -> dict[int, float]:
+    from .models import ProjectMonthUsage
+
+    start = month_start(now)
+    used: dict[int, float] = defaultdict(float)
+    for project_id, gpu_s in ProjectMonthUsage.objects.filter(project_id__in=ids, month=start.date()).values_list(
+            "project_id", "gpu_s"):
+        used[project_id] += gpu_s / 3600
+    for project_id, started, released, fraction in rows:
+        seconds = ((released or now) - max(started, start)).total_seconds()
+        used[project_id] += max(0.0, seconds) * float(fraction) / 3600
+    return dict(used)
+
+
+def _decayed(ids: list[int], half_life_s: float, now: datetime, rows: list) -> dict[int, float]:
     from .models import ProjectFairshare
 
-    now = now or timezone.now()
-    ids = list(project_ids)
     usage: dict[int, float] = defaultdict(float)
     stale = []
     for project_id, half_life, value, as_of in ProjectFairshare.objects.filter(project_id__in=ids).values_list(
@@ -67,10 +81,9 @@ def decayed_usage(project_ids, *, half_life_s: float, now: datetime | None = Non
             stale.append(project_id)
         else:
             usage[project_id] += decay(value, (now - as_of).total_seconds(), half_life_s)
-    rows = list(untallied_allocations(ids))
     if stale:
-        rows += Allocation.objects.filter(job__project_id__in=stale, tallied=True).values_list(
-            "job__project_id", "started_at", "released_at", "fraction")
+        rows = rows + list(Allocation.objects.filter(job__project_id__in=stale, tallied=True).values_list(
+            "job__project_id", "started_at", "released_at", "fraction"))
     for project_id, started, released, fraction in rows:
         end = released or now
         seconds = max(0.0, (end - started).total_seconds()) * float(fraction)

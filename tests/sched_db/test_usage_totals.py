@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from portal.core.context import Actor
 from portal.jobs.models import HOLDING, Allocation, Job, JobState, ProjectFairshare, ProjectMonthUsage
-from portal.jobs.selectors import decayed_usage, gpu_hours_used_this_month, month_start
+from portal.jobs.selectors import decayed_usage, gpu_hours_used_this_month, month_start, usage_for_pass
 from portal.jobs.services import job_submit
 from portal.jobs.states import transition
 from portal.jobs.usage import usage_fold
@@ -53,6 +53,7 @@ def assert_totals_equal_scan(project_ids, now, half_life=HALF_LIFE):
     for pid in project_ids:
         assert hours.get(pid, 0.0) == pytest.approx(expected_hours.get(pid, 0.0), rel=1e-9, abs=1e-9), pid
         assert usage.get(pid, 0.0) == pytest.approx(expected_usage.get(pid, 0.0), rel=1e-9, abs=1e-6), pid
+    assert usage_for_pass(project_ids, half_life_s=half_life, now=now) == (hours, usage)  # what a pass reads
 
 
 @pytest.fixture

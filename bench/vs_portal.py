@@ -1,0 +1,117 @@
+"""The portal's half of bench/vs_slurm.sh: N one-GPU `true` jobs on 16 nodes x 8 simulated GPUs.
+
+Starts an installation of its own (tests/faults/cluster.py: a throwaway PostgreSQL and Redis,
+gunicorn with 4 workers, a Celery worker and beat, 16 process-sandbox agents with 8 simulated
+GPUs each, the portal's default timers), submits N jobs by one serial HTTP client, waits until
+every job has ended, and prints one JSON line:
+
+- submit_rate_jobs_s: N / the client's wall time;
+- makespan_s: first submit to last end (the database's submitted_at and ended_at);
+- cpu_s: CPU seconds during the run of the control plane (gunicorn, the worker, beat, Redis,
+  PostgreSQL) and of the agents (their process groups; jobs run in sessions of their own).
+
+    .venv/bin/python bench/vs_portal.py [--jobs 1000]
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import tests.faults.cluster as fc  # noqa: E402
+from tests.procs import wait_for  # noqa: E402
+
+NODES, GPUS_PER_NODE = 16, 8
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_of(pids) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+    return total
+
+
+def processes() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, process group) of every process."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[int(entry)] = (int(fields[1]), int(fields[2]))
+    return out
+
+
+def groups(c: fc.Cluster) -> dict[str, list[int]]:
+    """The pids of each part, now: process groups the cluster started, and PostgreSQL's server and backends."""
+    procs = processes()
+    parts: dict[str, list[int]] = {"control": [], "agents": []}
+    for key, (proc, _) in c.procs.items():
+        members = [pid for pid, (_, pgid) in procs.items() if pgid == proc.pid]
+        parts["agents" if key.startswith("fault-") else "control"] += members
+    postmaster = int((c.pgdata / "postmaster.pid").read_text().split()[0])
+    parts["control"] += [postmaster] + [pid for pid, (ppid, _) in procs.items() if ppid == postmaster]
+    return parts
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=1000)
+    args = parser.parse_args()
+    fc.AGENTS, fc.GPUS_PER_AGENT = NODES, GPUS_PER_NODE
+    fc.netns.available = lambda: "the bench runs every agent on loopback"
+    timers = {"NODE_HEARTBEAT_INTERVAL_S": "5", "AGENT_LEASE_S": "15", "AGENT_FENCE_GRACE_S": "3",
+              "NODE_TIMEOUT_S": "20", "NODE_REAP_INTERVAL_S": "5", "LAUNCH_RESEND_S": "60"}
+    tmp = Path(tempfile.mkdtemp(prefix="vs-portal-"))
+    c = fc.Cluster(tmp, timers=timers)
+    c.env.update({"GUNICORN_WORKERS": "4", "GUNICORN_THREADS": "1", "LOG_LEVEL": "WARNING"})
+    try:
+        t = time.perf_counter()
+        c.start_all()
+        print(f"installation up in {time.perf_counter() - t:.0f}s ({NODES} nodes x {GPUS_PER_NODE} GPUs)",
+              file=sys.stderr)
+        body = {"project": "vision", "name": "vs-slurm", "image": "gpuportal/busybox:latest", "command": ["true"],
+                "resources": {"gpus": 1, "cpus": 0.1, "memory_mb": 64}, "time_limit": 600}
+        session = requests.Session()
+        session.headers.update(c.headers())
+        before = {k: cpu_of(v) for k, v in groups(c).items()}
+        t0 = time.perf_counter()
+        for _ in range(args.jobs):
+            r = session.post(f"{c.url}/api/v1/jobs/", json=body, timeout=60)
+            assert r.status_code == 201, r.text[:300]
+        submit_s = time.perf_counter() - t0
+        wait_for(lambda: c.sql("SELECT count(*) FROM jobs_job WHERE state IN "
+                               "('succeeded', 'failed', 'cancelled', 'timeout', 'node_fail', 'oom')", col=0)[0]
+                 >= args.jobs, 1800, "every job to end")
+        wall_s = time.perf_counter() - t0
+        after = {k: cpu_of(v) for k, v in groups(c).items()}
+        (makespan, succeeded), = c.sql("SELECT extract(epoch FROM max(ended_at) - min(submitted_at)), "
+                                       "count(*) FILTER (WHERE state = 'succeeded') FROM jobs_job")
+        cpu = {k: round(after[k] - before[k], 2) for k in after}
+        print(json.dumps({
+            "bench": "gpuportal", "nodes": NODES, "gpus_per_node": GPUS_PER_NODE, "jobs": args.jobs,
+            "succeeded": succeeded, "submit_s": round(submit_s, 2),
+            "submit_rate_jobs_s": round(args.jobs / submit_s, 1), "makespan_s": round(float(makespan), 2),
+            "wall_until_done_s": round(wall_s, 2), "cpu_s": cpu,
+            "cpu_ms_per_job": {k: round(v * 1000 / args.jobs, 1) for k, v in cpu.items()},
+        }))
+        return 0
+    finally:
+        c.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
