@@ -91,6 +91,12 @@ class PortalClient:
             self.on_lease_renewed()
 
     def _post(self, path: str, body: dict) -> dict:
+        return self._send("POST", path, json=body)
+
+    def _send(self, method: str, path: str, *, json: dict | None = None, stream=None,
+              params: dict | None = None, headers: dict | None = None) -> dict:
+        """One request, retried as the module says. ``stream``: a seekable binary file sent as the raw
+        body (rewound for each try) instead of ``json``."""
         url = self.base + path
         delay = self.backoff_s
         last_err = ""
@@ -100,10 +106,13 @@ class PortalClient:
                 delay = min(delay * 2, self.max_backoff_s)
             sent = self._clock()
             try:
-                r = self.session.post(url, json=body, timeout=self.timeout_s)
+                if stream is not None:
+                    stream.seek(0)
+                r = self.session.request(method, url, json=json, data=stream, params=params, headers=headers,
+                                         timeout=self.timeout_s)
             except (requests.ConnectionError, requests.Timeout) as exc:
                 last_err = f"{type(exc).__name__}: {exc}"
-                log.debug("POST %s failed (%s), attempt %d", path, last_err, attempt + 1)
+                log.debug("%s %s failed (%s), attempt %d", method, path, last_err, attempt + 1)
                 continue
             if r.status_code >= 500:
                 last_err = f"HTTP {r.status_code}"
@@ -122,15 +131,15 @@ class PortalClient:
                 self.last_contact = self._clock()
                 raise StaleAttempt(f"{path}: stale ({_detail(r)})", 409)
             if r.status_code >= 400:
-                raise PortalError(f"POST {path}: HTTP {r.status_code}: {_detail(r)}", r.status_code)
+                raise PortalError(f"{method} {path}: HTTP {r.status_code}: {_detail(r)}", r.status_code)
             self.last_contact = self._clock()
             if not r.content:
                 return {}
             try:
                 return r.json()
             except ValueError:
-                raise PortalError(f"POST {path}: HTTP {r.status_code} with a body that is not JSON") from None
-        raise PortalUnreachable(f"POST {url}: no answer after {self.retries + 1} tries ({last_err})")
+                raise PortalError(f"{method} {path}: HTTP {r.status_code} with a body that is not JSON") from None
+        raise PortalUnreachable(f"{method} {url}: no answer after {self.retries + 1} tries ({last_err})")
 
     # -- the API ----------------------------------------------------------------
 
@@ -187,6 +196,15 @@ class PortalClient:
         portal keeps no more of this attempt's log."""
         return self._report(LOG, {"attempt": attempt, "offset": offset,
                                   "data_base64": base64.b64encode(data).decode("ascii")}, job_id)
+
+
+    def artifact(self, job_id: str, attempt: int, path: str, f, size: int) -> dict:
+        """Upload one file of an attempt's outputs (``path`` relative to /outputs) from the binary file
+        ``f`` of ``size`` bytes, streamed. -> {path, size, sha256}; PortalError 413 past the portal's
+        limits on an attempt's artifacts (the agent sends no more), StaleAttempt (409) when this attempt
+        did not run here."""
+        return self._send("PUT", f"/jobs/{_q(job_id)}/artifacts", stream=f, params={"attempt": attempt, "path": path},
+                          headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})
 
 
 def _q(job_id: str) -> str:

@@ -41,6 +41,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from agents import artifacts
 from agents.client import PortalError, PortalUnreachable, StaleAttempt
 from agents.protocol import DEFAULT_SANDBOX, NODE_SANDBOXES, sandbox_hosts
 from agents.sandbox import OOM, RUNNING, LaunchSpec, SandboxError, SandboxHandle
@@ -74,6 +75,19 @@ class Tracked:
     scrub_failures: list[dict] | None = None
     # Set when the sandbox outlived SIGKILL: the report asks the portal to drain the node.
     node_problem: str = ""
+    # The upload of its outputs (agents/artifacts.py): progress, the note for its report once done.
+    outputs: artifacts.Upload = field(default_factory=artifacts.Upload)
+    outputs_note: str | None = None
+    outputs_failures: int = 0
+    outputs_thread: threading.Thread | None = None
+    # Set when the node ended it because its lease ran out (the agent's fence, or the job's supervisor's):
+    # the report says so and the portal requeues the job as a node fault, not the job's failure.
+    lease_expired: bool = False
+    # A checkpointing job's (signal, grace_s) from its spec: sent grace_s before its time limit.
+    checkpoint: tuple[str, float] | None = None
+    warned: bool = False  # the time-limit signal went out
+    # While it stops: by when (agent clock) it will be gone, for launches waiting for its GPUs.
+    stop_deadline: float | None = None
     # Set when the node ended it because its lease ran out (the agent's fence, or the job's supervisor's):
     # the report says so and the portal requeues the job as a node fault, not the job's failure.
     lease_expired: bool = False
@@ -514,6 +528,10 @@ class Agent:
                     return False
                 log.error("job %s attempt %s: the log tail could not be shipped %d times; reporting the end "
                           "without it", t.job_id, t.attempt, t.log_failures)
+            if not self._outputs_uploaded(t):
+                return False  # its upload runs (or waits for the portal): the report follows it
+            if t.outputs_note:
+                message = f"{message}; {t.outputs_note}" if message else t.outputs_note
             self._set_busy(t.handle.gpu_indexes, False)
             failures = self._scrub(t)
             if t.report_refusals:
@@ -542,6 +560,39 @@ class Agent:
             return False  # keep sandbox and report; the supervisor tries again
         finally:
             t.lock.release()
+
+    def _outputs_uploaded(self, t: Tracked) -> bool:
+        """Whether the attempt's outputs (agents/artifacts.py) are uploaded, or given up. The upload runs
+        on a thread of its own (a large one must not hold up other jobs' supervision); each call until
+        it is done starts it again if it is not running."""
+        if t.outputs_note is not None:
+            return True
+        folder = getattr(self.driver, "outputs_dir", lambda handle: None)(t.handle)
+        if not folder:
+            t.outputs_note = ""
+            return True
+        if not self.background:
+            self._upload_outputs(t, folder)
+            return t.outputs_note is not None
+        with self._lock:
+            if t.outputs_thread is None or not t.outputs_thread.is_alive():
+                t.outputs_thread = threading.Thread(target=self._upload_outputs, args=(t, folder), daemon=True,
+                                                    name=f"outputs-{t.job_id}-{t.attempt}")
+                t.outputs_thread.start()
+        return False
+
+    def _upload_outputs(self, t: Tracked, folder: str) -> None:
+        try:
+            t.outputs_note = artifacts.upload(self.client, t.job_id, t.attempt, folder, t.outputs)
+        except PortalUnreachable as exc:
+            t.outputs_failures += 1
+            if t.outputs_failures >= LOG_REFUSALS:
+                log.error("job %s attempt %s: outputs not uploaded, the portal was unreachable %d times: %s",
+                          t.job_id, t.attempt, t.outputs_failures, exc)
+                t.outputs_note = f"outputs: {len(t.outputs.sent)} file(s) uploaded, then the portal was unreachable"
+        except Exception as exc:  # a bug here must not keep the job from ever being reported
+            log.exception("job %s attempt %s: outputs upload failed", t.job_id, t.attempt)
+            t.outputs_note = f"outputs: upload failed ({type(exc).__name__}: {exc})"
 
     def _scrub(self, t: Tracked) -> list[dict]:
         """Clear the GPUs this job leaves (once, however often its report is retried).

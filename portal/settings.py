@@ -228,6 +228,30 @@ STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
 }
+# Job artifacts (docs/storage.md): what jobs leave in /outputs, uploaded by the agents when they end.
+# A folder under the var folder by default; ARTIFACTS_STORAGE=s3 keeps them in an S3-compatible bucket.
+ARTIFACTS_STORAGE = env_str("ARTIFACTS_STORAGE", "local")
+if ARTIFACTS_STORAGE == "s3":
+    STORAGES["artifacts"] = {"BACKEND": "storages.backends.s3.S3Storage", "OPTIONS": {
+        "bucket_name": env_str("ARTIFACTS_S3_BUCKET"),
+        "endpoint_url": env_str("ARTIFACTS_S3_ENDPOINT_URL") or None,  # None: AWS itself
+        "region_name": env_str("ARTIFACTS_S3_REGION") or None,
+        "access_key": env_str("ARTIFACTS_S3_ACCESS_KEY") or None,  # None: boto3's own lookup (env, role)
+        "secret_key": env_str("ARTIFACTS_S3_SECRET_KEY") or None,
+        "location": env_str("ARTIFACTS_S3_PREFIX", "artifacts"),
+        "default_acl": None, "querystring_auth": True, "file_overwrite": True,
+    }}
+    if not STORAGES["artifacts"]["OPTIONS"]["bucket_name"]:
+        raise ImproperlyConfigured("ARTIFACTS_STORAGE=s3 needs ARTIFACTS_S3_BUCKET")
+elif ARTIFACTS_STORAGE == "local":
+    STORAGES["artifacts"] = {"BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {
+        "location": env_str("ARTIFACTS_ROOT", str(VAR_DIR / "artifacts")),
+        "file_permissions_mode": 0o600, "directory_permissions_mode": 0o700}}
+else:
+    raise ImproperlyConfigured(f"ARTIFACTS_STORAGE: expected local or s3, got {ARTIFACTS_STORAGE!r}")
+# What one attempt of a job may leave (413 past it; the agent stops uploading and the job's message says so).
+ARTIFACTS_MAX_MB = env_int("ARTIFACTS_MAX_MB", 1024, minimum=1)
+ARTIFACTS_MAX_FILES = env_int("ARTIFACTS_MAX_FILES", 1000, minimum=1)
 WHITENOISE_USE_FINDERS = True  # serve straight from static/ without collectstatic in development
 
 # Request bodies: the API takes JSON specs, never uploads. 1 MiB is generous.

@@ -69,6 +69,9 @@ class LaunchSpec:
     # (agents/sandbox/volumes.py); and the job's checkpoint folder {"volume", "path"} there.
     volumes: list[dict] = field(default_factory=list)
     checkpoint: dict | None = None
+    # Outputs (agents/artifacts.py): a writable /outputs whose files the agent uploads to the portal when
+    # the attempt ends. False (an older portal's launch): no /outputs.
+    outputs: bool = False
     # The job checkpoints (its spec's `checkpoint`): the signal it traps and its grace to save. The
     # agent sends it before stopping the job to move it, and grace_s before its time limit.
     checkpoint_signal: str | None = None

@@ -21,6 +21,7 @@ empty ones left by a crash are pruned when the next gang makes its network.
 from __future__ import annotations
 
 import datetime
+import glob
 import hashlib
 import logging
 import os
@@ -28,6 +29,7 @@ import re
 import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import docker
 import docker.errors
@@ -41,13 +43,14 @@ from agents.sandbox import (
 )
 from agents.sandbox.docker_logs import ContainerLog
 from agents.sandbox.egress import EgressError, Firewall, parse_allow
-from agents.sandbox.kvm_domain import driver_dir
+from agents.sandbox.kvm_domain import driver_dir, private_dir
 from agents.sandbox.volumes import VolumePathError, plan_mounts
 from agents.supervisor.lease import FENCED, forget_fenced, was_fenced
 
 log = logging.getLogger(__name__)
 
 LABEL_NETWORK = "gpuportal.network"  # on the job networks this driver makes
+OUTPUTS_MOUNT = "/outputs"  # the job's outputs, uploaded as artifacts when it ends (agents/artifacts.py)
 # The network of jobs with network (a gang spread over nodes gets its own). Its bridge, and a gang's, are
 # named gpj<hash>: the egress policy matches traffic coming in from them by that prefix.
 JOB_NETWORK = "gpuportal-jobs"
@@ -89,6 +92,7 @@ class DockerDriver:
         # and kills it when the node's lease file, in the agent's state folder, runs out (agents/supervisor/);
         # lease_s and fence_grace_s (set by the agent from its registration) stand in until the file exists.
         self.lease_path = driver_dir("docker", node, state_dir) / "lease" if supervise else None
+        self.state_dir = state_dir  # the agent's; each job's outputs folder is made in our folder there
         self.lease_s, self.fence_grace_s = 60.0, 3.0
         self._supervisors: dict[str, subprocess.Popen] = {}
         # The operator's tree of project volumes, at the same path as on the portal (docs/storage.md).
@@ -165,6 +169,16 @@ class DockerDriver:
     # -- Driver interface -----------------------------------------------------
 
     def launch(self, spec: LaunchSpec) -> SandboxHandle:
+        try:
+            return self._launch(spec)
+        except SandboxExists:
+            raise  # the attempt's sandbox is there: so are its outputs
+        except SandboxError:
+            if spec.outputs:  # nothing started: its outputs folder must not linger
+                shutil.rmtree(self._outputs_path(spec.job_id, spec.attempt, node_rank(spec)), ignore_errors=True)
+            raise
+
+    def _launch(self, spec: LaunchSpec) -> SandboxHandle:
         if spec.gpu_uuids and not self.simulated_gpus and not self.gpu_support():
             raise SandboxError(NO_GPU_MESSAGE)
         if spec.network:
@@ -226,6 +240,9 @@ class DockerDriver:
             raise SandboxError(f"volumes: {exc}") from None
         if checkpoint_dir:
             env["GPUPORTAL_CHECKPOINT_DIR"] = checkpoint_dir
+        if spec.outputs:
+            binds.append((self._make_outputs_dir(spec, uid), OUTPUTS_MOUNT, False))
+            env["GPUPORTAL_OUTPUTS_DIR"] = OUTPUTS_MOUNT
         kwargs = dict(
             image=spec.image,
             command=list(spec.command),
@@ -282,6 +299,40 @@ class DockerDriver:
                                            capabilities=[["gpu"]])
             ]
         return kwargs
+
+    def _outputs_path(self, job_id: str, attempt: int, rank: int | None) -> Path:
+        scope = "-".join(filter(None, (self.installation, self.node)))
+        return driver_dir("docker", self.node, self.state_dir) / "outputs" / sandbox_name(job_id, attempt, rank,
+                                                                                         scope=scope)
+
+    def _make_outputs_dir(self, spec: LaunchSpec, uid: int) -> str:
+        """The job's /outputs on the host: a folder of the job's uid in this driver's private folder
+        (0700 on the way: no other host user reads it). The folder of this attempt's existing sandbox (a
+        duplicate launch, which the engine then refuses) is kept as it is."""
+        folder = self._outputs_path(spec.job_id, spec.attempt, node_rank(spec))
+        try:
+            private_dir(folder.parent, 0o700)
+            folder.mkdir(mode=0o700, exist_ok=True)
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            try:
+                try:
+                    os.fchown(fd, uid, uid)
+                except PermissionError:  # an agent not run as root: the folder must let the job's uid in
+                    os.fchmod(fd, 0o777)  # (its parent stays 0700: still no other host user gets in)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise SandboxError(f"could not make the job's outputs folder: {exc}") from None
+        return str(folder)
+
+    def outputs_dir(self, handle: SandboxHandle) -> str | None:
+        """The host folder of the job's /outputs (agents/artifacts.py), None when it has none."""
+        base = self._outputs_path(handle.job_id, handle.attempt, None)
+        # A gang's part is named by its rank: one part of a gang per node, so at most one matches.
+        for folder in [base, *sorted(base.parent.glob(glob.escape(base.name) + "-rank*"))]:
+            if folder.is_dir():
+                return str(folder)
+        return None
 
     def _create_in_gang_network(self, spec: LaunchSpec, kwargs: dict):
         """Create the container on the gang's network, making the network if no rank has yet.
@@ -501,6 +552,9 @@ class DockerDriver:
             sup.kill()
             sup.wait()
         self._logs.pop(handle.ref, None)
+        outputs = self.outputs_dir(handle)
+        if outputs:  # uploaded (or given up) by now: the agent removes a sandbox after its report
+            shutil.rmtree(outputs, ignore_errors=True)
         forget_fenced(self.lease_path, handle.ref)
         for net in self._networks_named(gang_network_name(handle.job_id, handle.attempt)):
             try:

@@ -100,6 +100,9 @@ class ProcessDriver:
                 env["GPUPORTAL_VOLUME_" + container.rsplit("/", 1)[1].upper().replace("-", "_")] = host
         if checkpoint_dir:
             env["GPUPORTAL_CHECKPOINT_DIR"] = checkpoint_dir
+        if spec.outputs:  # no /outputs to mount: the job is told its host folder
+            (root / "outputs").mkdir()
+            env["GPUPORTAL_OUTPUTS_DIR"] = str(root / "outputs")
         exe = spec.command[0]
         found = os.access(workdir / exe, os.X_OK) if "/" in exe else shutil.which(exe, path=env["PATH"])
         if not found:  # said here, at launch, rather than as the wrapper's exit code 127
@@ -193,6 +196,11 @@ class ProcessDriver:
                                    gpu_indexes=rec.get("gpu_indexes", []))
             out.append((rec["job_id"], rec["attempt"], handle))
         return out
+
+    def outputs_dir(self, handle: SandboxHandle) -> str | None:
+        """The host folder of the job's outputs (agents/artifacts.py), None when it has none."""
+        folder = self.state_dir / handle.ref / "outputs"
+        return str(folder) if folder.is_dir() else None
 
     def remove(self, handle: SandboxHandle) -> None:
         if self.poll(handle)[0] == RUNNING:

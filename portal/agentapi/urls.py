@@ -2,6 +2,7 @@
 from django.urls import path
 
 from portal.nodes import agent_api as nodes
+from portal.storage.agent_api import ArtifactUploadView
 
 from . import heartbeat, jobs
 
@@ -13,4 +14,5 @@ urlpatterns = [
     path("jobs/<str:job_id>/confirm", jobs.ConfirmView.as_view(), name="confirm"),
     path("jobs/<str:job_id>/events", jobs.EventView.as_view(), name="events"),
     path("jobs/<str:job_id>/logs", jobs.LogView.as_view(), name="logs"),
+    path("jobs/<str:job_id>/artifacts", ArtifactUploadView.as_view(), name="artifacts"),
 ]

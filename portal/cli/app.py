@@ -717,5 +717,70 @@ def volumes_get(volume_id: VolumeArg, path: Annotated[str, typer.Argument(help="
     say(f"Wrote {size} bytes to {target}.", err=True)
 
 
+artifacts_app = typer.Typer(help="Job artifacts: what a job left in /outputs, uploaded when it ended (docs/storage.md).",
+                            no_args_is_help=True)
+app.add_typer(artifacts_app, name="artifacts")
+
+
+def artifacts_command(name: str):
+    return lambda fn: artifacts_app.command(name)(_handle_errors(fn))
+
+
+AttemptOpt = Annotated[int | None, typer.Option("--attempt", min=1, help="This attempt's (default: every attempt "
+                                                                          "for list, the last one with artifacts for get).")]
+
+
+@artifacts_command("list")
+def artifacts_list(job_ref: JobRefArg, attempt: AttemptOpt = None, output: OutputOpt = Format.table):
+    """The files a job's attempts left in /outputs."""
+    client = _client()
+    rows = client.artifacts(client.resolve(job_ref), attempt)
+    if output is Format.json:
+        return emit_json(rows)
+    say(table([[a["attempt"], a["size"], a["path"]] for a in rows], ["ATTEMPT", "SIZE", "PATH"])
+        if rows else "No artifacts (the job has not ended, or left nothing in /outputs).")
+
+
+@artifacts_command("get")
+def artifacts_get(
+    job_ref: JobRefArg,
+    paths: Annotated[list[str] | None, typer.Argument(help="Only these files (default: all).")] = None,
+    attempt: AttemptOpt = None,
+    dest: Annotated[Path | None, typer.Option("--dir", "-d", help="Where to put them (default: ./job-<id>).")] = None,
+):
+    """Download a job's artifacts into a folder, keeping their paths."""
+    client = _client()
+    job_id = client.resolve(job_ref)
+    rows = client.artifacts(job_id, attempt)
+    if attempt is None and rows:
+        last = max(a["attempt"] for a in rows)
+        rows = [a for a in rows if a["attempt"] == last]
+    if paths:
+        missing = sorted(set(paths) - {a["path"] for a in rows})
+        if missing:
+            raise SpecError(f"job {job_id} has no artifact {missing[0]!r}" +
+                            (f" in attempt {rows[0]['attempt']}" if rows else ""))
+        rows = [a for a in rows if a["path"] in paths]
+    if not rows:
+        raise SpecError(f"job {job_id} has no artifacts (it has not ended, or left nothing in /outputs).")
+    folder = (dest or Path(f"job-{job_id}")).resolve()
+    total = 0
+    for a in rows:
+        target = (folder / a["path"]).resolve()
+        if folder not in target.parents:  # the portal never sends such a path; never write outside all the same
+            raise SpecError(f"refusing the artifact path {a['path']!r}: it leads outside {folder}")
+        partial = target.with_name(target.name + ".part")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(partial, "wb") as handle:
+                total += client.artifact_get(job_id, a["id"], handle)
+            partial.replace(target)
+        except OSError as exc:
+            raise SpecError(f"{target}: {exc.strerror}") from None
+        finally:
+            partial.unlink(missing_ok=True)
+    say(f"Wrote {len(rows)} file(s), {total} bytes, to {folder}.", err=True)
+
+
 def main() -> None:
     app(prog_name="gpuctl")

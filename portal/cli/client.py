@@ -244,10 +244,19 @@ class Client:
         """Write the file into ``out`` (a binary file); returns the bytes written."""
         return self._raw("GET", f"volumes/{volume_id}/download/", path, out=out)
 
-    def _raw(self, method: str, path: str, file_path: str, *, data=None, out=None):
+    def artifacts(self, job_id: int, attempt: int | None = None) -> list[dict]:
+        return self.get(f"jobs/{job_id}/artifacts/", what=f"job {job_id}",
+                        **({"attempt": attempt} if attempt is not None else {}))
+
+    def artifact_get(self, job_id: int, artifact_id: int, out) -> int:
+        """Write the artifact into ``out`` (a binary file); returns the bytes written."""
+        return self._raw("GET", f"jobs/{job_id}/artifacts/{artifact_id}/", None, out=out, what=f"job {job_id}")
+
+    def _raw(self, method: str, path: str, file_path: str | None, *, data=None, out=None, what: str = ""):
         url = f"{self.base_url}/api/v1/{path}"
         try:
-            resp = self.session.request(method, url, params={"path": file_path}, data=data, stream=out is not None,
+            resp = self.session.request(method, url, params={"path": file_path} if file_path is not None else None,
+                                        data=data, stream=out is not None,
                                         headers={"Content-Type": "application/octet-stream"} if data else None,
                                         timeout=(10, self.timeout), allow_redirects=False)
         except self._requests.RequestException as exc:
@@ -259,7 +268,8 @@ class Client:
                     return self._handle(resp, url)
                 except ApiError as exc:
                     if exc.status == 404 and not exc.fields:
-                        exc.message = f"volume {path.split('/')[1]} not found (it does not exist or you may not see it)."
+                        exc.message = f"{what or 'volume ' + path.split('/')[1]} not found (it does not exist or " \
+                                      f"you may not see it)."
                     raise
             written = 0
             for chunk in resp.iter_content(1024 * 1024):

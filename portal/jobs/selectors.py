@@ -148,6 +148,7 @@ def launch_specs(pairs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
             "array_index": job.array_index, "gpu_fraction": fraction,
             "gpu_memory_mb": job.gpu_memory_mb or None, "rendezvous": rendezvous,
             "project_id": job.project_id,  # the docker sandbox runs each project under a uid of its own
+            "outputs": True,  # /outputs, uploaded as the attempt's artifacts when it ends (docs/storage.md)
             "checkpoint_signal": job.checkpoint_signal or None, "checkpoint_grace_s": job.checkpoint_grace_s,
             **volume_mounts(job),
         }

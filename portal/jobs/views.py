@@ -190,6 +190,9 @@ def log_tail(job: Job) -> dict:
     return log_context(job, job.attempt, page, skipped=start)
 
 
+ARTIFACTS_SHOWN = 200  # on the job page; gpuctl artifacts list and the API show all
+
+
 class JobDetailView(PageMixin, View):
     def get(self, request, pk):
         job = _job(request, pk)
@@ -205,6 +208,9 @@ class JobDetailView(PageMixin, View):
             "depends_on": list(job.depends_on.all()),
             "tasks": tasks,
             "histogram": histogram_items(task_histograms([job.pk]).get(job.pk)) if job.is_array_parent else [],
+            # What its attempts left in /outputs (docs/storage.md); downloads go through the jobs API.
+            "artifacts": list(job.artifacts.order_by("-attempt", "path")[:ARTIFACTS_SHOWN + 1]),
+            "artifacts_shown": ARTIFACTS_SHOWN,
         })
 
 

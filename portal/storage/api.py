@@ -9,6 +9,7 @@ from portal.core.context import actor_from_request
 from portal.core.numbers import parse_int
 from portal.tenancy.models import Project, slug_validator
 
+from .artifacts import artifact_response, artifacts_of
 from .files import download_response
 from .models import Volume
 from .selectors import volume_file_open, volume_list_dir
@@ -116,3 +117,46 @@ class VolumeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenantView
     def download(self, request, pk=None):
         """The file at `path`, as an attachment."""
         return download_response(*volume_file_open(volume=self.get_object(), path=self._path(request)))
+
+
+class ArtifactSerializer(serializers.ModelSerializer):
+    class Meta:
+        from .models import Artifact
+
+        model = Artifact
+        fields = ["id", "attempt", "path", "size", "sha256", "created_at"]
+
+
+class ArtifactListQuerySerializer(StrictSerializer):
+    attempt = serializers.IntegerField(min_value=0, max_value=2**31 - 1, required=False)
+
+
+class JobArtifactViewSet(TenantViewSet):
+    """What a job's attempts left in /outputs, uploaded by the agent when each ended. Whoever may see
+    the job may list and download them; for anyone else the job does not exist (404)."""
+
+    from portal.jobs.models import Job as scoped_model  # noqa: N813 (the job scopes its artifacts)
+
+    lookup_value_regex = "[0-9]+"
+
+    def _job(self):
+        from django.shortcuts import get_object_or_404
+
+        return get_object_or_404(self.get_queryset(), pk=parse_int(self.kwargs["job_pk"]))
+
+    @extend_schema(parameters=[OpenApiParameter("attempt", int, OpenApiParameter.QUERY, required=False,
+                                                description="Only this attempt's artifacts.")],
+                   responses=ArtifactSerializer(many=True))
+    def list(self, request, job_pk=None):
+        """The job's artifacts, by attempt then path."""
+        query = ArtifactListQuerySerializer(data=request.query_params.dict())
+        query.is_valid(raise_exception=True)
+        return Response(ArtifactSerializer(artifacts_of(self._job(), query.validated_data.get("attempt")),
+                                           many=True).data)
+
+    @extend_schema(responses={(200, "application/octet-stream"): OpenApiTypes.BINARY})
+    def retrieve(self, request, job_pk=None, pk=None):
+        """The artifact's file, as an attachment (its SHA-256 in X-Checksum-Sha256)."""
+        from django.shortcuts import get_object_or_404
+
+        return artifact_response(get_object_or_404(artifacts_of(self._job()), pk=parse_int(pk)))

@@ -27,3 +27,24 @@ class Volume(models.Model):
 
     def __str__(self) -> str:
         return f"{self.project.slug}/{self.name}"
+
+
+class Artifact(models.Model):
+    """One file a job's attempt left in ``/outputs``, uploaded by the agent when the attempt ended and
+    kept in the artifacts storage (settings STORAGES["artifacts"]: a folder, or an S3-compatible
+    bucket) under ``storage_name``."""
+
+    job = models.ForeignKey("jobs.Job", on_delete=models.CASCADE, related_name="artifacts")
+    attempt = models.PositiveIntegerField()
+    path = models.CharField(max_length=1024)  # relative to /outputs, checked like a volume's paths
+    size = models.BigIntegerField()
+    sha256 = models.CharField(max_length=64)
+    storage_name = models.CharField(max_length=1200)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["job_id", "attempt", "path"]
+        constraints = [models.UniqueConstraint(fields=["job", "attempt", "path"], name="artifact_unique_path")]
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} attempt {self.attempt}: {self.path}"

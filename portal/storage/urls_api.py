@@ -1,8 +1,9 @@
 from rest_framework.routers import SimpleRouter
 
-from .api import VolumeViewSet
+from .api import JobArtifactViewSet, VolumeViewSet
 
 router = SimpleRouter()
 router.register("volumes", VolumeViewSet, basename="volume")
+router.register(r"jobs/(?P<job_pk>[0-9]+)/artifacts", JobArtifactViewSet, basename="job-artifact")
 
 urlpatterns = router.urls

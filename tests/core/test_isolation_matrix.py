@@ -108,6 +108,10 @@ MATRIX = {
     "api:job-resubmit": [e("POST", "/api/v1/jobs/{vision_job}/resubmit/", roles(401, 201, 201, 403, 404, 403),
                            scope="submit")],
     "api:job-logs": [e("GET", "/api/v1/jobs/{vision_job}/logs/", VISION_READ)],
+    # Artifacts are read through their job: who sees the job lists them; an id that is not the job's is 404.
+    "api:job-artifact-list": [e("GET", "/api/v1/jobs/{vision_job}/artifacts/", VISION_READ)],
+    "api:job-artifact-detail": [e("GET", "/api/v1/jobs/{vision_job}/artifacts/999999/",
+                                  roles(401, 404, 404, 404, 404, 404))],
     # Hold, release, update: alice's queued job; bob (member) acts only on his own, staff on any.
     # Release of a job that is not held is a 409 for those allowed to try.
     "api:job-hold": [e("POST", "/api/v1/jobs/{vision_job}/hold/", roles(401, 200, 403, 403, 404, 200),
@@ -153,6 +157,7 @@ MATRIX = {
     **{f"agent:{name}": [e("POST", f"/api/agent/v1/{path}", NOBODY, body={"attempt": 1})] for name, path in [
         ("register", "register"), ("heartbeat", "heartbeat"), ("confirm", "jobs/{vision_job}/confirm"),
         ("events", "jobs/{vision_job}/events"), ("logs", "jobs/{vision_job}/logs"), ("probe", "probe")]},
+    "agent:artifacts": [e("PUT", "/api/agent/v1/jobs/{vision_job}/artifacts?attempt=1&path=x", NOBODY, body={"x": 1})],
     "schema": [e("GET", "/api/schema/", roles(200, 200, 200, 200, 200, 200), api=False)],
     "api-docs": [e("GET", "/api/docs/", roles(200, 200, 200, 200, 200, 200), api=False)],
     "login": [e("GET", "/login/", roles(200, 302, 302, 302, 302, 302), api=False)],

@@ -1,0 +1,139 @@
+"""Job artifacts: the files an attempt of a job leaves in ``/outputs``.
+
+The node's agent uploads them when the attempt ends, whatever the end (succeeded, failed, timeout,
+cancelled, preempted), before its terminal report (agents/artifacts.py). They are kept in the
+artifacts storage (``STORAGES["artifacts"]`` through django-storages: a local folder by default, an
+S3-compatible bucket with ARTIFACTS_STORAGE=s3) under ``jobs/<job id>/<attempt>/<path>``, and listed
+and downloaded through the job (so whoever may see the job may read them, and nobody else).
+
+Paths are checked as a volume's are (storage/files.py): relative, no ``..``, no control characters.
+One attempt keeps at most ARTIFACTS_MAX_FILES files and ARTIFACTS_MAX_MB in all: past either the
+upload is refused with 413, saying which.
+"""
+import hashlib
+import logging
+import tempfile
+
+from django.conf import settings
+from django.core.files import File
+from django.core.files.storage import storages
+from django.db import transaction
+from django.db.models import Count, Sum
+from django.http import FileResponse
+
+from portal.core.errors import Conflict, NotFound, ServiceError
+
+from . import files
+from .models import Artifact
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1024 * 1024
+MB = 1024 * 1024
+
+
+class ArtifactsTooLarge(ServiceError):
+    status = 413
+    default_code = "artifacts_too_large"
+
+
+class LengthRequired(ServiceError):
+    status = 411
+    default_code = "length_required"
+
+
+def storage():
+    return storages["artifacts"]
+
+
+def storage_key(job_id: int, attempt: int, parts: list[str]) -> str:
+    return "/".join(["jobs", str(job_id), str(attempt), *parts])
+
+
+def _job_for_node(node, job_id, attempt: int):
+    """The job, when this attempt of it ran on ``node`` (it may have ended or been preempted since:
+    the agent uploads after the stop). Otherwise Conflict (409): the agent gives the upload up."""
+    from portal.core.numbers import parse_int
+    from portal.jobs.models import Allocation, Job
+    from portal.jobs.reports import job_nodes
+
+    pk = parse_int(job_id)
+    job = Job.objects.select_related("node").filter(pk=pk).first() if pk is not None else None
+    if job is None:
+        raise Conflict(f"No job {job_id}.", code="stale")
+    ran_here = (job.attempt == attempt and (job.node_id == node.pk or node.name in job_nodes(job))) or \
+        Allocation.objects.filter(job=job, attempt=attempt, gpu__node=node).exists()
+    if not ran_here:
+        raise Conflict(f"Job {job_id} attempt {attempt} did not run on {node.name}.", code="stale")
+    return job
+
+
+def artifact_put(*, node, job_id, attempt: int, path: str, stream, length: int | None) -> dict:
+    """Store one file of an attempt's outputs from ``stream`` (replacing the same path: a retried
+    upload). The bytes are spooled to a temporary file first (counted and hashed there), so a refused
+    or broken upload stores nothing."""
+    job = _job_for_node(node, job_id, attempt)
+    parts = files.check_path(path, allow_top=False)
+    if length is None:  # WSGI reads no body without it (a chunked one would be stored empty)
+        raise LengthRequired("Send the file's size as Content-Length.", field="file")
+    relpath = "/".join(parts)
+    others = Artifact.objects.filter(job=job, attempt=attempt).exclude(path=relpath).aggregate(
+        n=Count("id"), size=Sum("size"))
+    if others["n"] >= settings.ARTIFACTS_MAX_FILES:
+        raise ArtifactsTooLarge(f"Job {job.pk} attempt {attempt} already has {others['n']} artifacts, the most "
+                                f"one attempt may keep (ARTIFACTS_MAX_FILES).", field="path", code="artifacts_too_many")
+    limit = settings.ARTIFACTS_MAX_MB * MB
+    room = limit - (others["size"] or 0)
+    over = (f"The artifacts of job {job.pk} attempt {attempt} would exceed the limit of "
+            f"{settings.ARTIFACTS_MAX_MB} MB per attempt (ARTIFACTS_MAX_MB)")
+    if length > room:
+        raise ArtifactsTooLarge(f"{over}: {relpath} has {length} bytes, {max(room, 0)} are left.", field="file")
+    digest = hashlib.sha256()
+    size = 0
+    with tempfile.TemporaryFile() as spool:
+        while chunk := stream.read(CHUNK):
+            size += len(chunk)
+            if size > room:
+                raise ArtifactsTooLarge(f"{over}: {relpath} is larger than the {max(room, 0)} bytes left.",
+                                        field="file")
+            digest.update(chunk)
+            spool.write(chunk)
+        if size != length:
+            raise ServiceError(f"The upload ended after {size} of {length} bytes.", field="file", code="incomplete")
+        spool.seek(0)
+        key = storage_key(job.pk, attempt, parts)
+        old = Artifact.objects.filter(job=job, attempt=attempt, path=relpath).first()
+        st = storage()
+        if old is not None or st.exists(key):  # a retry: the new bytes replace the old (never a renamed copy)
+            st.delete(old.storage_name if old is not None else key)
+        name = st.save(key, File(spool, name=parts[-1]))
+    with transaction.atomic():
+        Artifact.objects.update_or_create(job=job, attempt=attempt, path=relpath, defaults={
+            "size": size, "sha256": digest.hexdigest(), "storage_name": name})
+    return {"path": relpath, "size": size, "sha256": digest.hexdigest()}
+
+
+def artifacts_of(job, attempt: int | None = None):
+    qs = Artifact.objects.filter(job=job)
+    return qs.filter(attempt=attempt) if attempt is not None else qs
+
+
+def artifact_response(artifact: Artifact) -> FileResponse:
+    """The artifact as an attachment, streamed from the storage (never rendered by the browser)."""
+    try:
+        handle = storage().open(artifact.storage_name, "rb")
+    except (FileNotFoundError, OSError) as exc:
+        log.error("artifact %s (%s) is missing from the storage: %s", artifact.pk, artifact.storage_name, exc)
+        raise NotFound("This artifact's file is missing from the storage.") from None
+    response = FileResponse(handle, as_attachment=True, filename=artifact.path.rsplit("/", 1)[-1],
+                            content_type="application/octet-stream")
+    response["Content-Length"] = str(artifact.size)
+    response["X-Checksum-Sha256"] = artifact.sha256
+    return response
+
+
+def artifact_summary(job) -> dict:
+    """Per attempt: how many files and bytes (the job page's headline)."""
+    rows = Artifact.objects.filter(job=job).values("attempt").annotate(n=Count("id"), size=Sum("size"))
+    return {r["attempt"]: {"files": r["n"], "size": r["size"] or 0} for r in rows}
+

@@ -1,0 +1,166 @@
+"""Artifacts through the portal: the agent API takes an attempt's files (node tokens, only for an attempt
+that ran on that node), the jobs API lists and downloads them (tenant-scoped), each on the local folder
+and on a real S3-compatible server (SeaweedFS); bad paths, over-limit uploads and outsiders are refused."""
+import hashlib
+
+import pytest
+from rest_framework.test import APIClient
+
+from portal.core.context import Actor
+from portal.jobs.models import Job
+from portal.jobs.services import job_cancel, job_submit
+from portal.nodes.services import node_add
+from portal.storage.models import Artifact
+from scheduler.adapter import run_pass
+
+pytestmark = pytest.mark.django_db
+IMAGE = "gpuportal/busybox:latest"
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args, **kw: None)
+
+
+def _node(demo, name, gpus="2xH100-80GB"):
+    _, secret = node_add(actor=Actor(user=demo.users["admin"]), name=name, gpus=gpus)
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    return client
+
+
+@pytest.fixture
+def node(demo):
+    return _node(demo, "gpu-01")
+
+
+@pytest.fixture
+def placed(node, demo, launches):
+    job, _ = job_submit(actor=Actor(user=demo.users["alice"]), data={
+        "project": "vision", "name": "j", "image": IMAGE, "command": ["true"], "resources": {"gpus": 1}})
+    run_pass()
+    job.refresh_from_db()
+    assert job.state == "assigned"
+    return job
+
+
+def put(node, job, path, body: bytes, attempt=1):
+    return node.put(f"/api/agent/v1/jobs/{job.pk}/artifacts?attempt={attempt}&path={path}", data=body,
+                    content_type="application/octet-stream")
+
+
+def test_an_attempts_files_are_stored_listed_and_downloaded(node, placed, api, artifact_storage):
+    data = {"model.pt": b"\x00weights\xff" * 1000, "logs/metrics.json": b'{"loss": 0.1}\n'}
+    for path, body in data.items():
+        r = put(node, placed, path, body)
+        assert r.status_code == 201, r.content
+        assert r.json() == {"path": path, "size": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+    assert artifact_storage() == [f"jobs/{placed.pk}/1/logs/metrics.json", f"jobs/{placed.pk}/1/model.pt"]
+
+    listing = api("dave").get(f"/api/v1/jobs/{placed.pk}/artifacts/")  # a viewer of the project
+    assert listing.status_code == 200
+    assert [(a["attempt"], a["path"], a["size"]) for a in listing.json()] == [
+        (1, "logs/metrics.json", len(data["logs/metrics.json"])), (1, "model.pt", len(data["model.pt"]))]
+    for a in listing.json():
+        r = api("dave").get(f"/api/v1/jobs/{placed.pk}/artifacts/{a['id']}/")
+        assert r.status_code == 200 and r["Content-Disposition"].startswith("attachment")
+        body = b"".join(r.streaming_content)
+        assert body == data[a["path"]] and hashlib.sha256(body).hexdigest() == a["sha256"] == r["X-Checksum-Sha256"]
+
+    # A retried upload replaces the file (never a second copy under another name).
+    assert put(node, placed, "model.pt", b"v2").status_code == 201
+    assert artifact_storage() == [f"jobs/{placed.pk}/1/logs/metrics.json", f"jobs/{placed.pk}/1/model.pt"]
+    model = Artifact.objects.get(job=placed, path="model.pt")
+    r = api("alice").get(f"/api/v1/jobs/{placed.pk}/artifacts/{model.pk}/")
+    assert b"".join(r.streaming_content) == b"v2"
+
+
+def test_outsiders_get_404(node, placed, demo, api, artifact_storage):
+    assert put(node, placed, "out.txt", b"secret").status_code == 201
+    artifact = Artifact.objects.get()
+    charlie = api("charlie")  # owner of another organization's project
+    assert charlie.get(f"/api/v1/jobs/{placed.pk}/artifacts/").status_code == 404
+    assert charlie.get(f"/api/v1/jobs/{placed.pk}/artifacts/{artifact.pk}/").status_code == 404
+    # An artifact id of another job is not this job's.
+    other, _ = job_submit(actor=Actor(user=demo.users["charlie"]), data={"project": "nlp", "name": "o", "image": IMAGE, "command": ["true"]})
+    assert charlie.get(f"/api/v1/jobs/{other.pk}/artifacts/{artifact.pk}/").status_code == 404
+    assert APIClient().get(f"/api/v1/jobs/{placed.pk}/artifacts/").status_code in (401, 403)
+    # User tokens do not work on the agent API, nor node tokens on the user API.
+    assert node.get(f"/api/v1/jobs/{placed.pk}/artifacts/").status_code in (401, 403)
+
+
+@pytest.mark.parametrize("path", ["../x", "/etc/passwd", "a/../../b", "a\x01b", "", "a//b/..", "x" * 300])
+def test_bad_paths_are_refused_with_the_field(node, placed, path, artifact_storage):
+    r = node.put(f"/api/agent/v1/jobs/{placed.pk}/artifacts", QUERY_STRING=f"attempt=1&path={_q(path)}",
+                 data=b"x", content_type="application/octet-stream")
+    assert r.status_code == 400 and "path" in r.json()["error"]["fields"], r.content
+    assert artifact_storage() == [] and not Artifact.objects.exists()
+
+
+def _q(s: str) -> str:
+    import urllib.parse
+
+    return urllib.parse.quote(s, safe="")
+
+
+def test_over_the_limit_is_413_and_stores_nothing(node, placed, settings, api, artifact_storage):
+    settings.ARTIFACTS_MAX_MB = 1
+    settings.ARTIFACTS_MAX_FILES = 2
+    assert put(node, placed, "a.bin", b"a" * 700_000).status_code == 201
+    r = put(node, placed, "b.bin", b"b" * 400_000)  # 1.1 MB in all
+    assert r.status_code == 413 and r.json()["error"]["code"] == "artifacts_too_large", r.content
+    assert "1 MB per attempt" in r.json()["error"]["message"]
+    # Sent without a length (chunked): WSGI would read it as empty, so it is refused.
+    r = node.generic("PUT", f"/api/agent/v1/jobs/{placed.pk}/artifacts?attempt=1&path=c.bin",
+                     data=b"c" * 10, content_type="application/octet-stream", CONTENT_LENGTH="")
+    assert r.status_code == 411 and "file" in r.json()["error"]["fields"], r.content
+    assert put(node, placed, "d.bin", b"d").status_code == 201
+    r = put(node, placed, "e.bin", b"e")
+    assert r.status_code == 413 and r.json()["error"]["code"] == "artifacts_too_many"
+    # Replacing a file already kept counts it once.
+    assert put(node, placed, "a.bin", b"A" * 700_000).status_code == 201
+    assert artifact_storage() == [f"jobs/{placed.pk}/1/a.bin", f"jobs/{placed.pk}/1/d.bin"]
+    assert sorted(a["path"] for a in api("alice").get(f"/api/v1/jobs/{placed.pk}/artifacts/").json()) == \
+        ["a.bin", "d.bin"]
+
+
+def test_only_the_node_that_ran_the_attempt_may_upload(node, placed, demo, api, artifact_storage):
+    other = _node(demo, "gpu-02")
+    r = put(other, placed, "x", b"x")
+    assert r.status_code == 409 and not Artifact.objects.exists()
+    assert put(node, placed, "x", b"x", attempt=2).status_code == 409  # an attempt that never was
+    assert node.put("/api/agent/v1/jobs/999999/artifacts?attempt=1&path=x", data=b"x",
+                    content_type="application/octet-stream").status_code == 409
+    # After a cancel (or a preemption) the GPUs are freed before the agent stops the sandbox and
+    # uploads: the node that ran the attempt may still upload its files.
+    job_cancel(actor=Actor(user=demo.users["alice"]), job=placed)
+    placed.refresh_from_db()
+    assert placed.state == "cancelled"
+    assert put(node, placed, "late.txt", b"after the stop").status_code == 201
+    assert put(other, placed, "late.txt", b"x").status_code == 409
+    assert [a["path"] for a in api("alice").get(f"/api/v1/jobs/{placed.pk}/artifacts/").json()] == ["late.txt"]
+
+
+def test_attempts_keep_their_own_artifacts(node, placed, api, artifact_storage):
+    assert put(node, placed, "out.txt", b"first").status_code == 201
+    Job.objects.filter(pk=placed.pk).update(attempt=2)  # requeued and placed again on the same node
+    assert put(node, placed, "out.txt", b"second", attempt=2).status_code == 201
+    alice = api("alice")
+    assert [(a["attempt"], a["path"]) for a in alice.get(f"/api/v1/jobs/{placed.pk}/artifacts/").json()] == [
+        (1, "out.txt"), (2, "out.txt")]
+    only = alice.get(f"/api/v1/jobs/{placed.pk}/artifacts/?attempt=2").json()
+    assert [a["attempt"] for a in only] == [2]
+    assert alice.get(f"/api/v1/jobs/{placed.pk}/artifacts/?attempt=x").status_code == 400
+
+
+def test_the_job_page_lists_them_with_download_links(node, placed, client, demo, artifact_storage):
+    assert put(node, placed, "results/summary.csv", b"a,b\n").status_code == 201
+    artifact = Artifact.objects.get()
+    client.force_login(demo.users["dave"])
+    page = client.get(f"/jobs/{placed.pk}/").content.decode()
+    link = f"/api/v1/jobs/{placed.pk}/artifacts/{artifact.pk}/"
+    assert 'id="artifacts-h"' in page and f'href="{link}"' in page and "results/summary.csv" in page
+    assert b"".join(client.get(link).streaming_content) == b"a,b\n"
+    client.force_login(demo.users["charlie"])
+    assert client.get(f"/jobs/{placed.pk}/").status_code == 404
+    assert client.get(link).status_code == 404
