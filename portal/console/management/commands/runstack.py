@@ -100,6 +100,26 @@ def wait_http(url: str, deadline_s: float) -> bool:
     return False
 
 
+DEMO_POOL = "sim"
+
+
+def demo_pool(host: str, port: int, *, sandbox: str):
+    """With LOCAL_AUTOSCALE_NODES=N (N > 0): a `local` node pool of up to N nodes, so the demo shows
+    autoscaling (docs/autoscaling.md); None otherwise. Its nodes are released when the stack stops."""
+    from portal.autoscale.models import NodePool
+
+    count = int(os.getenv("LOCAL_AUTOSCALE_NODES", "0") or 0)
+    if count <= 0:
+        NodePool.objects.filter(name=DEMO_POOL).update(enabled=False)
+        return None
+    pool, _ = NodePool.objects.update_or_create(name=DEMO_POOL, defaults={
+        "provider": "local", "enabled": True, "gpu_model": "H100-80GB", "gpus_per_node": 4, "sandbox": sandbox,
+        "price_per_gpu_hour": "2.50", "min_nodes": 0, "max_nodes": count, "max_per_step": count,
+        "idle_release_s": 120, "boot_timeout_s": 180, "max_concurrent_releases": count,
+        "provider_config": {"portal_url": f"http://{host}:{port}"}, "unavailable_until": None, "failures": 0})
+    return pool
+
+
 class Command(BaseCommand):
     help = "Start web + Celery worker + Celery beat + a local agent; Ctrl-C stops them all."
 
@@ -149,6 +169,7 @@ class Command(BaseCommand):
         signal.signal(signal.SIGTERM, stop)
         started_at = timezone.now()
         agent_argv, sandbox_note = self.local_agent(host, port)
+        pool = demo_pool(host, port, sandbox=agent_argv[agent_argv.index("--sandbox") + 1])
         env = {
             **os.environ,
             # Django 5.2's runserver prints a paragraph about not being for production; the banner says it.
@@ -176,6 +197,9 @@ class Command(BaseCommand):
             f"Logins (password {settings.DEMO_PASSWORD!r}): admin (staff), alice (owner acme/vision), "
             f"bob (member), dave (viewer), charlie (owner globex/nlp)\n"
             f"Local agent: node {LOCAL_NODE!r}, simulated GPUs, {sandbox_note}.\n"
+            + (f"Autoscaling pool {pool.name!r}: up to {pool.max_nodes} local nodes of {pool.gpus_per_node}x"
+               f"{pool.gpu_model} when jobs wait, released after {pool.idle_release_s} s idle "
+               f"({url}console/autoscaling/).\n" if pool else "") +
             f"Processes: {', '.join(f'{n} pid {p.pid}' for n, p in children.items())}. Quiet log "
             f"(LOG_LEVEL=DEBUG for every pass and heartbeat). Ctrl-C stops everything.\n"))
         exit_code = 0
@@ -187,6 +211,15 @@ class Command(BaseCommand):
                     stopping = True
                     break
             time.sleep(0.5)
+        if pool is not None:  # the pool's agents first: they are this command's too
+            from portal.autoscale import localnode
+            from portal.autoscale.models import NodePool
+            from portal.autoscale.services import release_all
+
+            NodePool.objects.filter(pk=pool.pk).update(enabled=False)
+            release_all(pool)  # idle nodes are released; busy ones stop like the local agent, jobs left to adopt
+            for name in localnode.running():
+                localnode.stop(name)
         # The agent first, while the web server can still take its last reports; then the rest.
         for group in (["agent"], [n for n in children if n != "agent"]):
             procs = {n: children[n] for n in group if n in children}
