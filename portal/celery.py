@@ -22,7 +22,6 @@ app.conf.task_routes = {
     "nodes.reap_nodes": {"queue": "scheduler"},
     "billing.*": {"queue": "scheduler"},
     "metrics.*": {"queue": "scheduler"},
-    "jobs.flag_idle": {"queue": "scheduler"},
     "autoscale.*": {"queue": "scheduler"},
 }
 app.autodiscover_tasks(["portal.core", "portal.accounts", "portal.tenancy", "portal.nodes", "portal.jobs"])
@@ -40,7 +39,7 @@ app.conf.beat_schedule = {
     "rollup-metrics-hour": {"task": "metrics.rollup_hour", "schedule": 300.0, "options": {"queue": "scheduler"}},
     "prune-metrics": {"task": "metrics.prune", "schedule": 3600.0, "options": {"queue": "scheduler"}},
     # Reads the minute rollups; flags (and, where a project asks, cancels) jobs idling on GPUs.
-    "flag-idle-jobs": {"task": "jobs.flag_idle", "schedule": 60.0, "options": {"queue": "scheduler"}},
+    "flag-idle-jobs": {"task": "metrics.flag_idle_jobs", "schedule": 60.0, "options": {"queue": "scheduler"}},
     # Node pools: scale up for waiting work, release idle nodes (docs/autoscaling.md); a no-op without pools.
     "autoscale": {"task": "autoscale.tick", "schedule": settings.AUTOSCALE_INTERVAL_S,
                   "options": {"queue": "scheduler"}},

@@ -91,7 +91,7 @@ def unhealthy_gpus() -> list[dict]:
 def idle_allocated_gpus(*, now=None) -> list[dict]:
     """GPUs held by an allocation for the whole idle window whose utilization never rose above
     GPU_IDLE_UTIL_PCT in it (from minute rollups). job__idle_since: when the idle detector
-    flagged the job (jobs.services.jobs_flag_idle), None while not (yet) flagged."""
+    flagged the job (metrics.services.jobs_flag_idle), None while not (yet) flagged."""
     from portal.jobs.models import Allocation
 
     now = now or timezone.now()

@@ -116,7 +116,7 @@ class Job(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     ended_at = models.DateTimeField(null=True, blank=True)
     state_changed_at = models.DateTimeField(auto_now_add=True)
-    # Set by the idle detector (jobs_flag_idle) while every GPU of the running job has stayed
+    # Set by the idle detector (metrics.services.jobs_flag_idle) while every GPU of the running job has stayed
     # under GPU_IDLE_UTIL_PCT for GPU_IDLE_MINUTES; cleared when the GPUs work again.
     idle_since = models.DateTimeField(null=True, blank=True)
 

@@ -1,7 +1,7 @@
 """Email to a job's submitter when it ends, is preempted or is flagged idle.
 
 Triggers: `states.transition()` for state changes (one place, every path through it) and
-`services.jobs_flag_idle()` for the idle flag. Both call notify_on_commit(), which queues the
+`portal.metrics.services.jobs_flag_idle()` for the idle flag. Both call notify_on_commit(), which queues the
 `jobs.notify` task on the `default` queue once the change is committed. The task takes ids
 and re-reads the job; NotificationSent's unique (job, attempt, kind) key makes a retried or
 doubled task mail once. Array tasks are not mailed one by one: their parent is, when it ends.

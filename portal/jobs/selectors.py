@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone as dt_timezone
 from decimal import Decimal
 
-from django.db.models import Count, Max, Sum
+from django.db.models import Count, Sum
 from django.utils import timezone
 
 from portal.core.querysets import allowed_project_ids, staff_bypass
@@ -283,43 +283,6 @@ def job_gpu_samples(job) -> list[dict]:
     return [{"uuid": a.gpu.uuid, "index": a.gpu.index, "node": a.gpu.node.name, "model": a.gpu.model,
              "fraction": float(a.fraction), "open": a.released_at is None,
              "sample": samples.get(f"gpu-sample:{a.gpu.uuid}")} for a in allocs]
-
-
-# A GPU counts as idle only when minute rollups cover this share of the window: no samples is
-# no evidence (a silent agent is the reaper's business), and the newest minute is not rolled yet.
-IDLE_COVERAGE = 0.8
-
-
-def idle_job_ids(*, now: datetime | None = None) -> set[int]:
-    """Running jobs that held all their GPUs for the last GPU_IDLE_MINUTES and whose every GPU
-    stayed under GPU_IDLE_UTIL_PCT throughout (peak of the minute rollups). CPU-only jobs never."""
-    from datetime import timedelta
-
-    from django.conf import settings
-
-    from portal.metrics.models import GpuRollup, Resolution
-
-    from .models import JobState
-
-    now = now or timezone.now()
-    start = now - timedelta(minutes=settings.GPU_IDLE_MINUTES)
-    gpus_of: dict[int, set[int]] = defaultdict(set)
-    young = set()
-    for job_id, gpu_id, started in Allocation.objects.filter(
-            released_at__isnull=True, job__state=JobState.RUNNING).values_list("job_id", "gpu_id", "started_at"):
-        gpus_of[job_id].add(gpu_id)
-        if started > start:
-            young.add(job_id)
-    candidates = {job_id: gpus for job_id, gpus in gpus_of.items() if job_id not in young}
-    if not candidates:
-        return set()
-    need = max(1, int(settings.GPU_IDLE_MINUTES * IDLE_COVERAGE))
-    idle_gpus = {gpu_id for gpu_id, peak, n in GpuRollup.objects.filter(
-        resolution=Resolution.MINUTE, bucket__gte=start, bucket__lt=now,
-        gpu_id__in=set().union(*candidates.values())).values("gpu_id").annotate(
-        peak=Max("util_max"), n=Count("id")).values_list("gpu_id", "peak", "n").order_by()
-        if peak < settings.GPU_IDLE_UTIL_PCT and n >= need}
-    return {job_id for job_id, gpus in candidates.items() if gpus <= idle_gpus}
 
 
 def env_reader_project_ids(user) -> set[int] | None:

@@ -1,12 +1,6 @@
 from celery import shared_task
 
 from .notifications import job_notify
-from .services import jobs_flag_idle
-
-
-@shared_task(name="jobs.flag_idle", ignore_result=True)
-def flag_idle() -> dict:
-    return jobs_flag_idle()
 
 
 @shared_task(name="jobs.notify", bind=True, ignore_result=True, max_retries=5, default_retry_delay=60)

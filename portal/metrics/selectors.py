@@ -5,11 +5,15 @@ rollups when it is long (7 d, 30 d), and in the hourly case the hours not yet co
 minute rows: an hourly row of the current hour averages over the whole hour, so an 8-GPU job
 started five minutes ago would show as 0.7 GPUs until the hour ends.
 """
+from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone as dt_timezone
 
-from django.db.models import F, Max, Sum
+from django.conf import settings
+from django.db.models import Count, F, Max, Sum
 from django.utils import timezone
+
+from portal.jobs.models import Allocation, JobState
 
 from .models import FleetRollup, GpuRollup, Resolution
 
@@ -103,3 +107,32 @@ def gpu_minutes(*, gpu_ids: list[int], start: datetime, now: datetime | None = N
         out[gpu_id]["memory_used_mb"][i] = round(mem)
         out[gpu_id]["power_w"][i] = round(power, 1)
     return {"t": [int(b.timestamp()) + 30 for b in times], "gpus": out}
+
+
+# A GPU counts as idle only when minute rollups cover this share of the window: no samples is
+# no evidence (a silent agent is the reaper's business), and the newest minute is not rolled yet.
+IDLE_COVERAGE = 0.8
+
+
+def idle_job_ids(*, now: datetime | None = None) -> set[int]:
+    """Running jobs that held all their GPUs for the last GPU_IDLE_MINUTES and whose every GPU
+    stayed under GPU_IDLE_UTIL_PCT throughout (peak of the minute rollups). CPU-only jobs never."""
+    now = now or timezone.now()
+    start = now - timedelta(minutes=settings.GPU_IDLE_MINUTES)
+    gpus_of: dict[int, set[int]] = defaultdict(set)
+    young = set()
+    for job_id, gpu_id, started in Allocation.objects.filter(
+            released_at__isnull=True, job__state=JobState.RUNNING).values_list("job_id", "gpu_id", "started_at"):
+        gpus_of[job_id].add(gpu_id)
+        if started > start:
+            young.add(job_id)
+    candidates = {job_id: gpus for job_id, gpus in gpus_of.items() if job_id not in young}
+    if not candidates:
+        return set()
+    need = max(1, int(settings.GPU_IDLE_MINUTES * IDLE_COVERAGE))
+    idle_gpus = {gpu_id for gpu_id, peak, n in GpuRollup.objects.filter(
+        resolution=Resolution.MINUTE, bucket__gte=start, bucket__lt=now,
+        gpu_id__in=set().union(*candidates.values())).values("gpu_id").annotate(
+        peak=Max("util_max"), n=Count("id")).values_list("gpu_id", "peak", "n").order_by()
+        if peak < settings.GPU_IDLE_UTIL_PCT and n >= need}
+    return {job_id for job_id, gpus in candidates.items() if gpus <= idle_gpus}

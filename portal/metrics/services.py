@@ -10,11 +10,16 @@ from django.db.models.functions import TruncHour, TruncMinute
 from django.utils import timezone
 
 from portal.core.context import Actor
+from portal.core.errors import Conflict
 from portal.core.numbers import parse_ints
 from portal.core.queue import request_schedule_pass
 from portal.core.services import audit_record
+from portal.jobs.models import ACTIVE, Job, JobEvent, JobState
+from portal.jobs.notifications import notify_on_commit
+from portal.jobs.services import job_cancel
 
 from .models import FleetRollup, GpuRollup, GpuSample, Resolution
+from .selectors import idle_job_ids
 
 log = logging.getLogger(__name__)
 
@@ -340,3 +345,35 @@ def metrics_prune(*, now: datetime | None = None) -> dict:
     fleet, _ = FleetRollup.objects.filter(resolution=Resolution.MINUTE, bucket__lt=minute_cut).delete()
     return {"samples": raw, "minute_rollups": minutes + fleet}
 
+
+def jobs_flag_idle(*, now=None) -> dict:
+    """Flag running jobs whose GPUs all sat idle (the `metrics.flag_idle_jobs` beat task, every minute).
+
+    1. Find them from the minute rollups (selectors.idle_job_ids).
+    2. Flag the new ones: idle_since is set by a conditional UPDATE, so a job is flagged once
+       however often this runs; active jobs whose GPUs work again are unflagged.
+    3. Each newly flagged job gets a timeline event, and in a project whose quota has
+       idle_auto_cancel it is cancelled by the system with the reason.
+    """
+    now = now or timezone.now()
+    idle = idle_job_ids(now=now)
+    unflagged = Job.objects.filter(idle_since__isnull=False, state__in=ACTIVE).exclude(pk__in=idle).update(
+        idle_since=None)
+    why = f"its GPUs stayed under {settings.GPU_IDLE_UTIL_PCT:g}% utilization for {settings.GPU_IDLE_MINUTES} minutes"
+    flagged = cancelled = 0
+    for job in Job.objects.filter(pk__in=idle, idle_since__isnull=True).select_related("project__quota"):
+        with transaction.atomic():
+            if not Job.objects.filter(pk=job.pk, idle_since__isnull=True, state=JobState.RUNNING).update(
+                    idle_since=now):
+                continue  # ended or flagged meanwhile
+            JobEvent.objects.create(job=job, attempt=job.attempt, state=job.state, message=f"Flagged idle: {why}.")
+            notify_on_commit(job.pk, job.attempt, "idle")
+            flagged += 1
+        if job.project.quota.idle_auto_cancel:
+            try:
+                job_cancel(actor=Actor(user=None, label="idle-detector"), job=job,
+                           reason=f"Cancelled as idle: {why}, and project {job.project.slug} cancels idle jobs.")
+                cancelled += 1
+            except Conflict:
+                pass  # it ended on its own meanwhile
+    return {"idle": len(idle), "flagged": flagged, "unflagged": unflagged, "cancelled": cancelled}

@@ -6,7 +6,8 @@ from django.utils import timezone
 
 from portal.core.context import Actor
 from portal.jobs.models import HOLDING, Allocation, Job, JobEvent, JobState
-from portal.jobs.services import job_submit, jobs_flag_idle
+from portal.jobs.services import job_submit
+from portal.metrics.services import jobs_flag_idle
 from portal.jobs.states import transition
 from portal.metrics.services import rollup_minutes, samples_write
 from portal.nodes.services import node_add
@@ -132,7 +133,7 @@ def test_setting_is_off_by_default_and_editable_by_staff(cluster, api):
 def test_beat_runs_it_on_the_scheduler_queue():
     from portal.celery import app
 
-    (entry,) = [e for e in app.conf.beat_schedule.values() if e["task"] == "jobs.flag_idle"]
+    (entry,) = [e for e in app.conf.beat_schedule.values() if e["task"] == "metrics.flag_idle_jobs"]
     assert entry["options"]["queue"] == "scheduler"
     app.loader.import_default_modules()  # what a worker does at start: autodiscovery
-    assert "jobs.flag_idle" in app.tasks
+    assert "metrics.flag_idle_jobs" in app.tasks

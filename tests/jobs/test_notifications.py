@@ -134,7 +134,7 @@ def test_requeue_off_an_unhealthy_gpu_counts_as_preemption():
 
 @pytest.mark.clock
 def test_idle_flag_mails(cluster, django_capture_on_commit_callbacks, clock):
-    from portal.jobs.services import jobs_flag_idle
+    from portal.metrics.services import jobs_flag_idle
     from portal.metrics.services import rollup_minutes, samples_write
 
     job = placed(cluster, django_capture_on_commit_callbacks)
