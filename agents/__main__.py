@@ -64,6 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--volumes-root", default=env("GPUPORTAL_VOLUMES_ROOT") or "",
                     help="the project volumes' tree, at the same path as the portal's VOLUMES_ROOT (a shared "
                          "filesystem on several nodes); jobs naming volumes are refused on a node without it")
+    ap.add_argument("--session-listen", default=env("GPUPORTAL_SESSION_LISTEN") or "",
+                    help="HOST:PORT of the session gateway the portal's proxy calls for interactive sessions "
+                         "(docs/sessions.md); empty: this node publishes no sessions")
+    ap.add_argument("--session-url", default=env("GPUPORTAL_SESSION_URL") or "",
+                    help="the gateway's URL as the portal reaches it (default http://HOST:PORT of --session-listen)")
     ap.add_argument("--stop-grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     ap.add_argument("--concurrency", type=int, default=4, help="Celery worker threads")
     ap.add_argument("--log-level", default="INFO")
@@ -119,6 +124,15 @@ def main(argv=None) -> int:
         print(f"agent: {exc}", file=sys.stderr)
         return 2
     client = PortalClient(args.portal, args.token)
+    if args.session_listen:
+        from agents.sessions import Gateway, SessionDriver
+
+        try:
+            gateway = Gateway(listen=args.session_listen, public_url=args.session_url, client=client).start()
+        except OSError as exc:
+            print(f"agent: --session-listen {args.session_listen}: {exc}", file=sys.stderr)
+            return 2
+        driver = SessionDriver(driver, gateway)
     agent = Agent(name=args.name, client=client, driver=driver, probe=probe, stop_grace_s=args.stop_grace,
                   scrub_gpus=args.gpu_scrub == "on")
 

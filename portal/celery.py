@@ -22,10 +22,12 @@ app.conf.task_routes = {
     "nodes.reap_nodes": {"queue": "scheduler"},
     "billing.*": {"queue": "scheduler"},
     "metrics.*": {"queue": "scheduler"},
+    "interactive.*": {"queue": "scheduler"},
     "autoscale.*": {"queue": "scheduler"},
 }
 app.autodiscover_tasks(["portal.core", "portal.accounts", "portal.tenancy", "portal.nodes", "portal.jobs"])
 app.autodiscover_tasks(["scheduler"], related_name="tasks")
+app.autodiscover_tasks(["portal.interactive"])
 app.autodiscover_tasks(["portal.billing", "portal.metrics", "portal.autoscale"])
 app.conf.beat_schedule = {
     # Passes also run on submit, job end and node change; this catches everything else.
@@ -40,6 +42,8 @@ app.conf.beat_schedule = {
     "prune-metrics": {"task": "metrics.prune", "schedule": 3600.0, "options": {"queue": "scheduler"}},
     # Reads the minute rollups; flags (and, where a project asks, cancels) jobs idling on GPUs.
     "flag-idle-jobs": {"task": "metrics.flag_idle_jobs", "schedule": 60.0, "options": {"queue": "scheduler"}},
+    # Interactive sessions: warn the idle, stop those idle past the grace or past their lifetime.
+    "cull-sessions": {"task": "interactive.cull_sessions", "schedule": 60.0, "options": {"queue": "scheduler"}},
     # Node pools: scale up for waiting work, release idle nodes (docs/autoscaling.md); a no-op without pools.
     "autoscale": {"task": "autoscale.tick", "schedule": settings.AUTOSCALE_INTERVAL_S,
                   "options": {"queue": "scheduler"}},

@@ -125,6 +125,7 @@ INSTALLED_APPS = [
     "portal.storage",
     "portal.metrics",
     "portal.console",
+    "portal.interactive",
     "portal.autoscale",
 ]
 
@@ -508,6 +509,15 @@ GPU_HEALTH_AUTO_DRAIN = env_bool("GPU_HEALTH_AUTO_DRAIN", False)
 # A GPU under a running job whose utilization stays below this for this long is flagged idle.
 GPU_IDLE_UTIL_PCT = env_float("GPU_IDLE_UTIL_PCT", 5.0)
 GPU_IDLE_MINUTES = env_int("GPU_IDLE_MINUTES", 30, minimum=1)
+# Interactive sessions (docs/sessions.md). Defaults for projects without a session policy (0: never).
+SESSION_IDLE_TIMEOUT_S = env_int("SESSION_IDLE_TIMEOUT_S", 3600, minimum=0)
+SESSION_MAX_LIFETIME_S = env_int("SESSION_MAX_LIFETIME_S", 0, minimum=0)
+# How long an idle session's owner is warned before its job is stopped.
+SESSION_IDLE_GRACE_S = env_int("SESSION_IDLE_GRACE_S", 300, minimum=0)
+# Proxied connections one user may hold open at once in one ASGI process (HTTP and WebSockets).
+SESSION_MAX_CONNECTIONS_PER_USER = env_int("SESSION_MAX_CONNECTIONS_PER_USER", 64, minimum=1)
+# The largest WebSocket message the proxy passes in either direction.
+SESSION_MAX_FRAME_BYTES = env_int("SESSION_MAX_FRAME_BYTES", 16 * 1024 * 1024, minimum=1024)
 
 LOGGING = {
     "version": 1,

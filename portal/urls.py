@@ -11,6 +11,7 @@ api_v1 = [
     path("", include("portal.nodes.urls_api")),
     path("", include("portal.billing.urls_api")),
     path("", include("portal.storage.urls_api")),
+    path("", include("portal.interactive.urls_api")),
 ]
 
 urlpatterns = [

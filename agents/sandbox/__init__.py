@@ -69,13 +69,15 @@ class LaunchSpec:
     # (agents/sandbox/volumes.py); and the job's checkpoint folder {"volume", "path"} there.
     volumes: list[dict] = field(default_factory=list)
     checkpoint: dict | None = None
-    # Outputs (agents/artifacts.py): a writable /outputs whose files the agent uploads to the portal when
-    # the attempt ends. False (an older portal's launch): no /outputs.
-    outputs: bool = False
+    # Published ports (agents/sessions.py): [{"name", "kind", "port", "secret", "base_url"}].
+    sessions: list[dict] = field(default_factory=list)
     # The job checkpoints (its spec's `checkpoint`): the signal it traps and its grace to save. The
     # agent sends it before stopping the job to move it, and grace_s before its time limit.
     checkpoint_signal: str | None = None
     checkpoint_grace_s: float | None = None
+    # Outputs (agents/artifacts.py): a writable /outputs whose files the agent uploads to the portal when
+    # the attempt ends. False (an older portal's launch): no /outputs.
+    outputs: bool = False
 
     def __post_init__(self):
         if not self.command or not all(isinstance(a, str) for a in self.command):

@@ -103,10 +103,12 @@ class ProcessDriver:
         if spec.outputs:  # no /outputs to mount: the job is told its host folder
             (root / "outputs").mkdir()
             env["GPUPORTAL_OUTPUTS_DIR"] = str(root / "outputs")
+        sessions_dir = _publish_sessions(spec, env) if spec.sessions else None
         exe = spec.command[0]
         found = os.access(workdir / exe, os.X_OK) if "/" in exe else shutil.which(exe, path=env["PATH"])
         if not found:  # said here, at launch, rather than as the wrapper's exit code 127
             shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(sessions_dir or root, ignore_errors=True)
             raise SandboxError(f"could not start {exe!r}: no such executable")
         with open(root / "log", "wb") as logf:
             try:
@@ -117,6 +119,7 @@ class ProcessDriver:
                                      stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
             except OSError as exc:
                 shutil.rmtree(root, ignore_errors=True)
+                shutil.rmtree(sessions_dir or root, ignore_errors=True)
                 raise SandboxError(f"could not start {exe!r}: {exc}") from None
         handle = SandboxHandle(driver=self.name, ref=ref, job_id=spec.job_id, attempt=spec.attempt,
                                started_at=time.time(), time_limit_s=spec.time_limit_s,
@@ -125,6 +128,7 @@ class ProcessDriver:
             "job_id": spec.job_id, "attempt": spec.attempt, "pid": p.pid,
             "start_ticks": _start_ticks(p.pid), "started_at": handle.started_at,
             "time_limit_s": spec.time_limit_s, "node": self.node, "gpu_indexes": spec.gpu_indexes,
+            "sessions": spec.sessions, "sessions_dir": sessions_dir, "env": env if spec.sessions else None,
         }))
         os.replace(root / "record.json.tmp", root / "record.json")  # list_own never reads half a record
         self._children[ref] = p
@@ -206,7 +210,35 @@ class ProcessDriver:
         if self.poll(handle)[0] == RUNNING:
             self.stop(handle, 0)
         self._children.pop(handle.ref, None)
+        rec = self._record(handle.ref) or {}
+        if rec.get("sessions_dir"):
+            shutil.rmtree(rec["sessions_dir"], ignore_errors=True)
         shutil.rmtree(self.state_dir / handle.ref, ignore_errors=True)
+
+    # -- interactive sessions (agents/sessions.py) ----------------------------------
+
+    def session_specs(self, handle: SandboxHandle) -> list[dict]:
+        return (self._record(handle.ref) or {}).get("sessions") or []
+
+    def session_targets(self, handle: SandboxHandle, sessions: list[dict]) -> dict[str, tuple]:
+        """JupyterLab on its unix socket; an HTTP app on the job's loopback port (this sandbox has no
+        network namespace of its own: any local user could reach that port, like everything here)."""
+        rec = self._record(handle.ref) or {}
+        out = {}
+        for s in sessions:
+            if s["kind"] == "jupyter" and rec.get("sessions_dir"):
+                out[s["name"]] = ("unix", os.path.join(rec["sessions_dir"], s["name"] + ".sock"))
+            elif s["kind"] == "http":
+                out[s["name"]] = ("tcp", "127.0.0.1", int(s["port"]))
+        return out
+
+    def session_shell(self, handle: SandboxHandle) -> tuple:
+        """(argv, env, cwd) of a shell beside the job: its environment and working folder."""
+        rec = self._record(handle.ref) or {}
+        env = dict(rec.get("env") or {})
+        env.setdefault("TERM", "xterm-256color")
+        shell = shutil.which("bash", path=env.get("PATH")) or "/bin/sh"
+        return [shell, "-i"], env, str(self.state_dir / handle.ref / "work")
 
     def _exit_record(self, ref: str) -> tuple[int | None, bool]:
         """(exit code, whether the supervisor fenced the job) from the wrapper's record."""
@@ -221,6 +253,28 @@ class ProcessDriver:
             return json.loads((self.state_dir / ref / "record.json").read_text())
         except (OSError, ValueError):
             return None
+
+
+def _publish_sessions(spec: LaunchSpec, env: dict) -> str:
+    """A private folder for the job's session sockets (short, so a socket path stays under the
+    108 bytes AF_UNIX allows), JupyterLab's settings in it, and the session variables in ``env``."""
+    import tempfile
+
+    from agents.sessions import jupyter_config, session_env
+
+    folder = tempfile.mkdtemp(prefix=f"gps-{spec.job_id}-")  # 0700
+    sockets = {s["name"]: os.path.join(folder, s["name"] + ".sock") for s in spec.sessions
+               if s["kind"] == "jupyter"}
+    for s in spec.sessions:
+        if s["kind"] == "jupyter":
+            os.makedirs(os.path.join(folder, "jupyter"), mode=0o700, exist_ok=True)
+            path = os.path.join(folder, "jupyter", "jupyter_server_config.json")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(jupyter_config(s, sockets[s["name"]]), f)
+            env["JUPYTER_CONFIG_PATH"] = os.path.join(folder, "jupyter")
+    env.update(session_env(spec.sessions, sockets))
+    return folder
 
 
 class ExitWatcher:

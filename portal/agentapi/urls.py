@@ -1,6 +1,7 @@
 """/api/agent/v1/: every report an agent sends, whichever app takes it."""
 from django.urls import path
 
+from portal.interactive.agent_api import SessionReportView
 from portal.nodes import agent_api as nodes
 from portal.storage.agent_api import ArtifactUploadView
 
@@ -15,4 +16,5 @@ urlpatterns = [
     path("jobs/<str:job_id>/events", jobs.EventView.as_view(), name="events"),
     path("jobs/<str:job_id>/logs", jobs.LogView.as_view(), name="logs"),
     path("jobs/<str:job_id>/artifacts", ArtifactUploadView.as_view(), name="artifacts"),
+    path("jobs/<str:job_id>/sessions", SessionReportView.as_view(), name="sessions"),
 ]

@@ -401,6 +401,54 @@ def list_jobs(
 
 
 @command()
+def shell(job_ref: JobRefArg):
+    """A shell in a running job (its environment, its GPUs), like srun --pty --jobid: through the
+    portal to the job's terminal session (ports: [{name: sh, kind: terminal}], docs/sessions.md)."""
+    from .sessions import SessionError, find_session, shell as run_shell
+
+    client = _client()
+    job_id = client.resolve(job_ref)
+    creds = config.load()
+    try:
+        session = find_session(client, job_id, kind="terminal")
+        client.close()
+        raise typer.Exit(run_shell(client.base_url, creds.token, session))
+    except SessionError as exc:
+        say(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
+@command("port-forward")
+def port_forward(
+    job_ref: JobRefArg,
+    ports: Annotated[str, typer.Argument(metavar="LOCAL:REMOTE",
+                                         help="A local port and a port the job publishes (or its session's name).")],
+):
+    """Forward 127.0.0.1:LOCAL to a port the job publishes, through the portal (like kubectl
+    port-forward). Ctrl-C stops it."""
+    from .sessions import SessionError, find_session, port_forward as forward
+
+    local, sep, remote = ports.partition(":")
+    if not sep or not local.isdigit() or not remote:
+        say("error: expected LOCAL:REMOTE, e.g. 8888:8888 or 6006:tb", err=True)
+        raise typer.Exit(2)
+    client = _client()
+    job_id = client.resolve(job_ref)
+    creds = config.load()
+    try:
+        session = find_session(client, job_id, port=int(remote) if remote.isdigit() else None,
+                               name=None if remote.isdigit() else remote)
+        client.close()
+        forward(client.base_url, creds.token, session, int(local),
+                ready=lambda p: say(f"Forwarding 127.0.0.1:{p} -> job {job_id} {session['name']}; Ctrl-C stops"))
+    except SessionError as exc:
+        say(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
+
+
+@command()
 def show(
     job_ref: JobRefArg,
     watch: WatchOpt = False,

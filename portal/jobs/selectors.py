@@ -123,6 +123,9 @@ def launch_specs(pairs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
     for a in (Allocation.objects.filter(job_id__in=list(jobs), released_at__isnull=True).select_related("gpu__node")
               .order_by("gpu__node__name", "gpu__index")):
         allocs[a.job_id].append(a)
+    from portal.interactive.selectors import launch_sessions
+
+    sessions = launch_sessions(list(jobs))
     out = {}
     for node_name, job_id in pairs:
         job = jobs.get(job_id)
@@ -151,6 +154,8 @@ def launch_specs(pairs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
             "outputs": True,  # /outputs, uploaded as the attempt's artifacts when it ends (docs/storage.md)
             "checkpoint_signal": job.checkpoint_signal or None, "checkpoint_grace_s": job.checkpoint_grace_s,
             **volume_mounts(job),
+            # Published ports (docs/sessions.md), on the first node only: a gang cannot publish any.
+            "sessions": sessions.get(job.pk, []) if node_name == nodes[0] else [],
         }
     return out
 

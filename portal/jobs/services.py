@@ -98,6 +98,10 @@ def job_submit(*, actor: Actor, data: dict, idempotency_key: str = "") -> tuple[
                                      reason_code="" if v["array"] else "new",
                                      reason_message="" if v["array"] else "Waiting for the scheduler's next pass.")
             job.depends_on.set(deps)
+            if v["ports"]:
+                from portal.interactive.services import sessions_create
+
+                sessions_create(job, v["ports"])
             if v["array"]:
                 indexes, limit = parse_array(v["array"])
                 job.array_limit = limit

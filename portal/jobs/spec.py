@@ -98,6 +98,31 @@ class VolumeMountSerializer(StrictSerializer):
     read_only = serializers.BooleanField(default=False)
 
 
+PORT_NAME = re.compile(r"^[a-z][a-z0-9-]{0,31}$")
+MAX_PORTS = 8
+
+
+class PortSerializer(StrictSerializer):
+    """A port the job publishes as an interactive session (docs/sessions.md), proxied by the portal at
+    /sessions/<job id>/<name>/."""
+
+    name = serializers.CharField(max_length=32, help_text="Lower-case letters, digits and '-', e.g. 'lab'.")
+    port = serializers.IntegerField(min_value=1024, max_value=65535, required=False, allow_null=True, default=None,
+                                    help_text="The port the app listens on inside the job (http; jupyter and "
+                                              "terminal need none).")
+    kind = serializers.ChoiceField(choices=["jupyter", "http", "terminal"])
+
+    def validate_name(self, value):
+        if not PORT_NAME.match(value):
+            raise serializers.ValidationError("Use lower-case letters, digits and '-', starting with a letter.")
+        return value
+
+    def validate(self, data):
+        if data["kind"] == "http" and data.get("port") is None:
+            raise serializers.ValidationError({"port": ["An http session needs the port its app listens on."]})
+        return data
+
+
 # Signals a job may ask to get before it is stopped: the ones a program traps to save its state
 # (SIGUSR1 as Slurm's --signal uses it). SIGKILL and SIGSTOP cannot be trapped.
 CHECKPOINT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP")
@@ -230,6 +255,9 @@ class JobSpecSerializer(StrictSerializer):
                                       help_text="The job checkpoints: stopped for preemption, migration, a node "
                                                 "drain or a GPU fault it gets `signal` and `grace_s` to save, and "
                                                 "its next attempt resumes from GPUPORTAL_CHECKPOINT_DIR.")
+    ports = serializers.ListField(child=PortSerializer(), required=False, default=list, max_length=MAX_PORTS,
+                                  help_text="Interactive sessions the job publishes: JupyterLab, a terminal or "
+                                            "an HTTP app, proxied by the portal (docs/sessions.md).")
 
     def validate_image(self, value):
         if not IMAGE.match(value):
@@ -248,6 +276,19 @@ class JobSpecSerializer(StrictSerializer):
                 raise serializers.ValidationError(
                     f"{name} is reserved: the portal sets {', '.join(p + '*' for p in RESERVED_ENV_PREFIXES)} "
                     "and the rendezvous variables itself.")
+        return value
+
+    def validate_ports(self, value):
+        names, ports = set(), set()
+        for item in value:
+            if item["name"] in names:
+                raise serializers.ValidationError(f"Session name {item['name']!r} is used twice.")
+            if item.get("port") is not None and item["port"] in ports:
+                raise serializers.ValidationError(f"Port {item['port']} is published twice.")
+            names.add(item["name"])
+            ports.add(item.get("port"))
+        if sum(1 for item in value if item["kind"] == "jupyter") > 1:
+            raise serializers.ValidationError("A job runs at most one JupyterLab.")
         return value
 
     def validate_array(self, value):
@@ -332,6 +373,13 @@ class JobSpecSerializer(StrictSerializer):
         if data.get("network") and not quota.network_allowed:
             errors["network"] = ["This project does not allow network access for jobs."]
         errors.update(_volume_errors(project, data.get("volumes") or [], data.get("sandbox")))
+        if data.get("ports"):
+            if data.get("array"):
+                errors["ports"] = ["An array's tasks cannot publish sessions; submit one job per session."]
+            elif res is not None and res["nodes"] > 1:
+                errors["ports"] = ["A job on several nodes cannot publish sessions yet; use one node."]
+            elif data.get("sandbox") == "kvm":
+                errors["ports"] = ["The kvm sandbox cannot publish sessions yet; use the docker sandbox."]
         return errors
 
 

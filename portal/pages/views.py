@@ -12,6 +12,7 @@ from rest_framework import serializers
 from portal.core.errors import ServiceError
 from portal.core.pages import PageMixin, refused, scoped_or_404, validation_fields
 from portal.core.querysets import user_can
+from portal.interactive.selectors import session_cards
 from portal.jobs.models import JobTemplate
 from portal.jobs.selectors import jobs_for_list
 from portal.jobs.services import template_delete, template_save
@@ -40,6 +41,7 @@ class HomeView(LoginRequiredMixin, ListView):
         context["active_jobs"] = list(jobs_for_list(user=user, state="active", mine=True)[:DASHBOARD_JOBS])
         context["finished_jobs"] = list(jobs_for_list(user=user, state="finished", mine=True)
                                         .order_by("-ended_at", "-id")[:DASHBOARD_JOBS])
+        context["sessions"] = session_cards(user)
         return context
 
 

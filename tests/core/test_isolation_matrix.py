@@ -158,6 +158,15 @@ MATRIX = {
         ("register", "register"), ("heartbeat", "heartbeat"), ("confirm", "jobs/{vision_job}/confirm"),
         ("events", "jobs/{vision_job}/events"), ("logs", "jobs/{vision_job}/logs"), ("probe", "probe")]},
     "agent:artifacts": [e("PUT", "/api/agent/v1/jobs/{vision_job}/artifacts?attempt=1&path=x", NOBODY, body={"x": 1})],
+    "agent:sessions": [e("POST", "/api/agent/v1/jobs/{vision_job}/sessions", NOBODY,
+                         body={"attempt": 1, "name": "lab", "state": "ended"})],
+    # A session is its owner's (alice's) until she shares it: members, staff and outsiders see none.
+    "api:session-list": [e("GET", "/api/v1/sessions/", ALL_200)],
+    "api:session-detail": [
+        e("GET", "/api/v1/sessions/{vision_session}/", roles(401, 200, 404, 404, 404, 404)),
+        e("PATCH", "/api/v1/sessions/{vision_session}/", roles(401, 200, 404, 404, 404, 404), scope="submit",
+          body={"share": "project"}),
+    ],
     "schema": [e("GET", "/api/schema/", roles(200, 200, 200, 200, 200, 200), api=False)],
     "api-docs": [e("GET", "/api/docs/", roles(200, 200, 200, 200, 200, 200), api=False)],
     "login": [e("GET", "/login/", roles(200, 302, 302, 302, 302, 302), api=False)],
@@ -288,14 +297,14 @@ def _tenant_objects(demo):
 
     alice = Actor(user=demo.users["alice"])
     job, _ = job_submit(actor=alice, data={"project": "vision", "name": "fixture", "image": "gpuportal/busybox:latest",
-                                           "command": ["true"]})
+                                           "command": ["true"], "ports": [{"name": "lab", "kind": "jupyter"}]})
     template = template_save(actor=alice, project=demo.vision, name="t1", spec={"image": "gpuportal/busybox:latest"},
                              locked=[])
     node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="2xH100-80GB")
     volume = volume_create(actor=alice, project=demo.vision, name="data")
     volume_file_put(actor=alice, volume=volume, path="f.txt", stream=io.BytesIO(b"f"), length=1)
     return {"vision_job": job.pk, "vision_template": template.pk, "acme_invoice": _acme_invoice(),
-            "vision_volume": volume.pk}
+            "vision_volume": volume.pk, "vision_session": job.sessions.get().pk}
 
 
 def _acme_invoice() -> int:

@@ -139,7 +139,8 @@ class Command(BaseCommand):
         argv = [sys.executable, "-m", "agents", "--portal", f"http://{host}:{port}", "--token", token,
                 "--broker", settings.CELERY_BROKER_URL, "--name", LOCAL_NODE,
                 "--gpus", os.getenv("LOCAL_AGENT_GPUS", "sim:4xH100-80GB"), "--sandbox", sandbox,
-                "--volumes-root", str(settings.VOLUMES_ROOT)]  # one machine: the portal's own tree
+                "--volumes-root", str(settings.VOLUMES_ROOT),  # one machine: the portal's own tree
+                "--session-listen", "127.0.0.1:0"]  # interactive sessions' gateway, on loopback
         if settings.CELERY_BROKER_URL.startswith("filesystem://"):
             argv += ["--broker-folder", settings.CELERY_BROKER_TRANSPORT_OPTIONS["data_folder_in"]]
         return argv, f"{sandbox} sandbox ({why})"
@@ -150,7 +151,10 @@ class Command(BaseCommand):
         level = os.getenv("LOG_LEVEL", "INFO").upper()
         return {
             # migrate has just run the system checks.
-            "web": [python, "manage.py", "runserver", f"{host}:{port}", "--noreload", "--skip-checks"],
+            # uvicorn with portal.asgi: the portal's pages and API, and the interactive sessions'
+            # proxy at /sessions/ (HTTP and WebSockets; docs/sessions.md).
+            "web": [python, "-m", "uvicorn", "portal.asgi:application", "--host", host, "--port", str(port),
+                    "--log-level", "warning", "--ws-max-size", str(settings.SESSION_MAX_FRAME_BYTES)],
             "worker": [python, "-m", "celery", "-A", "portal", "--quiet", "worker", "-Q", "default,scheduler",
                        "--concurrency", "2", "--loglevel", level, "-n", "portal@%h"],
             "beat": [python, "-m", "celery", "-A", "portal", "--quiet", "beat", "--loglevel", level,

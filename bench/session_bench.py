@@ -1,0 +1,210 @@
+"""Interactive sessions (docs/sessions.md): what the portal's proxy costs.
+
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres .venv/bin/python bench/session_bench.py
+
+On a throwaway PostgreSQL database (`gpuportal_bench_sessions`) it runs the real parts in one
+process: the agent's session gateway (agents/sessions.py) with a process-sandbox job, and
+portal.asgi under uvicorn (the proxy). It prints:
+
+1. submit to JupyterLab usable: from the launch of a job running `python -m jupyterlab` to the
+   first 200 of its /api/status through the portal (the scheduler and Celery are not in it);
+2. the proxy's added latency: a small GET straight to the app, through the gateway, and through
+   the portal (median and p95 of --requests);
+3. a 100 MB download: straight from the app, and through gateway and portal (MB/s);
+4. memory of --websockets idle WebSockets held open through the portal (RSS growth of this
+   process, which holds the proxy and the gateway and the clients' side).
+"""
+import argparse
+import asyncio
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
+os.environ.setdefault("LOG_LEVEL", "WARNING")
+os.environ.setdefault("SECRET_KEY", "bench-" + "abcdefghij" * 6)
+os.environ.setdefault("ALLOWED_HOSTS", "testserver,127.0.0.1,localhost")
+
+import django  # noqa: E402
+
+django.setup()
+
+from benchdb import throwaway_database  # noqa: E402
+
+DB_NAME = "gpuportal_bench_sessions"
+JOB = 424242
+SECRET = "bench-secret-" + "x" * 30
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def pct(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def timed_gets(url, n, headers):
+    import requests
+
+    s = requests.Session()
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        r = s.get(url, headers=headers)
+        assert r.status_code == 200, (url, r.status_code)
+        out.append((time.perf_counter() - t) * 1000)
+    return out
+
+
+def download(url, headers) -> float:
+    import requests
+
+    t = time.perf_counter()
+    n = 0
+    with requests.get(url, headers=headers, stream=True) as r:
+        assert r.status_code == 200, r.status_code
+        for chunk in r.iter_content(1 << 20):
+            n += len(chunk)
+    return n / (1 << 20) / (time.perf_counter() - t)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--websockets", type=int, default=200)
+    args = ap.parse_args()
+
+    import uvicorn
+    from django.contrib.auth import get_user_model
+    from django.core.management import call_command
+    from django.test import Client
+
+    from agents.sandbox import LaunchSpec
+    from agents.sandbox.process_driver import ProcessDriver
+    from agents.sessions import Gateway, SessionDriver
+    from portal.interactive.models import Session
+    from portal.interactive.services import session_report, sessions_create
+    from portal.jobs.models import Job, JobState
+    from portal.tenancy.models import Project
+
+    with throwaway_database(DB_NAME), tempfile.TemporaryDirectory() as tmp:
+        call_command("seed_demo", stdout=open(os.devnull, "w"))
+        alice = get_user_model().objects.get(username="alice")
+        client = Client()
+        client.force_login(alice)
+        cookie = {"Cookie": f"sessionid={client.cookies['sessionid'].value}"}
+        site = Path(tmp) / "site"
+        site.mkdir()
+        (site / "small.txt").write_text("ok\n")
+        with open(site / "big.bin", "wb") as f:
+            f.truncate(100 * 1024 * 1024)
+        web_port = free_port()
+        web = subprocess.Popen([sys.executable, "-m", "http.server", str(web_port), "--bind", "127.0.0.1"],
+                               cwd=site, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        gateway = Gateway(listen="127.0.0.1:0").start()
+        driver = SessionDriver(ProcessDriver(node="bench", state_dir=tmp), gateway)
+        driver.lease_s = 3600.0
+        lab, web_path = f"/sessions/{JOB}/lab/", f"/sessions/{JOB}/web/"
+        job = Job.objects.create(pk=JOB, project=Project.objects.get(slug="vision"), user=alice, name="bench",
+                                 image="local", command=["jupyter", "lab"], time_limit_s=3600,
+                                 state=JobState.RUNNING)
+        sessions_create(job, [{"name": "lab", "kind": "jupyter"}, {"name": "web", "kind": "http", "port": web_port}])
+        Session.objects.filter(job=job).update(secret=SECRET)
+        for name in ("lab", "web"):
+            session_report(node=None, job=job, attempt=1, name=name, state="running", gateway_url=gateway.url)
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        portal = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        from portal.asgi import application
+
+        server = uvicorn.Server(uvicorn.Config(application, log_level="warning", lifespan="on"))
+        threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+        while not server.started:
+            time.sleep(0.05)
+        import requests
+
+        handle = None
+        try:
+            # 1. Launch to usable.
+            t0 = time.perf_counter()
+            handle = driver.launch(LaunchSpec(
+                job_id=str(JOB), attempt=1, image="local", command=[sys.executable, "-m", "jupyterlab"],
+                sessions=[{"name": "lab", "kind": "jupyter", "port": None, "secret": SECRET, "base_url": lab},
+                          {"name": "web", "kind": "http", "port": web_port, "secret": SECRET, "base_url": web_path}]))
+            while True:
+                try:
+                    if requests.get(portal + lab + "api/status", headers=cookie, timeout=5).status_code == 200:
+                        break
+                except requests.RequestException:
+                    pass
+                time.sleep(0.1)
+            print(f"launch to JupyterLab usable through the portal: {time.perf_counter() - t0:.1f} s")
+
+            # 2. Latency of a small GET.
+            secret = {"X-Gpuportal-Session-Secret": SECRET}
+            direct = timed_gets(f"http://127.0.0.1:{web_port}/small.txt", args.requests, {})
+            via_gw = timed_gets(gateway.url + web_path + "small.txt", args.requests, secret)
+            via_portal = timed_gets(portal + web_path + "small.txt", args.requests, cookie)
+            for label, values in (("direct", direct), ("gateway", via_gw), ("portal+gateway", via_portal)):
+                print(f"small GET {label:>15}: median {statistics.median(values):6.2f} ms  "
+                      f"p95 {pct(values, 0.95):6.2f} ms  ({args.requests} requests)")
+
+            # 3. 100 MB download.
+            for label, url, headers in (("direct", f"http://127.0.0.1:{web_port}/big.bin", {}),
+                                        ("gateway", gateway.url + web_path + "big.bin", secret),
+                                        ("portal+gateway", portal + web_path + "big.bin", cookie)):
+                print(f"100 MB download {label:>15}: {download(url, headers):7.1f} MB/s")
+
+            # 4. Idle WebSockets through the portal (the job's Jupyter event stream).
+            from django.conf import settings
+
+            settings.SESSION_MAX_CONNECTIONS_PER_USER = args.websockets + 10
+            before = rss_mb()
+
+            async def hold():
+                import websockets
+
+                url = portal.replace("http://", "ws://") + lab + "api/events/subscribe"
+                conns = [await websockets.connect(url, additional_headers=cookie, compression=None)
+                         for _ in range(args.websockets)]
+                await asyncio.sleep(2)
+                grown = rss_mb() - before
+                for c in conns:
+                    await c.close()
+                return grown
+
+            grown = asyncio.run(hold())
+            print(f"{args.websockets} idle WebSockets through the portal: +{grown:.1f} MB RSS "
+                  f"({grown * 1024 / args.websockets:.0f} KB each: proxy, gateway and client sides in one process)")
+        finally:
+            if handle is not None:
+                driver.remove(handle)
+            server.should_exit = True
+            gateway.stop()
+            web.terminate()
+            web.wait(10)
+
+
+if __name__ == "__main__":
+    main()

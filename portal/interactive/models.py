@@ -1,0 +1,82 @@
+"""Interactive sessions (docs/sessions.md): one record per port a job publishes.
+
+The portal proxies a running session at /sessions/<job id>/<name>/ (portal/interactive/proxy.py);
+the agent reports where it can be reached (``gateway_url``) and when it answers.
+"""
+import secrets
+
+from django.db import models
+
+from portal.core.querysets import TenantQuerySet
+
+
+class SessionKind(models.TextChoices):
+    JUPYTER = "jupyter", "JupyterLab"
+    HTTP = "http", "HTTP app"
+    TERMINAL = "terminal", "Terminal"
+
+
+class SessionState(models.TextChoices):
+    STARTING = "starting"  # the job is queued or starting, or the app does not answer yet
+    RUNNING = "running"    # the agent reached the app
+    IDLE = "idle"          # no traffic for the project's idle time: warned, stopped after the grace
+    ENDED = "ended"        # the job ended (or was stopped for idleness or its maximum lifetime)
+
+
+LIVE_STATES = (SessionState.STARTING, SessionState.RUNNING, SessionState.IDLE)
+
+
+def new_secret() -> str:
+    return secrets.token_urlsafe(32)
+
+
+class SessionQuerySet(TenantQuerySet):
+    project_path = "job__project"
+
+
+class Session(models.Model):
+    job = models.ForeignKey("jobs.Job", on_delete=models.CASCADE, related_name="sessions")
+    name = models.CharField(max_length=32)
+    port = models.PositiveIntegerField(null=True, blank=True)
+    kind = models.CharField(max_length=10, choices=SessionKind.choices)
+    state = models.CharField(max_length=10, choices=SessionState.choices, default=SessionState.STARTING)
+    # Injected into the app (JupyterLab's token) and sent by the proxy to the agent's gateway: a
+    # request to the node or the app without it is refused. Never shown to anyone.
+    secret = models.CharField(max_length=64, default=new_secret)
+    # Who besides the job's owner may connect: the job's project ("project"), or nobody ("owner").
+    share = models.CharField(max_length=8, choices=[("owner", "owner"), ("project", "project")], default="owner")
+    gateway_url = models.CharField(max_length=300, blank=True)
+    message = models.CharField(max_length=300, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    running_at = models.DateTimeField(null=True, blank=True)
+    last_activity_at = models.DateTimeField(null=True, blank=True)
+    warned_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+
+    objects = SessionQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["job_id", "name"]
+        constraints = [models.UniqueConstraint(fields=["job", "name"], name="session_unique_job_name")]
+        indexes = [models.Index(fields=["state"])]
+
+    def __str__(self) -> str:
+        return f"session {self.job_id}/{self.name}"
+
+    @property
+    def path(self) -> str:
+        return f"/sessions/{self.job_id}/{self.name}/"
+
+
+class SessionPolicy(models.Model):
+    """A project's limits on its sessions (set in the admin); a project without one gets the settings'
+    defaults (SESSION_IDLE_TIMEOUT_S, SESSION_MAX_LIFETIME_S)."""
+
+    project = models.OneToOneField("tenancy.Project", on_delete=models.CASCADE, related_name="session_policy")
+    idle_timeout_s = models.PositiveIntegerField(help_text="Stop a session's job after this long without traffic "
+                                                           "(0: never).")
+    max_lifetime_s = models.PositiveIntegerField(help_text="Stop a session's job this long after it started "
+                                                           "(0: only its time limit).")
+
+    def __str__(self) -> str:
+        return f"session policy of {self.project}"

@@ -1,0 +1,84 @@
+"""Reads for interactive sessions: who may connect, and the cards the pages show."""
+
+from .models import LIVE_STATES, Session, SessionState
+
+
+def session_for_connect(user, job_id, name: str, *, token=None) -> Session | None:
+    """The session a person may connect to, or None (the caller answers 404 either way).
+
+    The job's owner, and the members of its project once the owner shares it with the project.
+    Site staff get no way in to other people's apps. A token must carry the submit scope and, if
+    restricted to a project, be that job's project."""
+    if user is None or not user.is_authenticated or not user.is_active:
+        return None
+    try:
+        job_id = int(job_id)
+    except (TypeError, ValueError):
+        return None
+    session = (Session.objects.filter(job_id=job_id, name=name).select_related("job__project").first())
+    if session is None:
+        return None
+    if token is not None:
+        if "submit" not in (token.scopes or []):
+            return None
+        if token.project_id is not None and token.project_id != session.job.project_id:
+            return None
+    if session.job.user_id == user.pk:
+        return session
+    if session.share == "project" and Session.objects.for_user(user, "view").filter(pk=session.pk).exists():
+        return session
+    return None
+
+
+def display_state(session: Session) -> str:
+    """What a card says: the job's end ends its sessions whatever the agent last said."""
+    from portal.jobs.models import TERMINAL, JobState
+
+    if session.job.state in TERMINAL:
+        return SessionState.ENDED
+    if session.job.state != JobState.RUNNING:
+        return SessionState.STARTING
+    return session.state
+
+
+def sessions_for_user(user, *, job=None, live_only: bool = False):
+    """Sessions a person may connect to (their own, and those shared with their projects)."""
+    from django.db.models import Q
+
+    qs = Session.objects.for_user(user, "view").filter(Q(job__user=user) | Q(share="project")) \
+        .select_related("job", "job__project").order_by("-job__submitted_at", "name")
+    if job is not None:
+        qs = qs.filter(job=job)
+    if live_only:
+        qs = qs.filter(state__in=LIVE_STATES).exclude(job__state__in=_terminal())
+    return qs
+
+
+def _terminal():
+    from portal.jobs.models import TERMINAL
+
+    return list(TERMINAL)
+
+
+def launch_sessions(job_ids: list[int]) -> dict[int, list[dict]]:
+    """What the agent needs to publish each job's sessions, in one query for any number of jobs."""
+    out: dict[int, list[dict]] = {}
+    if not job_ids:
+        return out
+    for s in Session.objects.filter(job_id__in=job_ids).order_by("job_id", "name"):
+        out.setdefault(s.job_id, []).append({"name": s.name, "port": s.port, "kind": s.kind, "secret": s.secret,
+                                             "base_url": s.path})
+    return out
+
+
+def session_cards(user, limit: int = 12) -> list[Session]:
+    """The dashboard's cards: live sessions a person may connect to, with what a card shows."""
+    from django.utils import timezone
+
+    now = timezone.now()
+    cards = list(sessions_for_user(user, live_only=True)[:limit])
+    for s in cards:
+        s.shown_state = display_state(s)
+        last = s.last_activity_at or s.running_at or s.created_at
+        s.idle_minutes = max(0, int((now - last).total_seconds() // 60))
+    return cards

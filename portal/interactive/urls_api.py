@@ -1,0 +1,7 @@
+from rest_framework.routers import SimpleRouter
+
+from .api import SessionViewSet
+
+router = SimpleRouter()
+router.register("sessions", SessionViewSet, basename="session")
+urlpatterns = router.urls

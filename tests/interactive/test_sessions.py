@@ -1,0 +1,210 @@
+"""Interactive sessions without a browser: the job spec's ports, the launch spec, the agent's
+report, who may see and share a session, the proxy's cookie rules and idle culling."""
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from portal.core.context import Actor
+from portal.interactive.models import Session, SessionPolicy
+from portal.interactive.proxy import _set_cookie_allowed, _strip_cookies
+from portal.interactive.selectors import session_for_connect
+from portal.interactive.services import sessions_cull
+from portal.jobs.models import JobState
+from portal.jobs.services import job_submit
+from portal.nodes.services import node_add
+from tests.conftest import make_token
+
+IMAGE = "gpuportal/busybox:latest"
+
+
+@pytest.fixture(autouse=True)
+def no_dispatch(monkeypatch):
+    monkeypatch.setattr("scheduler.dispatch._send", lambda *a, **k: None)
+
+
+def submit(client, **extra):
+    body = {"project": "vision", "image": IMAGE, "command": ["jupyter", "lab"], **extra}
+    return client.post("/api/v1/jobs/", data=body, format="json")
+
+
+def lab_job(demo, user="alice", ports=None):
+    job, _ = job_submit(actor=Actor(user=demo.users[user]), data={
+        "project": "vision", "image": IMAGE, "command": ["jupyter", "lab"], "resources": {"gpus": 1},
+        "ports": ports or [{"name": "lab", "kind": "jupyter"}, {"name": "sh", "kind": "terminal"}]})
+    return job
+
+
+def test_ports_make_one_session_each_with_its_own_secret(demo, api):
+    r = submit(api("alice"), ports=[{"name": "lab", "kind": "jupyter"}, {"name": "tb", "kind": "http", "port": 6006}])
+    assert r.status_code == 201, r.json()
+    sessions = list(Session.objects.filter(job_id=r.json()["id"]).order_by("name"))
+    assert [(s.name, s.kind, s.port, s.state) for s in sessions] == [("lab", "jupyter", None, "starting"),
+                                                                     ("tb", "http", 6006, "starting")]
+    assert len({s.secret for s in sessions}) == 2 and all(len(s.secret) >= 40 for s in sessions)
+
+
+@pytest.mark.parametrize("ports, field, message", [
+    ([{"name": "Lab!", "kind": "jupyter"}], "ports.0.name", "lower-case"),
+    ([{"name": "tb", "kind": "http"}], "ports.0.port", "needs the port"),
+    ([{"name": "tb", "kind": "http", "port": 80}], "ports.0.port", "greater than or equal to 1024"),
+    ([{"name": "x", "kind": "ssh"}], "ports.0.kind", "not a valid choice"),
+    ([{"name": "a", "kind": "http", "port": 8000}, {"name": "a", "kind": "terminal"}], "ports", "used twice"),
+    ([{"name": "a", "kind": "http", "port": 8000}, {"name": "b", "kind": "http", "port": 8000}], "ports",
+     "published twice"),
+    ([{"name": "a", "kind": "jupyter"}, {"name": "b", "kind": "jupyter"}], "ports", "at most one JupyterLab"),
+    ([{"name": f"p{i}", "kind": "terminal"} for i in range(9)], "ports", "no more than 8"),
+    ("lab", "ports", "list"),
+])
+def test_bad_ports_are_400_with_the_field(demo, api, ports, field, message):
+    r = submit(api("alice"), ports=ports)
+    assert r.status_code == 400, r.json()
+    fields = r.json()["error"]["fields"]
+    assert field in fields and message in " ".join(fields[field]), fields
+    assert not Session.objects.exists()
+
+
+def test_an_array_or_a_gang_cannot_publish_ports(demo, api):
+    r = submit(api("alice"), array="0-3", ports=[{"name": "lab", "kind": "jupyter"}])
+    assert r.status_code == 400 and "array" in r.json()["error"]["fields"]["ports"][0]
+
+
+def test_the_launch_spec_carries_the_sessions(demo):
+    from portal.jobs.selectors import launch_specs
+
+    job = lab_job(demo)
+    spec = launch_specs([("gpu-01", job.pk)])
+    assert spec == {}  # not placed: nothing to launch
+    job.state = JobState.ASSIGNED
+    job.save(update_fields=["state"])
+    sessions = launch_specs([("gpu-01", job.pk)])[("gpu-01", job.pk)]["sessions"]
+    secrets = dict(Session.objects.filter(job=job).values_list("name", "secret"))
+    assert sessions == [
+        {"name": "lab", "port": None, "kind": "jupyter", "secret": secrets["lab"], "base_url": f"/sessions/{job.pk}/lab/"},
+        {"name": "sh", "port": None, "kind": "terminal", "secret": secrets["sh"], "base_url": f"/sessions/{job.pk}/sh/"}]
+
+
+@pytest.fixture
+def node_client(demo):
+    node, secret = node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="2xH100-80GB")
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    client.node = node
+    return client
+
+
+def report(client, job, **body):
+    return client.post(f"/api/agent/v1/jobs/{job.pk}/sessions", data={"attempt": job.attempt, **body}, format="json")
+
+
+def test_the_agent_reports_a_session_running_on_its_own_node_only(demo, node_client):
+    job = lab_job(demo)
+    job.state, job.node = JobState.RUNNING, node_client.node
+    job.save(update_fields=["state", "node"])
+    r = report(node_client, job, name="lab", state="running", gateway_url="http://10.0.0.5:8790")
+    assert r.status_code == 200 and r.json() == {"state": "running"}
+    s = Session.objects.get(job=job, name="lab")
+    assert s.gateway_url == "http://10.0.0.5:8790" and s.running_at is not None
+    # Bad input is a 400 naming the field; another attempt or another node is stale (409).
+    r = report(node_client, job, name="lab", state="running")
+    assert r.status_code == 400 and "gateway_url" in r.json()["error"]["fields"]
+    r = report(node_client, job, name="lab", state="running", gateway_url="file:///etc/passwd")
+    assert r.status_code == 400 and "gateway_url" in r.json()["error"]["fields"]
+    assert report(node_client, job, name="nope", state="running", gateway_url="http://x:1").status_code == 409
+    other, secret = node_add(actor=Actor(user=demo.users["admin"]), name="gpu-02", gpus="1xH100-80GB")
+    stranger = APIClient()
+    stranger.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    assert report(stranger, job, name="lab", state="ended").status_code == 409
+    assert Session.objects.get(job=job, name="lab").state == "running"
+    r = node_client.post(f"/api/agent/v1/jobs/{job.pk}/sessions", format="json",
+                         data={"attempt": job.attempt + 1, "name": "lab", "state": "ended"})
+    assert r.status_code == 409
+
+
+def test_only_the_owner_and_then_the_project_may_connect(demo, api):
+    job = lab_job(demo)
+    alice, bob, charlie = (demo.users[u] for u in ("alice", "bob", "charlie"))
+    assert session_for_connect(alice, job.pk, "lab") is not None
+    assert session_for_connect(bob, job.pk, "lab") is None  # same project, not shared yet
+    assert session_for_connect(charlie, job.pk, "lab") is None  # another tenant
+    assert session_for_connect(demo.users["admin"], job.pk, "lab") is None  # staff do not get into apps
+    assert session_for_connect(alice, "not-a-number", "lab") is None
+    # Sharing is the owner's, through the API; outsiders do not see the session at all.
+    sid = Session.objects.get(job=job, name="lab").pk
+    assert api("charlie").get(f"/api/v1/sessions/{sid}/").status_code == 404
+    assert api("charlie").patch(f"/api/v1/sessions/{sid}/", {"share": "project"}, format="json").status_code == 404
+    assert api("bob").get(f"/api/v1/sessions/{sid}/").status_code == 404
+    r = api("alice").patch(f"/api/v1/sessions/{sid}/", {"share": "everyone"}, format="json")
+    assert r.status_code == 400 and "share" in r.json()["error"]["fields"]
+    r = api("alice").patch(f"/api/v1/sessions/{sid}/", {"share": "project"}, format="json")
+    assert r.status_code == 200 and r.json()["share"] == "project" and "secret" not in r.json()
+    assert session_for_connect(bob, job.pk, "lab") is not None
+    assert session_for_connect(charlie, job.pk, "lab") is None
+    assert api("bob").get(f"/api/v1/sessions/{sid}/").status_code == 200
+    assert api("bob").patch(f"/api/v1/sessions/{sid}/", {"share": "owner"}, format="json").status_code == 403
+    listed = api("alice").get("/api/v1/sessions/", {"job": job.pk}).json()["results"]
+    assert {s["name"]: s["url"] for s in listed} == {"lab": f"/sessions/{job.pk}/lab/", "sh": f"/sessions/{job.pk}/sh/"}
+
+
+def test_a_token_needs_the_submit_scope_and_the_jobs_project(demo):
+    from portal.accounts.services import token_authenticate
+
+    job = lab_job(demo)
+    alice = demo.users["alice"]
+    read_only = token_authenticate(make_token(alice, scopes=("read",)))
+    full = token_authenticate(make_token(alice))
+    other_project = token_authenticate(make_token(alice, project=demo.nlp)) if alice.pk else None
+    assert session_for_connect(alice, job.pk, "lab", token=read_only) is None
+    assert session_for_connect(alice, job.pk, "lab", token=full) is not None
+    assert session_for_connect(alice, job.pk, "lab", token=other_project) is None
+
+
+def test_the_app_never_sees_nor_sets_the_portals_cookies(settings):
+    raw = f"{settings.SESSION_COOKIE_NAME}=abc; _xsrf=2|x; {settings.CSRF_COOKIE_NAME}=tok; username-h=\"2|1\""
+    assert _strip_cookies(raw) == '_xsrf=2|x; username-h="2|1"'
+    prefix = "/sessions/5/lab/"
+    assert _set_cookie_allowed("_xsrf=1; Path=/sessions/5/lab/", prefix)
+    assert not _set_cookie_allowed("_xsrf=1; Path=/", prefix)  # would reach the whole portal
+    assert not _set_cookie_allowed("_xsrf=1", prefix)  # no path: the request's, which is the portal's
+    assert not _set_cookie_allowed(f"{settings.SESSION_COOKIE_NAME}=x; Path=/sessions/5/lab/", prefix)
+    assert not _set_cookie_allowed("a=1; Path=/sessions/5/lab/; Domain=example.com", prefix)
+    assert not _set_cookie_allowed("a=1; Path=/sessions/55/lab/", "/sessions/5/")
+
+
+def test_idle_sessions_are_warned_then_their_jobs_stopped(demo, settings):
+    settings.SESSION_IDLE_GRACE_S = 300
+    job = lab_job(demo)
+    job.state = JobState.RUNNING
+    job.save(update_fields=["state"])
+    SessionPolicy.objects.create(project=demo.vision, idle_timeout_s=600, max_lifetime_s=0)
+    now = timezone.now()
+    Session.objects.filter(job=job).update(state="running", running_at=now - timedelta(hours=2),
+                                           last_activity_at=now - timedelta(seconds=601))
+    assert sessions_cull(now) == {"ended": 0, "warned": 2, "stopped": 0}
+    assert set(Session.objects.filter(job=job).values_list("state", flat=True)) == {"idle"}
+    assert sessions_cull(now + timedelta(seconds=299))["stopped"] == 0  # still within the warning's grace
+    assert sessions_cull(now + timedelta(seconds=301))["stopped"] == 1
+    job.refresh_from_db()
+    assert job.state == JobState.CANCELLED and "idle for 600 s" in job.reason_message
+    assert sessions_cull(now + timedelta(seconds=400))["ended"] == 2
+
+
+def test_traffic_brings_an_idle_session_back_and_the_lifetime_still_ends_it(demo, settings):
+    from portal.interactive.services import session_touch
+
+    job = lab_job(demo)
+    job.state = JobState.RUNNING
+    job.save(update_fields=["state"])
+    SessionPolicy.objects.create(project=demo.vision, idle_timeout_s=600, max_lifetime_s=3600)
+    now = timezone.now()
+    Session.objects.filter(job=job).update(state="idle", warned_at=now, running_at=now - timedelta(minutes=30),
+                                           last_activity_at=now - timedelta(minutes=20))
+    lab = Session.objects.get(job=job, name="lab")
+    assert session_touch(lab.pk, None)
+    lab.refresh_from_db()
+    assert lab.state == "running" and lab.warned_at is None
+    assert not session_touch(lab.pk, timezone.now())  # written a moment ago: no second write
+    assert sessions_cull(now + timedelta(minutes=31))["stopped"] == 1  # 61 minutes since it started
+    job.refresh_from_db()
+    assert "maximum lifetime" in job.reason_message
