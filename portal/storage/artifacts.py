@@ -25,16 +25,12 @@ from portal.core.errors import Conflict, NotFound, ServiceError
 
 from . import files
 from .models import Artifact
+from .services import TooLarge
 
 log = logging.getLogger(__name__)
 
 CHUNK = 1024 * 1024
 MB = 1024 * 1024
-
-
-class ArtifactsTooLarge(ServiceError):
-    status = 413
-    default_code = "artifacts_too_large"
 
 
 class LengthRequired(ServiceError):
@@ -80,22 +76,23 @@ def artifact_put(*, node, job_id, attempt: int, path: str, stream, length: int |
     others = Artifact.objects.filter(job=job, attempt=attempt).exclude(path=relpath).aggregate(
         n=Count("id"), size=Sum("size"))
     if others["n"] >= settings.ARTIFACTS_MAX_FILES:
-        raise ArtifactsTooLarge(f"Job {job.pk} attempt {attempt} already has {others['n']} artifacts, the most "
-                                f"one attempt may keep (ARTIFACTS_MAX_FILES).", field="path", code="artifacts_too_many")
+        raise TooLarge(f"Job {job.pk} attempt {attempt} already has {others['n']} artifacts, the most one attempt "
+                       f"may keep (ARTIFACTS_MAX_FILES).", field="path", code="artifacts_too_many")
     limit = settings.ARTIFACTS_MAX_MB * MB
     room = limit - (others["size"] or 0)
     over = (f"The artifacts of job {job.pk} attempt {attempt} would exceed the limit of "
             f"{settings.ARTIFACTS_MAX_MB} MB per attempt (ARTIFACTS_MAX_MB)")
     if length > room:
-        raise ArtifactsTooLarge(f"{over}: {relpath} has {length} bytes, {max(room, 0)} are left.", field="file")
+        raise TooLarge(f"{over}: {relpath} has {length} bytes, {max(room, 0)} are left.", field="file",
+                       code="artifacts_too_large")
     digest = hashlib.sha256()
     size = 0
     with tempfile.TemporaryFile() as spool:
         while chunk := stream.read(CHUNK):
             size += len(chunk)
             if size > room:
-                raise ArtifactsTooLarge(f"{over}: {relpath} is larger than the {max(room, 0)} bytes left.",
-                                        field="file")
+                raise TooLarge(f"{over}: {relpath} is larger than the {max(room, 0)} bytes left.", field="file",
+                               code="artifacts_too_large")
             digest.update(chunk)
             spool.write(chunk)
         if size != length:

@@ -11,15 +11,10 @@ from portal.jobs.models import Job
 from portal.jobs.services import job_cancel, job_submit
 from portal.nodes.services import node_add
 from portal.storage.models import Artifact
-from scheduler.adapter import run_pass
+from tests.jobs.test_logs import launches, node, placed  # noqa: F401 (node gpu-01 and a job placed on it)
 
 pytestmark = pytest.mark.django_db
 IMAGE = "gpuportal/busybox:latest"
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args, **kw: None)
 
 
 def _node(demo, name, gpus="2xH100-80GB"):
@@ -27,21 +22,6 @@ def _node(demo, name, gpus="2xH100-80GB"):
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
     return client
-
-
-@pytest.fixture
-def node(demo):
-    return _node(demo, "gpu-01")
-
-
-@pytest.fixture
-def placed(node, demo, launches):
-    job, _ = job_submit(actor=Actor(user=demo.users["alice"]), data={
-        "project": "vision", "name": "j", "image": IMAGE, "command": ["true"], "resources": {"gpus": 1}})
-    run_pass()
-    job.refresh_from_db()
-    assert job.state == "assigned"
-    return job
 
 
 def put(node, job, path, body: bytes, attempt=1):
