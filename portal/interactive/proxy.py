@@ -370,7 +370,11 @@ async def _proxy_ws(scope, receive, send, headers, info):
                 await _in_db(_touch, info["id"])
 
     async def to_browser():
+        nonlocal last_touch
         async for msg in up:
+            if time.monotonic() - last_touch > 30:  # kernel output counts too (a long cell is not idle)
+                last_touch = time.monotonic()
+                await _in_db(_touch, info["id"])
             if msg.type == aiohttp.WSMsgType.TEXT:
                 await send({"type": "websocket.send", "text": msg.data})
             elif msg.type == aiohttp.WSMsgType.BINARY:

@@ -74,7 +74,8 @@ def policy_for(project) -> tuple[int, int]:
 
 
 def sessions_cull(now=None) -> dict[str, int]:
-    """Warn sessions idle past their project's idle time (state idle), stop the jobs of those still
+    """Warn sessions idle past their project's idle time (no proxied traffic, and the job's GPUs idle
+    by the idle detector's reading of NVML, Job.idle_since) (state idle), stop the jobs of those still
     idle after SESSION_IDLE_GRACE_S, and of those past their maximum lifetime; mark the sessions of
     ended jobs ended. Runs from beat (portal/interactive/tasks.py)."""
     from portal.jobs.models import JobState, TERMINAL
@@ -98,6 +99,8 @@ def sessions_cull(now=None) -> dict[str, int]:
         last = s.last_activity_at or started
         if not idle_s or now - last < timedelta(seconds=idle_s):
             continue
+        if s.job.gpus > 0 and s.job.idle_since is None:
+            continue  # its GPUs work (the idle detector reads NVML's utilization): a computation runs
         if s.state == SessionState.RUNNING:
             Session.objects.filter(pk=s.pk, state=SessionState.RUNNING).update(state=SessionState.IDLE, warned_at=now)
             counts["warned"] += 1

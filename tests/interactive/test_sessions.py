@@ -181,6 +181,10 @@ def test_idle_sessions_are_warned_then_their_jobs_stopped(demo, settings):
     now = timezone.now()
     Session.objects.filter(job=job).update(state="running", running_at=now - timedelta(hours=2),
                                            last_activity_at=now - timedelta(seconds=601))
+    # No traffic, but its GPU computes (the idle detector has not flagged it): not idle.
+    assert sessions_cull(now) == {"ended": 0, "warned": 0, "stopped": 0}
+    job.idle_since = now - timedelta(minutes=30)
+    job.save(update_fields=["idle_since"])
     assert sessions_cull(now) == {"ended": 0, "warned": 2, "stopped": 0}
     assert set(Session.objects.filter(job=job).values_list("state", flat=True)) == {"idle"}
     assert sessions_cull(now + timedelta(seconds=299))["stopped"] == 0  # still within the warning's grace
