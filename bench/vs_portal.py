@@ -15,6 +15,7 @@ every job has ended, and prints one JSON line:
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -111,6 +112,7 @@ def main() -> int:
         return 0
     finally:
         c.close()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
