@@ -118,6 +118,8 @@ MATRIX = {
                        scope="submit")],
     "api:job-release": [e("POST", "/api/v1/jobs/{vision_job}/release/", roles(401, 409, 403, 403, 404, 409),
                           scope="submit")],
+    # Move is for operators only: members get 403, outsiders 404; the fixture job is queued, so 409 for staff.
+    "api:job-move": [e("POST", "/api/v1/jobs/{vision_job}/move/", roles(401, 403, 403, 403, 404, 409))],
     # Counts only: every signed-in user reads the cluster; accounting is scoped like usage.
     "api:cluster": [e("GET", "/api/v1/cluster/", ALL_200)],
     "api:usage-jobs": [e("GET", "/api/v1/usage/jobs/", ALL_200),
@@ -188,6 +190,7 @@ MATRIX = {
     "jobs:resubmit": [page("POST", "/jobs/{vision_job}/resubmit/", roles(302, 302, 302, 403, 404, 403))],
     "jobs:hold": [page("POST", "/jobs/{vision_job}/hold/", roles(302, 302, 403, 403, 404, 302))],
     "jobs:release": [page("POST", "/jobs/{vision_job}/release/", roles(302, 302, 403, 403, 404, 302))],
+    "jobs:move": [page("POST", "/jobs/{vision_job}/move/", roles(302, 403, 403, 403, 404, 302))],
     "jobs:update": [page("POST", "/jobs/{vision_job}/update/", roles(302, 302, 403, 403, 404, 302))],
     "cluster": [page("GET", "/cluster/", PAGE_ALL)],
     "projects:detail": [page("GET", "/projects/vision/", PAGE_VISION)],
