@@ -271,3 +271,38 @@ def test_an_http_app_gpuctl_shell_and_gpuctl_port_forward(job, portal_asgi):
     done = subprocess.run([sys.executable, "-m", "portal.cli", "port-forward", str(JOB), "9:9999"], env=env,
                           timeout=60, capture_output=True, text=True)
     assert done.returncode == 1 and "publishes no port 9999" in done.stderr, done
+
+
+def test_oversized_frames_and_too_many_connections_are_refused(job, portal_asgi, settings):
+    from websockets.exceptions import ConnectionClosed, InvalidStatus
+    from websockets.sync.client import connect
+
+    url = portal_asgi.replace("http://", "ws://") + SHELL + "ws"
+    bearer = {"Authorization": f"Bearer {job.alice_token}"}
+    # A message over the server's bound (1 MiB here, SESSION_MAX_FRAME_BYTES in production) closes the socket: 1009.
+    settings.SESSION_MAX_FRAME_BYTES = 1 << 20
+    with connect(url, additional_headers=bearer, open_timeout=10, max_size=None) as ws:
+        ws.send(json.dumps({"type": "input", "data": "x" * (2 << 20)}))
+        deadline = time.monotonic() + 20
+        with pytest.raises(ConnectionClosed) as closed:
+            while time.monotonic() < deadline:  # the shell's prompt may come first
+                ws.recv(timeout=20)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
+    # One user's open connections are bounded: past the limit, 429 until one closes.
+    settings.SESSION_MAX_CONNECTIONS_PER_USER = 2
+    with connect(url, additional_headers=bearer, open_timeout=10), \
+            connect(url, additional_headers=bearer, open_timeout=10):
+        with pytest.raises(InvalidStatus) as refused:
+            connect(url, additional_headers=bearer, open_timeout=10)
+        assert refused.value.response.status_code == 429
+    wait_for(lambda: _opens(url, bearer), 10, "a connection to be allowed again once the others closed")
+
+
+def _opens(url, headers) -> bool:
+    from websockets.sync.client import connect
+
+    try:
+        with connect(url, additional_headers=headers, open_timeout=10):
+            return True
+    except Exception:
+        return False
