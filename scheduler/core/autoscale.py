@@ -170,6 +170,30 @@ def autoscale(snapshot: Snapshot, plan: Plan, pools: list[PoolSpec], nodes: list
         soon[pool_of_node[name]].append([name, int(free)])
     booting_names = {n.name for n in nodes if n.state == BOOTING}
 
+    # Quotas: a job its project's or organization's limits keep waiting once the jobs before it run
+    # needs no node (on an empty cluster every job passes admission alone, so the pass cannot say).
+    proj_gpus: dict[str, float] = {}
+    proj_jobs: dict[str, int] = {}
+    org_gpus: dict[str, float] = {}
+    started = {s.job_id for s in plan.starts}
+    for j in [a.job for a in snapshot.running] + [queued[s] for s in started if s in queued]:
+        proj_gpus[j.project] = proj_gpus.get(j.project, 0.0) + j.gpus
+        proj_jobs[j.project] = proj_jobs.get(j.project, 0) + 1
+        org_gpus[j.org] = org_gpus.get(j.org, 0.0) + j.gpus
+
+    def within_quota(job) -> bool:
+        q = snapshot.projects.get(job.project)
+        o = snapshot.orgs.get(job.org)
+        if q is not None and (proj_gpus.get(job.project, 0.0) + job.gpus > q.max_gpus + 1e-9 or (
+                q.max_running_jobs is not None and proj_jobs.get(job.project, 0) + 1 > q.max_running_jobs)):
+            return False
+        if o is not None and o.max_gpus is not None and org_gpus.get(job.org, 0.0) + job.gpus > o.max_gpus + 1e-9:
+            return False
+        proj_gpus[job.project] = proj_gpus.get(job.project, 0.0) + job.gpus
+        proj_jobs[job.project] = proj_jobs.get(job.project, 0) + 1
+        org_gpus[job.org] = org_gpus.get(job.org, 0.0) + job.gpus
+        return True
+
     new_bins: dict[str, list[list]] = {p.name: [] for p in pools}
     new_jobs: dict[str, dict[int, list[str]]] = {p.name: {} for p in pools}
     budget_left = dict(budgets)
@@ -182,6 +206,8 @@ def autoscale(snapshot: Snapshot, plan: Plan, pools: list[PoolSpec], nodes: list
         usable = [p for p in fits if p.available]
         if r is not None and r <= now + min(p.boot_estimate_s for p in fits):
             continue  # the backfill plan starts it on an existing node before a new one could boot
+        if not within_quota(job):
+            continue  # it waits for its quota, not for a node
         if not usable:
             out.notes[jid] = fits[0].unavailable_note or f"pool {fits[0].name} is unavailable"
             continue

@@ -120,3 +120,16 @@ def test_a_lightly_used_node_of_movable_jobs_is_consolidated_onto_the_others():
     # No room left on the other node for all of them: nothing moves.
     running += [Allocation(job(300 + k), [f"h100-1/{4 + k}"], 0.0) for k in range(2)]
     assert plan({"200", "201"}).consolidate == {}
+
+
+def test_jobs_beyond_their_quota_ask_for_no_node():
+    """On an empty cluster every job passes admission alone; only those within the project's max
+    GPUs and running jobs, and the organization's max, count as demand."""
+    from scheduler.core import OrgQuota, ProjectQuota
+
+    queued = [job(i, t=float(i)) for i in range(64)]
+    snap = Snapshot(1000.0, [], [], queued, {"p": ProjectQuota("p", "o", 8, 16, max_running_jobs=20)}, {}, {})
+    out = autoscale(snap, schedule(snap), [pool()], [], None, 1000.0)
+    assert out.up["h100"].nodes == 2 and out.demand_gpus == {"h100": 16.0}
+    snap = Snapshot(1000.0, [], [], queued, {}, {"o": OrgQuota("o", 24)}, {})
+    assert autoscale(snap, schedule(snap), [pool()], [], None, 1000.0).up["h100"].nodes == 3

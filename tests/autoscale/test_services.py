@@ -16,6 +16,7 @@ from portal.core.models import AuditEvent
 from portal.jobs.models import Allocation, Job
 from portal.jobs.services import job_submit
 from portal.nodes.models import Node
+from portal.tenancy.models import Quota
 from scheduler.adapter import run_pass
 
 IMAGE = "gpuportal/busybox:latest"
@@ -74,6 +75,7 @@ def lines(path: Path) -> list[str]:
 def test_a_provider_failing_half_its_creates_backs_the_shape_off(demo, tmp_path, calls, monkeypatch):
     monkeypatch.setenv("FAIL_ODD", "1")
     pool = make_pool(tmp_path, boot_timeout_s=900)
+    Quota.objects.filter(project=demo.vision).update(max_gpus=64, max_running_jobs=64)  # demand beyond the demo's 16
     jobs = submit(demo, 32)
     run_pass()
     out = services.tick()

@@ -23,6 +23,7 @@ from portal.core.context import Actor
 from portal.jobs.models import Allocation, Job
 from portal.jobs.services import job_submit
 from portal.nodes.models import Node
+from portal.tenancy.models import Quota
 from tests.procs import start_process, stop_process, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,7 +69,10 @@ def stack(live_server, tmp_path, demo, settings):
             localnode.stop(name, root=nodes_root)
 
 
+@pytest.mark.timeout(600)  # 8 agents starting at once on a shared 2-core machine
 def test_64_one_gpu_jobs_scale_an_empty_pool_to_8_nodes_then_release_them(stack, demo):
+    # Room for all 64 at once in the project's quota (the demo's allows 16 GPUs: 2 nodes' worth).
+    Quota.objects.filter(project=demo.vision).update(max_gpus=64, max_running_jobs=64)
     actor = Actor(user=demo.users["alice"])
     jobs = [job_submit(actor=actor, data={
         "project": "vision", "name": f"burst-{i}", "image": "gpuportal/busybox:latest", "command": ["sh", "-c", "sleep 2"],
