@@ -98,6 +98,10 @@ MATRIX = {
         e("POST", "/api/v1/jobs/", roles(401, 201, 201, 403, 400, 403), scope="submit", body={
             "project": "vision", "name": "m", "image": "gpuportal/busybox:latest", "command": ["true"]}),
     ],
+    # A batch is submitted as one: the same answers as a single submit (docs/api.md "Batch submit").
+    "api:job-batch": [e("POST", "/api/v1/jobs/batch/", roles(401, 201, 201, 403, 400, 403), scope="submit", body={
+        "defaults": {"project": "vision", "image": "gpuportal/busybox:latest", "command": ["true"]},
+        "jobs": [{"name": "b1"}, {"name": "b2"}]})],
     "api:job-detail": [e("GET", "/api/v1/jobs/{vision_job}/", VISION_READ),
                        # Update of alice's queued job (docs/jobs.md "Hold, release and update").
                        e("PATCH", "/api/v1/jobs/{vision_job}/", roles(401, 200, 403, 403, 404, 200),
