@@ -18,8 +18,9 @@ def systemd_analyze() -> str:
     return path
 
 
-def test_there_is_a_unit_for_web_worker_beat_and_agent():
-    assert {u.stem for u in UNITS} == {"gpuportal-web", "gpuportal-worker", "gpuportal-beat", "gpuportal-agent"}
+def test_there_is_a_unit_for_web_sessions_worker_beat_and_agent():
+    assert {u.stem for u in UNITS} == {"gpuportal-web", "gpuportal-sessions", "gpuportal-worker", "gpuportal-beat",
+                                       "gpuportal-agent"}
 
 
 def test_systemd_analyze_verify_passes(tmp_path):
