@@ -37,25 +37,33 @@ def test_sim_rejects_bad_specs(bad):
 
 
 def test_sim_metrics_follow_busy_gpus():
+    """What the portal reads from a probe (idle detection, node pages, health): a busy GPU shows
+    load and a process, an idle one none, every figure stays within NVML's ranges, and a released
+    GPU goes back to idle. (The simulated figures themselves are invented: not asserted.)"""
     clock = FakeClock()
     p = SimProbe("2xH100-80GB", node_name="n", clock=clock)
+
+    def in_range(s):
+        return (0 <= s.utilization <= 100 and 0 <= s.memory_used_mb <= s.memory_total_mb
+                and 0 <= s.power_w <= s.power_limit_w and s.memory_total_mb == 80 * 1024)
+
     idle = p.sample()
-    assert all(s.utilization == 0 and s.processes == [] for s in idle)
+    assert all(s.utilization == 0 and s.processes == [] and in_range(s) for s in idle)
     p.set_busy([1], True)
-    for _ in range(20):  # ten simulated minutes: the busy GPU warms up
+    for _ in range(20):  # ten simulated minutes
         clock.t += 30
         samples = p.sample()
+        assert all(in_range(s) for s in samples)
     s0, s1 = samples
-    assert s0.utilization == 0 and s1.utilization >= 85
-    assert s1.memory_used_mb > s0.memory_used_mb
-    assert s1.power_w > s0.power_w and s1.power_w <= s1.power_limit_w
-    assert s1.temperature_c > s0.temperature_c + 20
-    assert s1.processes and s1.memory_total_mb == 80 * 1024
+    assert s0.utilization == 0 and s0.processes == []
+    assert s1.utilization > 0 and s1.processes
+    assert s1.memory_used_mb > s0.memory_used_mb and s1.power_w > s0.power_w and s1.temperature_c > s0.temperature_c
+    busy = s1
     p.set_busy([1], False)
     for _ in range(20):
         clock.t += 30
         s1 = p.sample()[1]
-    assert s1.utilization == 0 and s1.temperature_c < 40
+    assert s1.utilization == 0 and s1.processes == [] and s1.temperature_c < busy.temperature_c and in_range(s1)
 
 
 def test_sim_fault_injection_hot_gpu_xid_and_ecc():
