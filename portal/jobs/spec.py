@@ -5,6 +5,7 @@ Field-level rules live in the serializers; rules that need the project's quota a
 """
 import re
 from collections.abc import Mapping
+from fnmatch import fnmatchcase
 from decimal import Decimal
 
 from django.conf import settings
@@ -225,6 +226,13 @@ def _cluster_fit(res: dict, known: dict | None = None) -> dict[str, list[str]]:
     return {}
 
 
+def image_allowed(image: str, patterns: list[str]) -> bool:
+    """Whether a project whose quota lists `patterns` may run `image`: no patterns means any
+    image; otherwise the reference must match one, exactly or as a shell-style pattern
+    (`registry.example.org/team/*`; `*` also matches `/`, case counts)."""
+    return not patterns or any(fnmatchcase(image, pattern) for pattern in patterns)
+
+
 class JobSpecSerializer(StrictSerializer):
     """A submit after any template is merged in. context: project (with quota)."""
 
@@ -350,7 +358,7 @@ class JobSpecSerializer(StrictSerializer):
             return {}  # the project itself was refused: nothing to measure against
         quota = project.quota
         errors: dict[str, list[str]] = {}
-        if "image" in data and quota.allowed_images and data["image"] not in quota.allowed_images:
+        if "image" in data and not image_allowed(data["image"], quota.allowed_images):
             errors["image"] = [f"{data['image']} is not an allowed image for this project; allowed: "
                                f"{', '.join(quota.allowed_images)}."]
         res = data.get("resources")

@@ -1,4 +1,5 @@
 from django.contrib.auth import get_user_model
+from django.core.validators import RegexValidator
 from django.db import models
 from django.db.models import OuterRef, Subquery
 from django.shortcuts import get_object_or_404
@@ -22,6 +23,10 @@ from .services import (
 )
 
 User = get_user_model()
+
+image_pattern_validator = RegexValidator(
+    r"^[A-Za-z0-9._/:@*?\[\]-]+$",
+    "Use an image reference or a pattern of one: letters, digits, '._/:@-' and the wildcards '*?[]'.")
 
 
 class OrganizationSerializer(StrictModelSerializer):
@@ -53,8 +58,10 @@ class QuotaSerializer(StrictModelSerializer):
                                 models.DecimalField: GPUCountField}
     allowed_gpu_types = serializers.ListField(child=serializers.CharField(max_length=64), max_length=64,
                                               required=False)
-    allowed_images = serializers.ListField(child=serializers.CharField(max_length=255), max_length=256,
-                                           required=False)
+    allowed_images = serializers.ListField(
+        child=serializers.CharField(max_length=255, validators=[image_pattern_validator]), max_length=256,
+        required=False, help_text="Images jobs may use: references or shell-style patterns such as "
+                                  "'registry.example.org/team/*' (`*` also matches '/'). Empty: any image.")
 
     class Meta:
         model = Quota
