@@ -16,10 +16,12 @@ from typing import Annotated
 
 import typer
 
-from . import config, version
+from . import config, fastparams, version
 from .client import ApiError, Client, ConnectionFailed
 from .output import (TERMINAL, Format, cluster_tables, emit_json, job_detail, job_efficiency, job_note, job_table,
                      job_usage_table, project_detail, project_table, say, table, usage_group_table)
+
+fastparams.install()  # plain option values without pydantic (start-up time)
 
 app = typer.Typer(
     name="gpuctl",
