@@ -41,6 +41,26 @@ def demo(db):
     })
 
 
+IMAGE = "gpuportal/busybox:latest"
+
+
+def submit(demo, user="alice", project="vision", **over):
+    """Submit a one-command job as `user` (a persona of `demo`); `over` changes the spec."""
+    from portal.jobs.services import job_submit
+
+    data = {"project": project, "name": "j", "image": IMAGE, "command": ["true"], **over}
+    job, _ = job_submit(actor=Actor(user=demo.users[user]), data=data)
+    return job
+
+
+@pytest.fixture
+def sent(monkeypatch):
+    """The commands the portal publishes to node queues, as (task, node, args), instead of the broker."""
+    calls = []
+    monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args, **kw: calls.append((task, node, args)))
+    return calls
+
+
 def make_token(user, scopes=("read", "submit", "admin"), project=None, **kwargs) -> str:
     _, secret = token_issue(actor=Actor(user=user), user=user, name="test", scopes=list(scopes),
                             project=project, **kwargs)

@@ -34,12 +34,17 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
         return
 
 
-def wait_for(pred, timeout, what):
-    """Poll `pred` every 0.2 s until it returns something true (returned), else fail after `timeout`."""
+def wait_for(pred, timeout=30.0, what="a condition", *, interval=0.2, fail=True):
+    """Poll `pred` every `interval` s until it returns something true (returned), else fail after
+    `timeout` (or return None with fail=False)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
         value = pred()
         if value:
             return value
-        time.sleep(0.2)
+        if time.monotonic() > deadline:
+            break
+        time.sleep(interval)
+    if not fail:
+        return None
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")

@@ -16,7 +16,7 @@ from portal.nodes.models import Node
 from portal.nodes.services import node_add
 from scheduler.adapter import run_pass
 
-from .conftest import submit
+from tests.conftest import submit
 
 
 @pytest.fixture

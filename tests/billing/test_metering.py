@@ -17,7 +17,7 @@ from portal.nodes.services import node_add, nodes_reap
 from scheduler.adapter import _apply_preemption, run_pass
 from scheduler.core.model import Preemption
 
-from .conftest import submit
+from tests.conftest import submit
 
 
 def heartbeat(*names, clock):

@@ -16,7 +16,7 @@ from portal.jobs.selectors import gpu_hours_used_this_month
 from portal.nodes.services import node_add
 from portal.tenancy.models import Quota
 
-from .conftest import submit
+from tests.conftest import submit
 
 
 def months(start: datetime, end: datetime) -> list[datetime]:

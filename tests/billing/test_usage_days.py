@@ -10,7 +10,7 @@ from portal.jobs.models import Job
 from portal.nodes.services import node_add
 from scheduler.adapter import run_pass
 
-from .conftest import submit
+from tests.conftest import submit
 from .test_metering import assert_usage_days_match_the_ledger, report
 
 

@@ -6,7 +6,6 @@ state transitions itself from a background thread (`drive`), while gpuctl polls 
 gpuctl has really looked again after each change instead of sleeping and hoping.
 """
 import threading
-import time
 from collections import Counter
 
 import pytest
@@ -16,23 +15,9 @@ from typer.testing import CliRunner
 from portal.cli.app import app
 from portal.cli.client import Client
 from portal.core.context import Actor
-from portal.jobs.services import job_submit
 from portal.nodes.services import node_add
 from tests.conftest import make_token
-
-IMAGE = "gpuportal/busybox:latest"
-
-
-def wait_for(condition, *, timeout=30.0, what="a condition"):
-    """Poll `condition` until it returns something truthy, or fail at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
+from tests.procs import wait_for
 
 
 @pytest.fixture
@@ -112,9 +97,3 @@ def drive(portal):
         assert not thread.is_alive(), "the driver thread did not finish"
         if thread.error:
             raise thread.error
-
-
-def submit(demo, user="alice", project="vision", **over):
-    data = {"project": project, "name": "j", "image": IMAGE, "command": ["true"], **over}
-    job, _ = job_submit(actor=Actor(user=demo.users[user]), data=data)
-    return job

@@ -7,7 +7,9 @@ from portal.jobs.models import Job, JobLogChunk, JobState
 from portal.jobs.states import transition
 from scheduler.adapter import run_pass
 
-from .conftest import polled_again, submit
+from tests.conftest import submit
+
+from .conftest import polled_again
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ import json
 from scheduler.adapter import run_pass
 from tests.conftest import make_token
 
-from .conftest import submit
+from tests.conftest import submit
 
 
 def test_an_operator_moves_a_running_checkpointing_job(portal, gpuctl, monkeypatch):

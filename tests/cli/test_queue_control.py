@@ -5,7 +5,7 @@ from portal.jobs.models import Job, JobLogChunk, JobState
 from portal.jobs.states import transition
 from scheduler.adapter import run_pass
 
-from .conftest import submit
+from tests.conftest import submit
 
 
 def test_hold_release_and_update_a_queued_job(portal, gpuctl):

@@ -10,8 +10,10 @@ from portal.core.context import Actor
 from portal.jobs.states import transition
 from portal.nodes.services import node_add
 from scheduler.adapter import run_pass
+from tests.conftest import IMAGE, submit
+from tests.procs import wait_for
 
-from .conftest import IMAGE, polled_again, submit, wait_for
+from .conftest import polled_again
 
 REPO = Path(__file__).resolve().parents[2]
 

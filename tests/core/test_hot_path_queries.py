@@ -3,7 +3,6 @@ an agent's heartbeat, however many GPU samples and jobs it lists, and a job subm
 jobs its user already has. A query per sample or per job would make them grow."""
 import time
 
-import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from rest_framework.test import APIClient
@@ -15,11 +14,6 @@ from portal.nodes.services import node_add
 from scheduler.adapter import run_pass
 
 IMAGE = "gpuportal/busybox:latest"
-
-
-@pytest.fixture
-def sent(monkeypatch):
-    monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args: None)
 
 
 def agent_for(demo, name: str, gpus: str) -> tuple[APIClient, list[str]]:

@@ -154,11 +154,6 @@ CASES = {
 }
 
 
-@pytest.fixture
-def sent(monkeypatch):
-    monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args: None)
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_list_queries_do_not_grow_with_rows(case, demo, api, sent):
     who, url, add = CASES[case]

@@ -8,7 +8,6 @@ import secrets
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -20,23 +19,11 @@ from django.db import connection
 from portal.core.context import Actor
 from portal.nodes.services import node_add
 from tests.conftest import make_token
-from tests.procs import start_process, stop_process
+from tests.procs import start_process, stop_process, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 NGINX = "/usr/sbin/nginx"
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def wait_for(pred, timeout, what, fail=True):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.2)
-    if not fail:
-        return None
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def free_port() -> int:

@@ -19,11 +19,10 @@ pytestmark = pytest.mark.clock
 
 
 @pytest.fixture
-def sent(monkeypatch):
-    calls = []
-    monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args, **kw: calls.append((task, node, args)))
+def sent(sent, monkeypatch):
+    """The shared `sent`, and pass requests go nowhere (the tests run passes themselves)."""
     monkeypatch.setattr("portal.core.queue._publish_schedule_pass", lambda: None)
-    return calls
+    return sent
 
 
 @pytest.fixture

@@ -7,22 +7,12 @@ from django.utils import timezone
 
 from portal.core.context import Actor
 from portal.jobs.models import Allocation, Job, JobEvent, JobLogChunk
-from portal.jobs.services import job_submit
 from portal.jobs.states import transition
 from portal.nodes.models import Node
 from portal.nodes.services import node_add, node_drain
 from portal.tenancy.models import Quota
 from scheduler.adapter import run_pass
-
-IMAGE = "gpuportal/busybox:latest"
-
-
-@pytest.fixture
-def sent(monkeypatch):
-    """Commands the portal publishes to node queues."""
-    calls = []
-    monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args, **kw: calls.append((task, node, args)))
-    return calls
+from tests.conftest import submit
 
 
 @pytest.fixture
@@ -30,12 +20,6 @@ def cluster(demo):
     admin = Actor(user=demo.users["admin"])
     node_add(actor=admin, name="gpu-01", gpus="8xH100-80GB")
     return demo
-
-
-def submit(demo, user="alice", project="vision", **over):
-    data = {"project": project, "name": "j", "image": IMAGE, "command": ["true"], **over}
-    job, _ = job_submit(actor=Actor(user=demo.users[user]), data=data)
-    return job
 
 
 def run(django_capture_on_commit_callbacks):

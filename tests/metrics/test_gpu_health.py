@@ -14,11 +14,10 @@ pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture
-def sent(monkeypatch):
-    calls = []
-    monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args, **kw: calls.append((task, node, args)))
-    monkeypatch.setattr("portal.core.queue._publish_schedule_pass", lambda: None)  # tests run passes
-    return calls
+def sent(sent, monkeypatch):
+    """The shared `sent`, and pass requests go nowhere (the tests run passes themselves)."""
+    monkeypatch.setattr("portal.core.queue._publish_schedule_pass", lambda: None)
+    return sent
 
 
 def agent(demo, name, gpus="2xH100-80GB"):

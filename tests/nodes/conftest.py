@@ -9,14 +9,6 @@ from scheduler.adapter import run_pass
 
 
 @pytest.fixture
-def sent(monkeypatch):
-    """What the portal publishes to node queues: (task, node, args)."""
-    out = []
-    monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args: out.append((task, node, args)))
-    return out
-
-
-@pytest.fixture
 def starting(demo, sent):
     """Node gpu-01's agent (registered, an APIClient with its token) and a 1-GPU job it confirmed:
     `starting`, nothing reported since. `agent.job` is the job."""

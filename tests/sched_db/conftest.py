@@ -11,14 +11,6 @@ def _needs_postgres():
 
 
 @pytest.fixture
-def sent(monkeypatch):
-    """The commands a pass sends to nodes, as (task, node, args), instead of the broker."""
-    calls = []
-    monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args: calls.append((task, node, args)))
-    return calls
-
-
-@pytest.fixture
 def quiet(monkeypatch):
     """Passes send nothing (the broker is not part of these tests)."""
     monkeypatch.setattr("scheduler.dispatch._send", lambda *a, **k: None)

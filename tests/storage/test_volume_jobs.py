@@ -163,13 +163,6 @@ def test_the_launch_sent_to_the_node_carries_the_volumes_and_checkpoint(demo, se
     assert spec.volumes == args[2]["volumes"] and spec.project_id == demo.vision.pk
 
 
-@pytest.fixture
-def sent(monkeypatch):
-    calls = []
-    monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args, **kw: calls.append((task, node, args)))
-    return calls
-
-
 def test_a_volume_named_by_an_unfinished_job_is_not_deleted(api, demo):
     from portal.jobs.models import JobState
     from portal.jobs.states import transition
