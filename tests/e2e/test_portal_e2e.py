@@ -213,15 +213,33 @@ def test_pages_work_without_javascript(node, login):
     expect(page.locator("#job-rows")).to_contain_text("No jobs match these filters.")
 
 
-def test_pages_for_screenshots(node, login):
-    """Not a behaviour: keeps pictures of the remaining main pages for people to look at."""
-    page = login("alice")
+def test_main_pages_show_their_content_without_errors(node, login):
+    """The project, submit and nodes pages show what they are for (members, the spec fields, the
+    node's GPUs), and the browser reports no error on them (console or uncaught script error).
+    Each page is kept as a picture for people to look at (test-artifacts/e2e/)."""
+    errors = []
+
+    def watch(page):
+        page.on("console", lambda msg: errors.append(f"{page.url}: {msg.text}") if msg.type == "error" else None)
+        page.on("pageerror", lambda exc: errors.append(f"{page.url}: {exc}"))
+        return page
+
+    page = watch(login("alice"))
     page.goto("/projects/vision/")
     expect(page).to_have_title(re.compile("Project vision"))
+    members = page.locator("section[aria-labelledby=members-h] table")
+    for username in ("alice", "bob", "dave"):
+        expect(members).to_contain_text(username)
+    expect(members).not_to_contain_text("charlie")
     shot(page, "project")
     page.goto("/jobs/new/")
+    for field in ("Project", "Name", "Image", "Command", "GPUs"):
+        expect(page.get_by_label(field, exact=True)).to_be_editable()
+    expect(page.get_by_role("button", name="Submit job")).to_be_enabled()
     shot(page, "submit")
-    admin = login("admin")
+    admin = watch(login("admin"))
     admin.goto("/nodes/")
-    expect(admin.locator("main")).to_contain_text("gpu-01")
+    expect(admin.locator("#node-gpu-01")).to_contain_text("gpu-01")
+    expect(admin.locator("main table").first.locator("tbody tr")).to_have_count(4)  # 4xH100-80GB
     shot(admin, "nodes")
+    assert errors == []
