@@ -61,6 +61,17 @@ def sent(monkeypatch):
     return calls
 
 
+def agent_client(demo, name="gpu-01", gpus="2xH100-80GB", **node):
+    """A new node added by the admin, and an APIClient holding its agent token (client.node)."""
+    from portal.nodes.services import node_add
+
+    added, secret = node_add(actor=Actor(user=demo.users["admin"]), name=name, gpus=gpus, **node)
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    client.node = added
+    return client
+
+
 def make_token(user, scopes=("read", "submit", "admin"), project=None, **kwargs) -> str:
     _, secret = token_issue(actor=Actor(user=user), user=user, name="test", scopes=list(scopes),
                             project=project, **kwargs)

@@ -10,17 +10,14 @@ from rest_framework.test import APIClient
 from portal.core.context import Actor
 from portal.jobs.services import job_submit
 from portal.nodes.models import GPU
-from portal.nodes.services import node_add
 from scheduler.adapter import run_pass
+from tests.conftest import agent_client
 
 IMAGE = "gpuportal/busybox:latest"
 
 
 def agent_for(demo, name: str, gpus: str) -> tuple[APIClient, list[str]]:
-    _, secret = node_add(actor=Actor(user=demo.users["admin"]), name=name, gpus=gpus)
-    client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
-    return client, list(GPU.objects.filter(node__name=name).order_by("index").values_list("uuid", flat=True))
+    return agent_client(demo, name, gpus), list(GPU.objects.filter(node__name=name).order_by("index").values_list("uuid", flat=True))
 
 
 def heartbeat_queries(agent: APIClient, uuids: list[str], per_gpu: int, jobs: list[dict]) -> int:

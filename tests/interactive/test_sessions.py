@@ -4,7 +4,6 @@ from datetime import timedelta
 
 import pytest
 from django.utils import timezone
-from rest_framework.test import APIClient
 
 from portal.core.context import Actor
 from portal.interactive.models import Session, SessionPolicy
@@ -13,8 +12,7 @@ from portal.interactive.selectors import session_for_connect
 from portal.interactive.services import sessions_cull
 from portal.jobs.models import JobState
 from portal.jobs.services import job_submit
-from portal.nodes.services import node_add
-from tests.conftest import make_token
+from tests.conftest import agent_client, make_token
 
 IMAGE = "gpuportal/busybox:latest"
 
@@ -87,11 +85,7 @@ def test_the_launch_spec_carries_the_sessions(demo):
 
 @pytest.fixture
 def node_client(demo):
-    node, secret = node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="2xH100-80GB")
-    client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
-    client.node = node
-    return client
+    return agent_client(demo)
 
 
 def report(client, job, **body):
@@ -112,9 +106,7 @@ def test_the_agent_reports_a_session_running_on_its_own_node_only(demo, node_cli
     r = report(node_client, job, name="lab", state="running", gateway_url="file:///etc/passwd")
     assert r.status_code == 400 and "gateway_url" in r.json()["error"]["fields"]
     assert report(node_client, job, name="nope", state="running", gateway_url="http://x:1").status_code == 409
-    other, secret = node_add(actor=Actor(user=demo.users["admin"]), name="gpu-02", gpus="1xH100-80GB")
-    stranger = APIClient()
-    stranger.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    stranger = agent_client(demo, "gpu-02", "1xH100-80GB")
     assert report(stranger, job, name="lab", state="ended").status_code == 409
     assert Session.objects.get(job=job, name="lab").state == "running"
     r = node_client.post(f"/api/agent/v1/jobs/{job.pk}/sessions", format="json",

@@ -11,6 +11,7 @@ from portal.jobs.services import job_cancel, job_submit
 from portal.nodes.models import GPU, Node
 from portal.nodes.services import node_add, nodes_reap
 from scheduler.adapter import run_pass
+from tests.conftest import agent_client
 
 IMAGE = "gpuportal/busybox:latest"
 INVENTORY = [{"index": i, "uuid": f"GPU-real-{i}", "model": "NVIDIA H100 80GB HBM3", "memory_mb": 81559,
@@ -19,11 +20,7 @@ INVENTORY = [{"index": i, "uuid": f"GPU-real-{i}", "model": "NVIDIA H100 80GB HB
 
 @pytest.fixture
 def node(demo):
-    node, secret = node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="2xH100-80GB")
-    client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
-    client.node = node
-    return client
+    return agent_client(demo)
 
 
 def post(client, path, body):
@@ -155,9 +152,8 @@ def test_mass_silence_marks_nothing(demo, settings, clock):
 def test_unenforceable_gpu_share_is_said_on_the_job(demo, api, monkeypatch):
     """A node without CUDA MPS cannot cap a fractional job: the API and the job page say so."""
     monkeypatch.setattr("scheduler.dispatch._send", lambda *a, **k: None)
-    node, secret = node_add(actor=Actor(user=demo.users["admin"]), name="gpu-s", gpus="1xA100-80GB", shared=True)
-    client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+    client = agent_client(demo, "gpu-s", "1xA100-80GB", shared=True)
+    node = client.node
     body = {"name": "gpu-s", "cpus": 8, "memory_mb": 65536, "sandbox": "docker",
             "gpus": [{"index": 0, "uuid": "GPU-s0", "model": "NVIDIA A100 80GB", "memory_mb": 81920}],
             "capabilities": {"mps": False}}

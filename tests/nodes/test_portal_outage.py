@@ -14,7 +14,7 @@ from rest_framework.test import APIClient
 from portal.core.context import Actor
 from portal.nodes.models import Node, ReaperState
 from portal.nodes.services import node_add, nodes_reap
-from tests.conftest import make_token
+from tests.conftest import agent_client, make_token
 
 SAMPLE = {"gpu_uuid": "GPU-o-0", "gpu_index": 0, "utilization": 50.0, "memory_used_mb": 100, "temperature_c": 40,
           "power_w": 100.0, "ecc_errors": 0, "xid_errors": []}
@@ -29,10 +29,7 @@ def free_port() -> int:
 
 @pytest.fixture
 def agent(demo):
-    node, secret = node_add(actor=Actor(user=demo.users["admin"]), name="out-01", gpus="1xH100-80GB")
-    client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
-    client.node = node
+    client = agent_client(demo, "out-01", "1xH100-80GB")
     r = client.post("/api/agent/v1/register", {"name": "out-01", "cpus": 4, "memory_mb": 16384, "sandbox": "docker",
                                                 "gpus": INVENTORY}, format="json")
     assert r.status_code == 200
