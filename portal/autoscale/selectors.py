@@ -50,10 +50,10 @@ def waiting_demand() -> dict[str, dict[str, float]]:
     from scheduler.core import Reason
     from scheduler.core.autoscale import pool_fits, wants_capacity
 
-    from .services import _spec
+    from .services import pool_specs
 
     now = timezone.now()
-    specs = sorted((_spec(p, now) for p in NodePool.objects.filter(enabled=True)),
+    specs = sorted(pool_specs(NodePool.objects.filter(enabled=True), now),
                    key=lambda s: (s.price_per_gpu_hour, s.name))
     out = {s.name: {"jobs": 0, "gpus": 0.0} for s in specs}
     if not specs:

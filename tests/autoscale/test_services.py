@@ -258,3 +258,16 @@ def test_checkpointing_jobs_are_moved_off_a_lightly_used_node_which_is_then_rele
     Job.objects.filter(pk=moved.pk).update(resume_after=None)
     run_pass()
     assert Job.objects.get(pk=moved.pk).node.name == "h100-1"
+
+
+def test_boot_estimates_are_the_median_of_each_pools_last_ten_registrations(db):
+    now = timezone.now()
+    a = NodePool.objects.create(name="a", boot_timeout_s=600)
+    b = NodePool.objects.create(name="b", boot_timeout_s=60)
+    for i in range(12):  # the two oldest took 1,000 s: beyond the last ten, not counted
+        took = 1000 if i < 2 else 30 + 2 * i
+        created = now - timedelta(hours=12 - i)
+        PoolNode.objects.create(pool=a, name=f"a-{i}", gpus=8, created_at=created,
+                                registered_at=created + timedelta(seconds=took))
+    PoolNode.objects.create(pool=b, name="b-0", gpus=8, created_at=now)  # never registered
+    assert services.boot_estimates_s(NodePool.objects.all()) == {a.pk: 43.0, b.pk: 60.0}  # median of 34..52

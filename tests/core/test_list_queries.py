@@ -99,6 +99,39 @@ def add_invoices(demo, n):
                                    amount=2)
 
 
+def add_usage(demo, n):
+    """n users of vision, each with a job that ran an hour (one ledger row each)."""
+    from django.utils import timezone
+
+    from portal.billing.models import UsageRecord
+    from portal.jobs.models import Allocation
+    from scheduler.adapter import run_pass
+
+    from portal.nodes.models import Node
+
+    if not Node.objects.exists():
+        for name in ("usage-a", "usage-b"):  # room for MANY one-GPU jobs
+            node_add(actor=Actor(user=demo.users["admin"]), name=name, gpus="8xH100-80GB")
+    add_members(demo, n)
+    hour = timezone.now().replace(minute=0, second=0, microsecond=0)
+    for membership in demo.vision.memberships.select_related("user").order_by("-pk")[:n]:
+        job, _ = job_submit(actor=Actor(user=membership.user), data={
+            "project": "vision", "name": "j", "image": IMAGE, "command": ["true"], "resources": {"gpus": 1}})
+        run_pass()
+        allocation = Allocation.objects.get(job=job)
+        UsageRecord.objects.create(allocation=allocation, hour=hour, project=demo.vision,
+                                   organization=demo.vision.organization, user=membership.user, job_id=job.pk,
+                                   gpu_model="H100-80GB", fraction=1, priority="normal", gpu_seconds=3600,
+                                   unit_price=2, amount=2)
+
+
+def add_pools(demo, n):
+    from portal.autoscale.models import NodePool
+
+    for _ in range(n):
+        NodePool.objects.create(name=_name("pool"))
+
+
 def _alice_job(demo):
     from portal.jobs.models import Job
 
@@ -142,6 +175,8 @@ CASES = {
     "api invoices": ("admin", "/api/v1/invoices/", add_invoices),
     "api sessions": ("alice", "/api/v1/sessions/", add_sessions),
     "api artifacts": ("alice", "/api/v1/jobs/{job}/artifacts/", add_artifacts),
+    "api usage by user": ("alice", "/api/v1/usage/?group_by=user", add_usage),
+    "api usage by job": ("alice", "/api/v1/usage/jobs/", add_usage),
     "page home": ("alice", "/", add_projects),
     "page jobs": ("alice", "/jobs/", add_jobs),
     "page tokens": ("alice", "/tokens/", add_tokens),
@@ -150,6 +185,7 @@ CASES = {
     "page console": ("admin", "/console/", add_nodes),
     "page project members": ("alice", "/projects/vision/", add_members),
     "page project templates": ("alice", "/projects/vision/", add_templates),
+    "page console autoscaling": ("admin", "/console/autoscaling/", add_pools),
     "page volumes": ("alice", "/projects/vision/volumes/", add_volumes),
 }
 
