@@ -833,4 +833,5 @@ def artifacts_get(
 
 
 def main() -> None:
+    fastparams.defer_help_only_modules()
     app(prog_name="gpuctl")

@@ -7,7 +7,10 @@ that is plainly valid (a string for a str, digits for a number within its bounds
 is converted here to exactly what the adapter returns. Anything else, and every invalid value,
 goes to typer's own adapter, so errors and their messages are typer's, word for word.
 """
+import importlib
 import re
+import sys
+import types
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, get_args, get_origin
@@ -93,3 +96,48 @@ def install() -> None:
 
     build_runtime_param.gpuctl_fast = True
     core.build_runtime_param = build_runtime_param
+
+
+def _load(name: str):
+    """The real module `name`, in place of its stand-in."""
+    if getattr(sys.modules.get(name), "_gpuctl_deferred", False):
+        del sys.modules[name]
+    return importlib.import_module(name)
+
+
+class _Deferred(type):
+    """A stand-in class for one name of a module not loaded yet: calling it, or reading any of its
+    attributes, loads the module and uses the real one."""
+
+    def _real(cls):
+        return getattr(_load(cls._module), cls.__name__)
+
+    def __call__(cls, *args, **kwargs):
+        return cls._real()(*args, **kwargs)
+
+    def __getattr__(cls, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return getattr(cls._real(), attr)
+
+
+def defer_help_only_modules() -> None:
+    """typer's help renderer imports rich.markdown (with markdown-it) and rich.traceback whatever
+    its markup mode, about 120 ms; gpuctl's help is in rich mode, so neither is used unless a bug's
+    traceback is printed. Only for a gpuctl process (`main`), never in a process that may use rich
+    otherwise: the modules load, for real, on first use of one of their names."""
+    for name, attrs in (("rich.markdown", ("Markdown",)), ("rich.traceback", ("Traceback",))):
+        if name in sys.modules:
+            continue
+        stub = types.ModuleType(name)
+        stub._gpuctl_deferred = True
+        for attr in attrs:
+            setattr(stub, attr, _Deferred(attr, (), {"_module": name}))
+
+        def forward(attr, _name=name):
+            if attr.startswith("__"):  # the import system's questions (__path__...), not a use
+                raise AttributeError(attr)
+            return getattr(_load(_name), attr)
+
+        stub.__getattr__ = forward
+        sys.modules[name] = stub

@@ -84,3 +84,20 @@ def test_a_submit_loads_no_pydantic(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, env=env)
     assert "no portal token configured" in out.stderr
     assert out.stderr.strip().endswith("False"), out.stderr
+
+
+def test_a_bugs_traceback_still_prints_when_rich_loads_late(tmp_path):
+    """gpuctl's process defers rich.markdown and rich.traceback; typer's pretty traceback of an
+    uncaught exception still loads and prints, and --help never loads them."""
+    code = ("import sys, typer\nfrom portal.cli import fastparams\nfastparams.defer_help_only_modules()\n"
+            "app = typer.Typer(pretty_exceptions_show_locals=False)\n@app.command()\ndef boom(n: int = 1):\n"
+            "    '''Raise.'''\n    raise ValueError('boom ' + str(n))\n@app.command()\ndef other():\n    pass\n"
+            "if sys.argv[1] == 'help':\n    try:\n        app(['--help'])\n    except SystemExit:\n        pass\n"
+            "    print(sorted(m for m in ('rich.markdown', 'markdown_it', 'rich.traceback') "
+            "if m in sys.modules and not getattr(sys.modules[m], '_gpuctl_deferred', False)))\nelse:\n    app(['boom', '--n', '3'])\n")
+    env = {"PATH": "/usr/bin:/bin", "COLUMNS": "100", "TERM": "dumb"}
+    crash = subprocess.run([sys.executable, "-c", code, "crash"], cwd=REPO, capture_output=True, text=True, env=env)
+    assert crash.returncode == 1
+    assert "Traceback (most recent call last)" in crash.stderr and "ValueError: boom 3" in crash.stderr, crash.stderr
+    help_ = subprocess.run([sys.executable, "-c", code, "help"], cwd=REPO, capture_output=True, text=True, env=env)
+    assert "Raise." in help_.stdout and help_.stdout.strip().endswith("[]"), help_.stdout + help_.stderr
