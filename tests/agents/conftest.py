@@ -1,9 +1,39 @@
+import contextlib
 import os
+import threading
 import uuid
 
 import pytest
 
 JOB_IMAGE = "gpuportal/busybox:latest"
+
+
+@contextlib.contextmanager
+def running_agent(name, client, driver, *, lease_s):
+    """A real agent (its client, a driver, one simulated GPU) registered and running its heartbeat
+    and supervisor threads with a short lease; afterwards the threads end and its sandboxes go."""
+    from agents.probe.sim import SimProbe
+    from agents.worker import Agent
+
+    agent = Agent(name=name, client=client, driver=driver, probe=SimProbe("1xH100-80GB", node_name=name),
+                  stop_grace_s=1.0, scrub_gpus=False)
+    agent.register()
+    agent.heartbeat_interval_s, agent.lease_s, agent.fence_grace_s = 0.3, lease_s, 0.5
+    stop = threading.Event()
+    threads = [threading.Thread(target=agent.run_heartbeats, args=(stop,), daemon=True),
+               threading.Thread(target=agent.run_supervisor, args=(stop, 0.1), daemon=True)]
+    for th in threads:
+        th.start()
+    try:
+        yield agent
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(10)
+        for _, _, handle in driver.list_own():
+            driver.stop(handle, 0)
+            driver.remove(handle)
+        agent.join_stops()
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,6 @@
 """The agent's lease through the portal's own outages, with the real HTTP client, a portal
 stub on 127.0.0.1 and the process sandbox (docs/agent.md, "Lease")."""
 
-import threading
 import time
 
 import pytest
@@ -11,6 +10,7 @@ from agents.probe.sim import SimProbe
 from agents.sandbox import RUNNING
 from agents.sandbox.process_driver import ProcessDriver
 from agents.worker import Agent
+from tests.agents.conftest import running_agent
 from tests.agents.fakes import Clock, FakeDriver, FakePortal
 from tests.agents.portal_stub import TOKEN, PortalStub
 from tests.procs import wait_for
@@ -25,25 +25,10 @@ def live(tmp_path):
     stub = PortalStub()
     client = PortalClient(stub.url, TOKEN, timeout_s=2, retries=0)
     driver = ProcessDriver(node="lease", state_dir=str(tmp_path))
-    agent = Agent(name="lease", client=client, driver=driver, probe=SimProbe("1xH100-80GB", node_name="lease"),
-                  stop_grace_s=1.0, scrub_gpus=False)
-    agent.register()
-    agent.heartbeat_interval_s, agent.lease_s, agent.fence_grace_s = 0.3, LEASE_S, 0.5
-    stop = threading.Event()
-    threads = [threading.Thread(target=agent.run_heartbeats, args=(stop,), daemon=True),
-               threading.Thread(target=agent.run_supervisor, args=(stop, 0.1), daemon=True)]
-    for th in threads:
-        th.start()
     try:
-        yield type("Live", (), dict(stub=stub, agent=agent, driver=driver))
+        with running_agent("lease", client, driver, lease_s=LEASE_S) as agent:
+            yield type("Live", (), dict(stub=stub, agent=agent, driver=driver))
     finally:
-        stop.set()
-        for th in threads:
-            th.join(10)
-        for _, _, handle in driver.list_own():
-            driver.stop(handle, 0)
-            driver.remove(handle)
-        agent.join_stops()
         stub.close()
 
 

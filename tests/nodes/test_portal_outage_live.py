@@ -1,22 +1,20 @@
 """The whole path of a database outage: the real portal (its middleware answers 503 with the
 outage header), the real agent client and a process-sandbox job that must outlive it."""
 import socket
-import threading
 import time
 
 import pytest
 from django.db import connection
 
 from agents.client import PortalClient
-from agents.probe.sim import SimProbe
 from agents.sandbox import RUNNING
 from agents.sandbox.process_driver import ProcessDriver
-from agents.worker import Agent
 from portal.core.context import Actor
 from portal.jobs.models import Job
 from portal.jobs.services import job_submit
 from portal.nodes.services import node_add
 from scheduler.adapter import run_pass
+from tests.agents.conftest import running_agent
 from tests.procs import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -32,24 +30,10 @@ def live_agent(live_server, demo, tmp_path, monkeypatch):
     # One connection per request: the live server's request thread holds a database connection
     # for as long as its HTTP connection lives, and the test database must be free at the end.
     client.session.headers["Connection"] = "close"
-    agent = Agent(name="live-01", client=client, driver=driver,
-                  probe=SimProbe("1xH100-80GB", node_name="live-01"), stop_grace_s=1.0, scrub_gpus=False)
-    agent.register()
-    agent.heartbeat_interval_s, agent.lease_s, agent.fence_grace_s = 0.3, LEASE_S, 0.5
-    stop = threading.Event()
-    threads = [threading.Thread(target=agent.run_heartbeats, args=(stop,), daemon=True),
-               threading.Thread(target=agent.run_supervisor, args=(stop, 0.1), daemon=True)]
-    for th in threads:
-        th.start()
     try:
-        yield agent
+        with running_agent("live-01", client, driver, lease_s=LEASE_S) as agent:
+            yield agent
     finally:
-        stop.set()
-        for th in threads:
-            th.join(10)
-        for _, _, handle in driver.list_own():
-            driver.stop(handle, 0)
-            driver.remove(handle)
         # The live server closes a request's connection just after answering it: let the last one go
         # before the test database is flushed and dropped.
         wait_for(lambda: not other_sessions(), 10, "the live server's last request to end")
