@@ -11,16 +11,30 @@ from portal.tenancy.models import Project, slug_validator
 
 from .artifacts import artifact_response, artifacts_of
 from .files import download_response
-from .models import Volume
+from .models import RegistryCredential, Volume
 from .selectors import volume_file_open, volume_list_dir
-from .services import volume_create, volume_delete, volume_file_put
+from .services import (registry_credential_delete, registry_credential_set, volume_create, volume_delete,
+                       volume_file_put)
 
 PATH_PARAM = OpenApiParameter("path", str, OpenApiParameter.QUERY, required=False,
                               description="A path relative to the volume ('' is its top); no '..', not absolute.")
 
 
-class VolumeSerializer(StrictModelSerializer):
+class ProjectChoiceSerializer(StrictModelSerializer):
+    """A row of one project, named by slug: the choices are the projects the caller sees."""
+
     project = serializers.SlugRelatedField(slug_field="slug", queryset=Project.objects.none())
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        request = self.context.get("request")
+        if request is not None and request.user.is_authenticated:
+            # The choices honour a token's project restriction: other projects do not exist for it.
+            self.fields["project"].queryset = Project.objects.for_user(
+                request.user, "view", project_id=actor_from_request(request).restricted_project_id)
+
+
+class VolumeSerializer(ProjectChoiceSerializer):
     name = serializers.CharField(max_length=50, validators=[slug_validator])
     created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
     mount_path = serializers.SerializerMethodField(help_text="Where the project's jobs see it.")
@@ -31,16 +45,26 @@ class VolumeSerializer(StrictModelSerializer):
         read_only_fields = ["id", "created_by", "created_at"]
         validators = []  # the service names the field of a taken name (not DRF's non_field_errors)
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        request = self.context.get("request")
-        if request is not None and request.user.is_authenticated:
-            # The choices honour a token's project restriction: other projects do not exist for it.
-            self.fields["project"].queryset = Project.objects.for_user(
-                request.user, "view", project_id=actor_from_request(request).restricted_project_id)
-
     def get_mount_path(self, volume) -> str:
         return f"/data/{volume.name}"
+
+
+REGISTRY_HOST = r"^[a-z0-9](?:[a-z0-9.-]{0,200}[a-z0-9])?(?::[0-9]{1,5})?$"
+
+
+class RegistryCredentialSerializer(ProjectChoiceSerializer):
+    registry = serializers.RegexField(REGISTRY_HOST, max_length=255, help_text=(
+        "The registry's host[:port] as image references start, e.g. registry.example.org:5000."))
+    username = StrictCharField(max_length=255)
+    secret = StrictCharField(max_length=4096, write_only=True, trim_whitespace=False,
+                             help_text="Password or token. Write-only: never returned, never in a job's environment.")
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+
+    class Meta:
+        model = RegistryCredential
+        fields = ["id", "project", "registry", "username", "secret", "created_by", "created_at"]
+        read_only_fields = ["id", "created_by", "created_at"]
+        validators = []  # a second login to the same registry replaces the first
 
 
 class PathQuerySerializer(StrictSerializer):
@@ -160,3 +184,27 @@ class JobArtifactViewSet(TenantViewSet):
         from django.shortcuts import get_object_or_404
 
         return artifact_response(get_object_or_404(artifacts_of(self._job()), pk=parse_int(pk)))
+
+
+class RegistryCredentialViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenantViewSet):
+    """Logins to private image registries, per project: owners and admins set and delete them,
+    everyone in the project sees which registries have one (never the secret). Nodes pull the
+    project's images with them."""
+
+    scoped_model = RegistryCredential
+    serializer_class = RegistryCredentialSerializer
+    filterset_fields = {"project__slug": ["exact"]}
+
+    def get_queryset(self):
+        return super().get_queryset().select_related("project", "created_by")
+
+    def create(self, request):
+        data = RegistryCredentialSerializer(data=request.data, context=self.get_serializer_context())
+        data.is_valid(raise_exception=True)
+        cred = registry_credential_set(actor=self.actor, **data.validated_data)
+        return Response(RegistryCredentialSerializer(cred).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=None, responses={204: None})
+    def destroy(self, request, pk=None):
+        registry_credential_delete(actor=self.actor, credential=self.get_object())
+        return Response(status=status.HTTP_204_NO_CONTENT)

@@ -48,3 +48,27 @@ class Artifact(models.Model):
 
     def __str__(self) -> str:
         return f"job {self.job_id} attempt {self.attempt}: {self.path}"
+
+
+class RegistryCredential(models.Model):
+    """A project's login to one image registry, used on the node to pull the project's private
+    images. The secret is stored encrypted (portal/storage/secrets.py) and never read back
+    through the API, nor put in a job's environment."""
+
+    project = models.ForeignKey("tenancy.Project", on_delete=models.CASCADE, related_name="registry_credentials")
+    registry = models.CharField(max_length=255)  # host[:port], as the image reference starts
+    username = models.CharField(max_length=255)
+    secret_encrypted = models.TextField()
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                   related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = TenantQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["project_id", "registry"]
+        constraints = [models.UniqueConstraint(fields=["project", "registry"],
+                                               name="registry_credential_unique_per_project")]
+
+    def __str__(self) -> str:
+        return f"{self.project.slug}/{self.registry}"

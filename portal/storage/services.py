@@ -15,7 +15,8 @@ from portal.core.services import audit_record
 from portal.tenancy.models import Project
 
 from . import files
-from .models import Volume
+from . import secrets
+from .models import RegistryCredential, Volume
 
 CHUNK = 1024 * 1024
 
@@ -129,3 +130,25 @@ def volume_file_put(*, actor: Actor, volume: Volume, path: str, stream, length: 
     audit_record(actor=actor, action="volume.upload", obj=volume, project=volume.project, path="/".join(parts),
                  size=written)
     return {"path": "/".join(parts), "size": written}
+
+
+def registry_credential_set(*, actor: Actor, project: Project, registry: str, username: str,
+                            secret: str) -> RegistryCredential:
+    """The project's login to `registry` (replacing an earlier one): the secret is encrypted at
+    rest and never shown again."""
+    _require(actor, "manage", project, "set registry credentials")
+    with transaction.atomic():
+        cred, created = RegistryCredential.objects.update_or_create(
+            project=project, registry=registry,
+            defaults={"username": username, "secret_encrypted": secrets.encrypt(secret), "created_by": actor.user})
+        audit_record(actor=actor, action="registry_credential.set", obj=cred, project=project,
+                     registry=registry, username=username, replaced=not created)
+    return cred
+
+
+def registry_credential_delete(*, actor: Actor, credential: RegistryCredential) -> None:
+    _require(actor, "manage", credential.project, "delete registry credentials")
+    with transaction.atomic():
+        audit_record(actor=actor, action="registry_credential.delete", obj=credential, project=credential.project,
+                     registry=credential.registry)
+        credential.delete()

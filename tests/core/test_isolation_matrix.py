@@ -143,6 +143,17 @@ MATRIX = {
           scope="submit", body={"x": 1}),
     ],
     "api:volume-download": [e("GET", "/api/v1/volumes/{vision_volume}/download/?path=f.txt", VISION_READ)],
+    # Registry credentials: everyone in the project sees which registries have one (never the
+    # secret); owners and admins set and delete them.
+    "api:registry-credential-list": [
+        e("GET", "/api/v1/registry-credentials/", ALL_200),
+        e("POST", "/api/v1/registry-credentials/", roles(401, 201, 403, 403, 400, 201),
+          body={"project": "vision", "registry": "registry.example.org", "username": "ci", "secret": "s3cret"}),
+    ],
+    "api:registry-credential-detail": [
+        e("GET", "/api/v1/registry-credentials/{vision_registry_credential}/", VISION_READ),
+        e("DELETE", "/api/v1/registry-credentials/{vision_registry_credential}/", roles(401, 204, 403, 403, 404, 204)),
+    ],
     "api:jobtemplate-list": [
         e("GET", "/api/v1/job-templates/", ALL_200),
         e("POST", "/api/v1/job-templates/", roles(401, 201, 403, 403, 400, 201),
@@ -300,7 +311,7 @@ def _tenant_objects(demo):
     from portal.core.context import Actor
     from portal.jobs.services import job_submit, template_save
     from portal.nodes.services import node_add
-    from portal.storage.services import volume_create, volume_file_put
+    from portal.storage.services import registry_credential_set, volume_create, volume_file_put
 
     alice = Actor(user=demo.users["alice"])
     job, _ = job_submit(actor=alice, data={"project": "vision", "name": "fixture", "image": "gpuportal/busybox:latest",
@@ -310,8 +321,11 @@ def _tenant_objects(demo):
     node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="2xH100-80GB")
     volume = volume_create(actor=alice, project=demo.vision, name="data")
     volume_file_put(actor=alice, volume=volume, path="f.txt", stream=io.BytesIO(b"f"), length=1)
+    credential = registry_credential_set(actor=alice, project=demo.vision, registry="registry.example.org:5000",
+                                         username="ci", secret="s3cret")
     return {"vision_job": job.pk, "vision_template": template.pk, "acme_invoice": _acme_invoice(),
-            "vision_volume": volume.pk, "vision_session": job.sessions.get().pk}
+            "vision_volume": volume.pk, "vision_session": job.sessions.get().pk,
+            "vision_registry_credential": credential.pk}
 
 
 def _acme_invoice() -> int:
