@@ -88,14 +88,6 @@ class Tracked:
     warned: bool = False  # the time-limit signal went out
     # While it stops: by when (agent clock) it will be gone, for launches waiting for its GPUs.
     stop_deadline: float | None = None
-    # Set when the node ended it because its lease ran out (the agent's fence, or the job's supervisor's):
-    # the report says so and the portal requeues the job as a node fault, not the job's failure.
-    lease_expired: bool = False
-    # A checkpointing job's (signal, grace_s) from its spec: sent grace_s before its time limit.
-    checkpoint: tuple[str, float] | None = None
-    warned: bool = False  # the time-limit signal went out
-    # While it stops: by when (agent clock) it will be gone, for launches waiting for its GPUs.
-    stop_deadline: float | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property

@@ -219,7 +219,6 @@ def stale_reports(*, node, reported: list[dict]) -> list[dict]:
         current[str(pk)] = (state, job_attempt)
         if signal and resume_after is not None:  # requeued to resume: its last attempt may save first
             saving[str(pk)] = (job_attempt - 1, {"signal": signal, "grace_s": grace})
-
     placed = {str(j) for j in Allocation.objects.filter(job_id__in=ids, released_at__isnull=True,
                                                        gpu__node=node).values_list("job_id", flat=True)}
     placed |= {str(j) for j in Job.objects.filter(pk__in=ids, node=node).values_list("pk", flat=True)}

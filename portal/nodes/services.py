@@ -116,7 +116,6 @@ def migrate_checkpointing_jobs(*, node: Node, why: str, reason_code: str) -> lis
     return moved
 
 
-
 def node_settle_drain(node_id: int) -> None:
     """A draining node with no job left becomes drained (called when a job ends)."""
     if not Node.objects.filter(pk=node_id, jobs__state__in=HOLDING).exists():

@@ -241,6 +241,7 @@ MATRIX = {
     # Prometheus scrape: staff (session or token) or METRICS_SCRAPE_TOKEN; errors keep the API shape.
     "metrics:prometheus": [e("GET", "/metrics", roles(401, 403, 403, 403, 403, 200))],
     "console:index": [e("GET", "/console/", roles(302, 403, 403, 403, 403, 200), api=False)],
+    "console:autoscaling": [e("GET", "/console/autoscaling/", roles(302, 403, 403, 403, 403, 200), api=False)],
     "admin:index": [e("GET", "/admin/", roles(302, 302, 302, 302, 302, 200), api=False)],
 }
 
