@@ -9,6 +9,9 @@ PORT   ?= 8000
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/test
 TEST_BROKER_URL   ?= redis://127.0.0.1:6379/0
 TEST_REDIS_URL    ?= redis://127.0.0.1:6379/1
+# Workers (pytest-xdist, a test file per worker; 0 runs in one process). Each worker gets its own
+# test database and Redis databases (tests/workers.py).
+TEST_WORKERS      ?= 3
 
 .PHONY: run test venv clean
 
@@ -35,7 +38,7 @@ test: venv
 	DATABASE_URL=$${DATABASE_URL:-$(TEST_DATABASE_URL)} \
 	CELERY_BROKER_URL=$${CELERY_BROKER_URL:-$(TEST_BROKER_URL)} \
 	REDIS_URL=$${REDIS_URL:-$(TEST_REDIS_URL)} \
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) var
