@@ -8,10 +8,9 @@ from rest_framework.decorators import action
 from rest_framework.response import Response
 
 from portal.core.api import StrictModelSerializer, StrictSerializer, TenantViewSet
-from portal.core.context import actor_from_request
 from portal.core.filters import UtcDateTimeFilter
 from portal.core.numbers import count_or_fraction
-from portal.tenancy.models import Project
+from portal.tenancy.api import ProjectChoiceSerializer
 
 from .models import TERMINAL, Job, JobEvent, JobTemplate, Priority
 from .selectors import LOG_PAGE_MAX_BYTES, env_reader_project_ids, env_visible, log_read
@@ -316,8 +315,7 @@ class JobViewSet(mixins.ListModelMixin, TenantViewSet):
                          "truncated": page.truncated})
 
 
-class JobTemplateSerializer(StrictModelSerializer):
-    project = serializers.SlugRelatedField(slug_field="slug", queryset=Project.objects.none())
+class JobTemplateSerializer(ProjectChoiceSerializer):
     spec = serializers.DictField()
     locked = serializers.ListField(child=serializers.CharField(max_length=32), required=False, default=list)
 
@@ -325,14 +323,6 @@ class JobTemplateSerializer(StrictModelSerializer):
         model = JobTemplate
         fields = ["id", "project", "name", "description", "spec", "locked", "created_at"]
         read_only_fields = ["id", "created_at"]
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        request = self.context.get("request")
-        if request is not None and request.user.is_authenticated:
-            # The choices honour a token's project restriction: other projects do not exist for it.
-            self.fields["project"].queryset = Project.objects.for_user(
-                request.user, "view", project_id=actor_from_request(request).restricted_project_id)
 
 
 class JobTemplateViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenantViewSet):

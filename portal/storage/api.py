@@ -5,9 +5,9 @@ from rest_framework.decorators import action
 from rest_framework.response import Response
 
 from portal.core.api import StrictCharField, StrictModelSerializer, StrictSerializer, TenantViewSet
-from portal.core.context import actor_from_request
 from portal.core.numbers import parse_int
-from portal.tenancy.models import Project, slug_validator
+from portal.tenancy.api import ProjectChoiceSerializer
+from portal.tenancy.models import slug_validator
 
 from .artifacts import artifact_response, artifacts_of
 from .files import download_response
@@ -18,20 +18,6 @@ from .services import (registry_credential_delete, registry_credential_set, volu
 
 PATH_PARAM = OpenApiParameter("path", str, OpenApiParameter.QUERY, required=False,
                               description="A path relative to the volume ('' is its top); no '..', not absolute.")
-
-
-class ProjectChoiceSerializer(StrictModelSerializer):
-    """A row of one project, named by slug: the choices are the projects the caller sees."""
-
-    project = serializers.SlugRelatedField(slug_field="slug", queryset=Project.objects.none())
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        request = self.context.get("request")
-        if request is not None and request.user.is_authenticated:
-            # The choices honour a token's project restriction: other projects do not exist for it.
-            self.fields["project"].queryset = Project.objects.for_user(
-                request.user, "view", project_id=actor_from_request(request).restricted_project_id)
 
 
 class VolumeSerializer(ProjectChoiceSerializer):

@@ -9,6 +9,7 @@ from rest_framework.decorators import action
 from rest_framework.response import Response
 
 from portal.core.api import StrictModelSerializer, StrictSerializer, TenantViewSet
+from portal.core.context import actor_from_request
 from portal.core.numbers import GPUCountField
 
 from .models import Membership, Organization, Project, Quota, Role, slug_validator
@@ -27,6 +28,20 @@ User = get_user_model()
 image_pattern_validator = RegexValidator(
     r"^[A-Za-z0-9._/:@*?\[\]-]+$",
     "Use an image reference or a pattern of one: letters, digits, '._/:@-' and the wildcards '*?[]'.")
+
+
+class ProjectChoiceSerializer(StrictModelSerializer):
+    """A row of one project, named by slug: the choices are the projects the caller sees."""
+
+    project = serializers.SlugRelatedField(slug_field="slug", queryset=Project.objects.none())
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        request = self.context.get("request")
+        if request is not None and request.user.is_authenticated:
+            # The choices honour a token's project restriction: other projects do not exist for it.
+            self.fields["project"].queryset = Project.objects.for_user(
+                request.user, "view", project_id=actor_from_request(request).restricted_project_id)
 
 
 class OrganizationSerializer(StrictModelSerializer):
