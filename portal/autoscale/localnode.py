@@ -82,6 +82,11 @@ def start(name: str, *, token: str, portal_url: str, gpus: str, sandbox: str = "
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     (folder / "pid").write_text(f"{proc.pid}\n")
+    # Until the new program has set up its arguments, /proc shows none: wait for them, so that
+    # running() and stop() know the agent from the moment start() returns.
+    deadline = time.monotonic() + 10
+    while not _is_agent(proc.pid, name) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
     return proc.pid
 
 

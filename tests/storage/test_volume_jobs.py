@@ -207,9 +207,15 @@ def test_another_projects_uid_cannot_read_the_folder_even_on_a_shared_mount(api,
 
     def read_as(project):
         uid = 2000000 + project.pk
-        return docker_client.containers.run(
+        # Logs are read once the container has ended: run()'s follow stream can miss a fast container's output.
+        container = docker_client.containers.run(
             JOB_IMAGE, ["sh", "-c", "cat /v/x/secret.txt 2>&1; true"], user=f"{uid}:{uid}", network_mode="none",
-            volumes={tree: {"bind": "/v", "mode": "ro"}}, remove=True)
+            volumes={tree: {"bind": "/v", "mode": "ro"}}, detach=True)
+        try:
+            assert container.wait(timeout=60)["StatusCode"] == 0
+            return container.logs(stdout=True, stderr=True)
+        finally:
+            container.remove(force=True)
 
     assert read_as(demo.vision) == b"vision only"
     assert b"Permission denied" in read_as(demo.nlp)
