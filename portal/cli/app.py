@@ -755,16 +755,24 @@ def volumes_get(volume_id: VolumeArg, path: Annotated[str, typer.Argument(help="
                                                           help="Where to write it (default: its name here).")] = None):
     """Download a file from a volume."""
     target = dest or Path(path.rstrip("/").rsplit("/", 1)[-1] or "download")
+    client = _client()
+    size = _download(target, lambda handle: client.volume_get(volume_id, path, handle))
+    say(f"Wrote {size} bytes to {target}.", err=True)
+
+
+def _download(target: Path, fetch) -> int:
+    """Write what `fetch(handle)` streams to `target` through a `.part` file, renamed only when whole;
+    returns the byte count."""
     partial = target.with_name(target.name + ".part")
     try:
         with open(partial, "wb") as handle:
-            size = _client().volume_get(volume_id, path, handle)
+            size = fetch(handle)
         partial.replace(target)
     except OSError as exc:
         raise SpecError(f"{target}: {exc.strerror}") from None
     finally:
         partial.unlink(missing_ok=True)
-    say(f"Wrote {size} bytes to {target}.", err=True)
+    return size
 
 
 artifacts_app = typer.Typer(help="Job artifacts: what a job left in /outputs, uploaded when it ended (docs/storage.md).",
@@ -819,16 +827,11 @@ def artifacts_get(
         target = (folder / a["path"]).resolve()
         if folder not in target.parents:  # the portal never sends such a path; never write outside all the same
             raise SpecError(f"refusing the artifact path {a['path']!r}: it leads outside {folder}")
-        partial = target.with_name(target.name + ".part")
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            with open(partial, "wb") as handle:
-                total += client.artifact_get(job_id, a["id"], handle)
-            partial.replace(target)
         except OSError as exc:
             raise SpecError(f"{target}: {exc.strerror}") from None
-        finally:
-            partial.unlink(missing_ok=True)
+        total += _download(target, lambda handle, aid=a["id"]: client.artifact_get(job_id, aid, handle))
     say(f"Wrote {len(rows)} file(s), {total} bytes, to {folder}.", err=True)
 
 
