@@ -27,10 +27,14 @@ def watch(alive, lease: Lease, what: str) -> bool:
             return False
         n += 1
         if lease.expired():
-            print(f"gpuportal supervisor: the node's lease ran out at {time.ctime(lease.deadline)}; stopping "
-                  f"{what} (fence grace {lease.grace_s:g}s)", file=sys.stderr, flush=True)
+            _say_fenced(lease, what)
             return True
         time.sleep(CHECK_S)
+
+
+def _say_fenced(lease: Lease, what: str) -> None:
+    print(f"gpuportal supervisor: the node's lease ran out at {time.ctime(lease.deadline)}; stopping "
+          f"{what} (fence grace {lease.grace_s:g}s)", file=sys.stderr, flush=True)
 
 
 class EngineSocket:
@@ -97,8 +101,7 @@ def supervise_container_socket(container_id: str, lease: Lease, engine: EngineSo
     threading.Thread(target=wait_for_end, daemon=True).start()
     while not ended.wait(CHECK_S):
         if lease.expired():
-            print(f"gpuportal supervisor: the node's lease ran out at {time.ctime(lease.deadline)}; stopping "
-                  f"container {container_id[:12]} (fence grace {lease.grace_s:g}s)", file=sys.stderr, flush=True)
+            _say_fenced(lease, f"container {container_id[:12]}")
             break
     else:
         return "exited"
