@@ -33,6 +33,9 @@ REASON_FRAGMENTED = "fragmented"
 # No schedulable node has the CPUs or memory the job asks for (per node) free now, or at all, beside
 # the GPUs it would take there.
 REASON_NODE_RESOURCES = "node_resources"
+# It could start now, but only on nodes without its datasets, while a node that holds them all is
+# busy: it waits for that node, at most Config.locality_wait_s after it entered the queue.
+REASON_LOCALITY = "locality"
 
 # A node's sandbox before its agent first registers: it counts as one running the default sandbox.
 UNREGISTERED_SANDBOX = ""
@@ -63,6 +66,20 @@ class GPU:
     topo: tuple | None = None
 
 
+@dataclass(frozen=True)
+class Dataset:
+    """A dataset a job reads: its content digest (what node caches hold), its size in bytes and
+    the name its reasons show ("imagenet-1k@3"; the digest's head when empty)."""
+
+    digest: str
+    size: int = 0
+    name: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.name or self.digest[:12]
+
+
 @dataclass
 class Node:
     """`cpus` and `memory_mb` are what its agent registered (0: not known yet, not accounted); every
@@ -76,6 +93,9 @@ class Node:
     cpus: float = 0.0
     memory_mb: int = 0
     sandbox: str = ""
+    # Digests of the datasets its agent's cache holds (complete and verified): placement prefers
+    # nodes holding a job's datasets (docs/scheduler.md, "Dataset locality").
+    datasets: frozenset[str] | set[str] = frozenset()
 
 
 @dataclass
@@ -117,6 +137,9 @@ class Job:
     # next attempt resumes from the checkpoint (docs/jobs.md). None: it does not, so preempting it
     # throws away everything its attempt did; such jobs are victims only as a last resort.
     checkpoint_grace_s: float | None = None
+    # The datasets it reads: placement prefers nodes whose cache holds them (the more bytes the
+    # better) and may wait a little for one (Config.locality_wait_s). Empty: placement as without.
+    datasets: tuple[Dataset, ...] = ()
 
     @property
     def checkpoints(self) -> bool:
@@ -223,6 +246,11 @@ class Config:
     # the kernel): jobs get the rest.
     node_reserved_cpus: float = 0.0
     node_reserved_memory_mb: int = 0
+    # Dataset locality: a job naming datasets that could start now only on nodes lacking some of
+    # them, while a node holding them all (and large enough) is busy, waits for such a node until
+    # this many seconds after it entered the queue, then takes any node. 0: the bonus only (nodes
+    # holding more of its bytes are preferred among those free now), never a wait.
+    locality_wait_s: float = 60.0
 
 
 @dataclass
@@ -276,3 +304,8 @@ class Plan:
     # Jobs that failed to place although enough matching GPUs were free (spread over too many
     # nodes): job id -> the free GPUs of its best class. Filled with explain off too (the simulator).
     fragmented: dict[str, int] = field(default_factory=dict)
+    # Dataset locality. Jobs waiting for a node holding their datasets: job id -> the time their
+    # wait ends (the simulator runs a pass then). Prefetch: node -> datasets it lacks of the jobs
+    # the plan reserved GPUs on it for, to fetch while they wait (the adapter sends them on).
+    locality_waits: dict[str, float] = field(default_factory=dict)
+    prefetch: dict[str, list[Dataset]] = field(default_factory=dict)

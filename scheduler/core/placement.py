@@ -163,6 +163,9 @@ class ClusterState:
         self.size: dict[str, tuple[float, float]] = {}  # the same, with nothing running
         self.jobs_on: dict[str, int] = {}  # active jobs per node: CPU-only jobs go to the least busy
         self.nodes: list[Node] = []
+        # While set, placement takes only these nodes (dataset locality tries the nodes holding a
+        # job's data first); None, as always outside that: any node.
+        self.only: set[str] | None = None
         for cls, node, ids in topo.groups:
             free_ids = [i for i in ids if i not in used] if used else list(ids)
             self.free[cls][node] = free_ids
@@ -210,6 +213,8 @@ class ClusterState:
             self.take_room(alloc_nodes(a, node_of), a.job)
 
     def fits_room(self, node: str, job: Job | None) -> bool:
+        if self.only is not None and node not in self.only:
+            return False
         r = self.room.get(node) if job is not None else None
         return r is None or (r[0] + 1e-6 >= job.cpus and r[1] >= job.memory_mb)
 
@@ -310,6 +315,11 @@ class ClusterState:
             self.used[gid] = new
         else:
             self.used.pop(gid, None)
+
+    def untake(self, gid: str, units: int = UNITS) -> None:
+        """Give back what `take` took (a placement the pass decided not to start after all)."""
+        old = self.used.get(gid, 0)
+        self._set_used(gid, old, old - units)
 
     def take(self, gid: str, units: int = UNITS) -> None:
         """Mark `units` of a GPU as used (UNITS = the whole GPU)."""
@@ -464,7 +474,8 @@ class ClusterState:
                 continue
             rb = self.rem_buckets.get(cls) or {}
             cand = None
-            room = (lambda gid: self.fits_room(self.gpu[gid].node, job)) if self.room else (lambda gid: True)
+            room = ((lambda gid: self.fits_room(self.gpu[gid].node, job)) if self.room or self.only is not None
+                    else (lambda gid: True))
             whole = self._free_nodes(cls, job, most_first=mode == "spread")
             if mode == "spread":
                 k_node = next(whole, None)

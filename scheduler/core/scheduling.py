@@ -1,12 +1,14 @@
 """The scheduling pass: snapshot in, plan out. No I/O, no clock, no Django."""
 from __future__ import annotations
 
+import math
+
 from .admission import EPS, Tally, admit, fmt_duration, fmt_gpus
 from .backfill import Held, could_use, earliest_start, release_timeline, reserve, with_released
 from .model import (
-    REASON_FRAGMENTED, REASON_NODE_RESOURCES, REASON_PREEMPTING, REASON_PRIORITY, REASON_RESERVATION,
-    REASON_RESOURCES, REASON_SANDBOX, REASON_UNPLACEABLE,
-    Allocation, Job, Plan, Preemption, ProjectQuota, Reason, Snapshot, Start, sandbox_hosts,
+    REASON_FRAGMENTED, REASON_LOCALITY, REASON_NODE_RESOURCES, REASON_PREEMPTING, REASON_PRIORITY,
+    REASON_RESERVATION, REASON_RESOURCES, REASON_SANDBOX, REASON_UNPLACEABLE,
+    Allocation, Dataset, Job, Plan, Preemption, ProjectQuota, Reason, Snapshot, Start, sandbox_hosts,
 )
 from .ordering import las_queue_running, las_queue_waiting, order_queue
 from .placement import UNITS, ClassKey, ClusterState, Topology, fmt_mem, frac_units
@@ -42,6 +44,12 @@ class _Pass:
         # Explain only: job id -> (ids of the reservations holding GPUs it would fit on, seconds
         # until the first of them starts). Found by a trial placement, so the hint is true.
         self.reserved_for: dict[str, tuple[list[str], float]] = {}
+        # Dataset locality, built only when a queued job names datasets: digest -> the schedulable
+        # nodes whose cache holds it; node -> its cached digests; job id -> the nodes holding all of
+        # its datasets while it waits for one of them, and how much longer it waits.
+        self._holders: dict[str, list[str]] | None = None
+        self._cached: dict[str, frozenset[str] | set[str]] | None = None
+        self.locality_wait: dict[str, tuple[float, list[str]]] = {}
 
     # -- helpers -----------------------------------------------------------
     def classes_for(self, job: Job) -> list[ClassKey]:
@@ -65,12 +73,103 @@ class _Pass:
         return self.cfg.pool_placement.get(pool, self.cfg.placement)
 
     def place(self, job: Job, classes: list[ClassKey], mode: str):
-        """(gpu_ids, fractions) taken from the free index, or None."""
+        """(gpu_ids, fractions) taken from the free index, or None. A job naming datasets tries the
+        nodes holding the most of its bytes first (the locality bonus), then fewer, then any."""
+        if job.datasets:
+            tiers = self.locality_tiers(job)
+            if tiers:
+                state = self.state
+                try:
+                    for nodes in tiers:
+                        state.only = nodes
+                        got = self._place(job, classes, mode)
+                        if got is not None:
+                            return got
+                finally:
+                    state.only = None
+        return self._place(job, classes, mode)
+
+    def _place(self, job: Job, classes: list[ClassKey], mode: str):
         if job.gpus >= 1:
             ids = self.state.place_whole(int(job.gpus), classes, mode, job.nodes, job)
             return (ids, {}) if ids else None
         got = self.state.place_fraction(job, classes, mode)
         return ([got[0]], {got[0]: job.gpus}) if got else None
+
+    # -- dataset locality ------------------------------------------------------
+    @staticmethod
+    def data_of(job: Job) -> dict[str, Dataset]:
+        """A job's datasets by digest (one named twice counts once)."""
+        return {d.digest: d for d in job.datasets}
+
+    def local_bytes(self, job: Job) -> dict[str, int]:
+        """Schedulable node -> bytes of `job`'s datasets its cache holds (nodes holding none left
+        out). A dataset of unknown size (0) counts as one byte, so holding it still counts."""
+        if self._holders is None:
+            self._holders = {}
+            for n in self.snap.nodes:
+                if n.schedulable:
+                    for digest in n.datasets:
+                        self._holders.setdefault(digest, []).append(n.name)
+        out: dict[str, int] = {}
+        for d in self.data_of(job).values():
+            for n in self._holders.get(d.digest, ()):
+                out[n] = out.get(n, 0) + max(d.size, 1)
+        return out
+
+    def locality_tiers(self, job: Job) -> list[set[str]]:
+        """Node sets to try in turn: those holding the most of the job's bytes, then those holding
+        at least the next amount, ...; empty when no node holds any of its datasets."""
+        local = self.local_bytes(job)
+        return [{n for n, b in local.items() if b >= v} for v in sorted(set(local.values()), reverse=True)]
+
+    def lacking(self, node: str, job: Job) -> list[Dataset]:
+        """`job`'s datasets that `node`'s cache does not hold."""
+        if self._cached is None:
+            self._cached = {n.name: n.datasets for n in self.snap.nodes}
+        have = self._cached.get(node, frozenset())
+        return [d for d in self.data_of(job).values() if d.digest not in have]
+
+    def could_hold(self, node: str, job: Job) -> bool:
+        """Has `node` the CPUs and memory for `job` with nothing else running (or no known size)?"""
+        size = self.state.size.get(node)
+        return size is None or (size[0] + 1e-6 >= job.cpus and size[1] >= job.memory_mb)
+
+    def place_job(self, job: Job, classes: list[ClassKey], mode: str):
+        """`place`, except that a job which would start on a node lacking some of its datasets while
+        a node holding them all is busy waits for it (Config.locality_wait_s after it entered the
+        queue at most): the placement is given back, `locality_wait` notes the job, None."""
+        got = self.place(job, classes, mode)
+        wait_s = self.cfg.locality_wait_s
+        if got is None or not job.datasets or wait_s <= 0:
+            return got
+        left = (job.queued_since if job.queued_since is not None else job.submit_time) + wait_s - self.now
+        if left <= 0:
+            return got
+        state = self.state
+        ids, fractions = got
+        if not any(self.lacking(n, job) for n in dict.fromkeys(state.gpu[g].node for g in ids)):
+            return got
+        total = sum(max(d.size, 1) for d in self.data_of(job).values())
+        per = job.gpus_per_node if job.gpus >= 1 else 1
+        sizes = state.topo.node_size
+        full = [n for n, b in self.local_bytes(job).items()
+                if b >= total and any(sizes.get((c, n), 0) >= per for c in classes)
+                and self.could_hold(n, job)]
+        if len(full) < max(job.nodes, 1):
+            return got  # no node (or too few for its gang) holding all of its data could take it
+        for gid in ids:
+            state.untake(gid, frac_units(job, state.cls_of[gid][2]) if gid in fractions else UNITS)
+        self.locality_wait[job.id] = (left, sorted(full))
+        return None
+
+    def locality_reason(self, job: Job) -> tuple[str, str]:
+        left, full = self.locality_wait[job.id]
+        names = ", ".join(d.label for d in self.data_of(job).values())
+        where = ", ".join(full[:3]) + (f" and {len(full) - 3} more" if len(full) > 3 else "")
+        return (REASON_LOCALITY,
+                f"Waiting up to {fmt_duration(math.ceil(left))} more for a node that holds {names} "
+                f"({where}, busy now); then it starts on any node with free GPUs and stages its data there")
 
     def policy_of(self, job: Job) -> str:
         pools = self.cfg.pool_policy
@@ -256,6 +355,12 @@ class _Pass:
         h = reserve(self.state, job, t, ids)
         self.helds.append(h)
         self.plan.reservations.append(h.res)
+        if job.datasets:  # its nodes fetch what they lack while it waits
+            for node in dict.fromkeys(self.state.gpu[i].node for i in ids):
+                fetch = self.plan.prefetch.setdefault(node, [])
+                fetch += [d for d in self.lacking(node, job) if d not in fetch]
+                if not fetch:
+                    del self.plan.prefetch[node]
         when = (f"in {fmt_duration(t - self.now)} at the latest" if t > self.now
                 else "as soon as jobs past their time limit end")
         if job.id in self.plan.fragmented:
@@ -409,15 +514,24 @@ class _Pass:
         mode = self.mode_for(job, classes)
         got = None
         if placing:
-            got = self.place(job, classes, mode)
+            got = self.place_job(job, classes, mode)
             if got is None and self.helds:
                 usable = [h for h in self.helds
                           if self.now + job.time_limit <= h.res.start_time + EPS
                           and could_use(h, state, job, classes)]
                 if usable:
-                    got = with_released(state, usable, lambda: self.place(job, classes, mode))
+                    got = with_released(state, usable, lambda: self.place_job(job, classes, mode))
             if got is not None:
+                self.locality_wait.pop(job.id, None)
                 self.start(job, *got)
+                return
+            if job.id in self.locality_wait:
+                # It could start now, on nodes without its data: it waits a little for one with it.
+                if blocking == "strict":
+                    self.blocked_head = job
+                self.plan.locality_waits[job.id] = self.now + self.locality_wait[job.id][0]
+                if cfg.explain:
+                    self.codes[job.id] = self.locality_reason(job)
                 return
             self.failed += 1
             if self.room_blocked(job, classes):
