@@ -3,11 +3,17 @@ from collections import defaultdict
 from datetime import datetime, timedelta, timezone as dt_timezone
 from decimal import Decimal
 
-from django.db.models import Sum
+from django.conf import settings
+from django.db.models import Q, Sum
 from django.db.models.functions import TruncDay
 from django.utils import timezone
 
 from portal.core.errors import NotFound
+from portal.core.numbers import count_or_fraction
+from portal.jobs.models import Allocation, Job
+from portal.jobs.selectors import gpu_hours_used_this_month
+from portal.metrics.models import GpuRollup, Resolution
+from portal.tenancy.models import Organization, Project
 
 from .models import UsageRecord
 
@@ -27,8 +33,6 @@ def usage_report(*, user, restricted_project_id=None, organization: str = "", pr
     Scoped through UsageRecord.objects.for_user (the tenancy choke point); naming an
     organization or project the caller cannot see is a NotFound, as for any other object.
     """
-    from portal.tenancy.models import Organization, Project
-
     qs = UsageRecord.objects.for_user(user, "view", project_id=restricted_project_id)
     if organization:
         if not Organization.objects.for_user(user, "view", project_id=restricted_project_id).filter(
@@ -79,20 +83,14 @@ def _a(d: Decimal) -> str:
 
 
 def budget_status(*, user, restricted_project_id=None, now: datetime | None = None) -> list[dict]:
-    """Each visible project with a budget: GPU-hours billed this month, the share, and its level."""
-    from django.conf import settings
-
-    from portal.core.numbers import count_or_fraction
-    from portal.tenancy.models import Project
-
-    from .services import gpu_hours_billed
-
+    """Each visible project with a budget: GPU-hours used this month (the figure the scheduler's
+    budget stop reads), the share, and its level."""
     now = now or timezone.now()
     month = now.astimezone(dt_timezone.utc).date().replace(day=1)
     projects = list(Project.objects.for_user(user, "view", project_id=restricted_project_id)
                     .filter(quota__gpu_hours_budget__isnull=False).select_related("quota", "organization")
                     .order_by("slug"))
-    used = gpu_hours_billed([p.pk for p in projects], month=month)
+    used = gpu_hours_used_this_month([p.pk for p in projects], now=now)
     out = []
     for p in projects:
         budget = float(p.quota.gpu_hours_budget)
@@ -124,12 +122,6 @@ def job_accounting(*, user, restricted_project_id=None, project: str = "", usern
        pruned; None without samples. A shared GPU's utilization is the whole GPU's.
     4. Cost: the job's usage records (metered hourly; a running job's latest hour follows).
     """
-    from django.db.models import Q
-
-    from portal.core.numbers import count_or_fraction
-    from portal.jobs.models import Allocation, Job
-    from portal.metrics.models import GpuRollup, Resolution
-    from portal.tenancy.models import Project
 
     now = now or timezone.now()
     jobs = Job.objects.for_user(user, "view", project_id=restricted_project_id).filter(is_array_parent=False)

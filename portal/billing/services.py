@@ -13,6 +13,9 @@ from portal.core import locks
 from portal.core.context import Actor
 from portal.core.errors import Conflict, InvalidInput
 from portal.core.services import audit_record, require_operator
+from portal.jobs.models import Allocation
+from portal.jobs.selectors import gpu_hours_used
+from portal.tenancy.models import Quota
 
 from .models import (AllocationMeter, BudgetAlert, Invoice, InvoiceLine, InvoiceStatus, RateCard,
                      UsageRecord)
@@ -83,7 +86,6 @@ def usage_meter(*, now: datetime | None = None, batch: int = 500) -> dict:
     Billed GPU-seconds therefore equal allocated GPU-seconds to the millisecond once an
     allocation is released, and up to `now` while it is open.
     """
-    from portal.jobs.models import Allocation
 
     now = now or timezone.now()
     rates = RateBook()
@@ -180,20 +182,12 @@ def usage_days_rebuild(*, since: datetime) -> int:
     return len(days)
 
 
-def gpu_hours_billed(project_ids, *, month: date) -> dict[int, float]:
-    start, end = month_bounds(month)
-    rows = UsageRecord.objects.filter(project_id__in=list(project_ids), hour__gte=start, hour__lt=end).values(
-        "project_id").annotate(s=Sum("gpu_seconds"))
-    return {r["project_id"]: float(r["s"]) / 3600 for r in rows}
-
-
 def budgets_check(*, now: datetime | None = None, since: datetime | None = None) -> int:
     """Record a BudgetAlert (and an audit event) the first time a project passes 80% / 100% of
     its monthly GPU-hour budget, in the UTC month of `now` and in each month from `since` on: the
     run after midnight that meters the last minutes of the month before (or the first run after
     an outage) still alerts for that month. The scheduler enforces a hard stop itself from the
     same figure."""
-    from portal.tenancy.models import Quota
 
     now = now or timezone.now()
     quotas = {q.project_id: q for q in Quota.objects.filter(gpu_hours_budget__gt=0).select_related("project")}
@@ -203,13 +197,15 @@ def budgets_check(*, now: datetime | None = None, since: datetime | None = None)
     first = min(month, since.astimezone(dt_timezone.utc).date().replace(day=1)) if since else month
     created = 0
     while first <= month:
-        created += _budgets_check_month(quotas, first)
+        created += _budgets_check_month(quotas, first, now)
         first = month_bounds(first)[1].date()
     return created
 
 
-def _budgets_check_month(quotas: dict, month: date) -> int:
-    used = gpu_hours_billed(quotas, month=month)
+def _budgets_check_month(quotas: dict, month: date, now: datetime) -> int:
+    """Alerts from the figure the scheduler's budget stop reads (jobs.selectors.gpu_hours_used): the
+    warning, the stop and the budgets page never disagree, and none waits for metering."""
+    used = gpu_hours_used(quotas, month=month_bounds(month)[0], now=now)
     done = set(BudgetAlert.objects.filter(project_id__in=list(quotas), month=month).values_list("project_id", "level"))
     warn = int(round(settings.BILLING_BUDGET_WARN_FRACTION * 100))
     created = 0
@@ -247,7 +243,6 @@ def invoices_generate(*, actor: Actor, month: date, organization=None) -> list[I
     lines, so the total equals the sum of the month's records exactly (amounts keep 6 decimals;
     rounding to cents is left to presentation and payment).
     """
-    from portal.tenancy.models import Organization
 
     require_operator(actor, "Only site staff generate invoices.")
     start, end = month_bounds(month)
@@ -317,7 +312,6 @@ def ratecard_set(*, actor: Actor, gpu_model: str, price_per_gpu_hour: Decimal, e
 def reconcile(*, allocation_ids=None, now: datetime | None = None) -> list[tuple[int, float, float]]:
     """[(allocation, allocated GPU-s, billed GPU-s)] where they differ by more than 1 s (the nightly
     reconciler of reliability notes 2.8; released allocations only, open ones move with `now`)."""
-    from portal.jobs.models import Allocation
 
     qs = Allocation.objects.filter(released_at__isnull=False)
     if allocation_ids is not None:

@@ -18,6 +18,10 @@ def month_start(now: datetime | None = None) -> datetime:
     return now.astimezone(dt_timezone.utc).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
 
 
+def next_month(start: datetime) -> datetime:
+    return start.replace(year=start.year + 1, month=1) if start.month == 12 else start.replace(month=start.month + 1)
+
+
 def decay(value: float, seconds: float, half_life_s: float) -> float:
     """`value` after `seconds` of exponential decay with this half-life."""
     return value * 0.5 ** (seconds / half_life_s)
@@ -33,10 +37,19 @@ def untallied_allocations(project_ids):
 def gpu_hours_used_this_month(project_ids, now: datetime | None = None) -> dict[int, float]:
     """GPU-hours each project's allocations covered since the start of the month (open ones up to now).
 
-    Two indexed reads whatever the month's history: the month's running total, and the
-    allocations not in it yet."""
+    The one figure of GPU-hours used: the scheduler's budget stop, submit's check, the budget
+    alerts and the budgets page all read it (gpu_hours_used for a past month). Two indexed reads
+    whatever the month's history: the month's running total, and the allocations not in it yet."""
     ids = list(project_ids)
     return _month_hours(ids, now or timezone.now(), list(untallied_allocations(ids)))
+
+
+def gpu_hours_used(project_ids, *, month: datetime, now: datetime | None = None) -> dict[int, float]:
+    """gpu_hours_used_this_month for the UTC month that starts at `month`: allocations counted up
+    to the month's end (or now, whichever is first)."""
+    now = now or timezone.now()
+    ids = list(project_ids)
+    return _month_hours(ids, min(now, next_month(month)), list(untallied_allocations(ids)), start=month)
 
 
 def decayed_usage(project_ids, *, half_life_s: float, now: datetime | None = None) -> dict[int, float]:
@@ -56,16 +69,17 @@ def usage_for_pass(project_ids, *, half_life_s: float, now: datetime) -> tuple[d
     return _month_hours(ids, now, rows), _decayed(ids, half_life_s, now, rows)
 
 
-def _month_hours(ids: list[int], now: datetime, rows: list) -> dict[int, float]:
+def _month_hours(ids: list[int], now: datetime, rows: list, start: datetime | None = None) -> dict[int, float]:
+    """Hours in the month from `start` (that of `now` by default) up to `now`."""
     from .models import ProjectMonthUsage
 
-    start = month_start(now)
+    start = start or month_start(now)
     used: dict[int, float] = defaultdict(float)
     for project_id, gpu_s in ProjectMonthUsage.objects.filter(project_id__in=ids, month=start.date()).values_list(
             "project_id", "gpu_s"):
         used[project_id] += gpu_s / 3600
     for project_id, started, released, fraction in rows:
-        seconds = ((released or now) - max(started, start)).total_seconds()
+        seconds = (min(released or now, now) - max(started, start)).total_seconds()
         used[project_id] += max(0.0, seconds) * float(fraction) / 3600
     return dict(used)
 

@@ -24,11 +24,7 @@ from django.conf import settings
 from django.db import connection, transaction
 
 from .models import Allocation, ProjectFairshare, ProjectMonthUsage
-from .selectors import decay, month_start
-
-
-def next_month(start: datetime) -> datetime:
-    return start.replace(year=start.year + 1, month=1) if start.month == 12 else start.replace(month=start.month + 1)
+from .selectors import decay, month_start, next_month
 
 
 def month_parts(started: datetime, released: datetime, fraction: float):

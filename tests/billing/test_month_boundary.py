@@ -111,3 +111,24 @@ def test_last_months_budget_alerts_come_from_the_first_run_of_the_new_month(cloc
     assert event.data["month"] == f"{last_month:%Y-%m}"
     usage_meter()
     assert BudgetAlert.objects.count() == 2
+
+
+@pytest.mark.clock
+def test_budget_page_alerts_and_the_budget_stop_read_one_figure(clock, demo, gpu, api):
+    """An open allocation no metering run has seen yet counts at once, the same on the budgets
+    page, in the alerts and in the figure the scheduler's budget stop reads; last month's part
+    of it counts for last month only."""
+    from portal.billing.services import budgets_check
+
+    Quota.objects.filter(project=demo.vision).update(gpu_hours_budget=Decimal("0.5"))
+    start = clock.month_start
+    allocate(demo, gpu, start - timedelta(minutes=20))
+    clock.move_to(start + timedelta(minutes=36))  # 36 minutes of this month, 20 of the last: no meter has run
+    (budget,) = api("alice").get("/api/v1/budgets/").json()["results"]
+    assert budget["used_gpu_hours"] == pytest.approx(0.6, abs=0.001)
+    assert budget["level"] == "exceeded"
+    assert gpu_hours_used_this_month([demo.vision.pk])[demo.vision.pk] == pytest.approx(0.6, abs=0.001)
+    assert budgets_check(since=start - timedelta(days=1)) == 2
+    this_month = start.date()
+    assert sorted(BudgetAlert.objects.values_list("month", "level")) == [(this_month, 80), (this_month, 100)]
+    assert BudgetAlert.objects.get(level=100).used_gpu_hours == Decimal("0.600")
