@@ -1,4 +1,4 @@
-from collections import Counter, defaultdict
+from collections import Counter
 from decimal import Decimal
 
 import django_filters
@@ -13,7 +13,7 @@ from portal.core.numbers import count_or_fraction
 from portal.tenancy.api import ProjectChoiceSerializer
 
 from .models import TERMINAL, Job, JobEvent, JobTemplate, Priority
-from .selectors import LOG_PAGE_MAX_BYTES, env_reader_project_ids, env_visible, log_read
+from .selectors import LOG_PAGE_MAX_BYTES, env_reader_project_ids, env_visible, log_read, task_histograms
 from .services import (job_cancel, job_hold, job_move, job_release, job_resubmit, job_submit, job_submit_batch,
                        job_update, template_delete, template_save)
 from .spec import DurationField, JobSpecSerializer
@@ -212,15 +212,7 @@ class JobViewSet(mixins.ListModelMixin, TenantViewSet):
 
     def list(self, request, *args, **kwargs):
         page = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
-        parents = [j.pk for j in page if j.is_array_parent]
-        histograms: dict[int, dict] = defaultdict(dict)
-        if parents:
-            from django.db.models import Count
-
-            for parent, state, n in Job.objects.filter(array_parent_id__in=parents).values_list(
-                    "array_parent_id", "state").annotate(n=Count("id")):
-                histograms[parent][state] = n
-        self._extra_context = {"histograms": histograms}
+        self._extra_context = {"histograms": task_histograms([j.pk for j in page if j.is_array_parent])}
         return self.get_paginated_response(self.get_serializer(page, many=True).data)
 
     @extend_schema(responses=JobDetailSerializer)

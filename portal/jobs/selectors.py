@@ -215,8 +215,11 @@ def task_histograms(parent_ids) -> dict[int, dict[str, int]]:
     """Array parents: how many tasks are in each state, in one query."""
     from .models import Job
 
+    parent_ids = list(parent_ids)
+    if not parent_ids:
+        return {}
     out: dict[int, dict[str, int]] = defaultdict(dict)
-    for parent_id, state, n in (Job.objects.filter(array_parent_id__in=list(parent_ids))
+    for parent_id, state, n in (Job.objects.filter(array_parent_id__in=parent_ids)
                                 .values_list("array_parent_id", "state").annotate(n=Count("id"))
                                 .order_by()):
         out[parent_id][state] = n

@@ -8,7 +8,7 @@ from rest_framework import serializers
 
 from portal.core import locks
 from portal.core.context import Actor
-from portal.core.errors import Conflict, Forbidden, InvalidInput, Unprocessable
+from portal.core.errors import Conflict, Forbidden, InvalidInput, ServiceError, Unprocessable
 from portal.core.querysets import check_token_project, user_can
 from portal.core.queue import request_schedule_pass
 from portal.core.services import audit_record, require_operator
@@ -340,6 +340,19 @@ def job_cancel(*, actor: Actor, job: Job, reason: str = "") -> Job:
     request_schedule_pass()
     job.refresh_from_db()
     return job
+
+
+def jobs_cancel(*, actor: Actor, jobs) -> tuple[list[int], list[str]]:
+    """Cancel each of `jobs` (the page's bulk cancel): (ids cancelled, one refusal per job that
+    could not be, saying why). Each job is its own transaction, so one refusal stops no other."""
+    done, refusals = [], []
+    for job in jobs:
+        try:
+            job_cancel(actor=actor, job=job)
+            done.append(job.pk)
+        except ServiceError as exc:
+            refusals.append(f"Job {job.pk}: {exc.message}")
+    return done, refusals
 
 
 def _send_stops_on_commit(stops, reason: str, grace_s: int | None = None):

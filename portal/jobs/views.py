@@ -27,7 +27,7 @@ from .forms import JobFilterForm, JobSubmitForm
 from .models import CANCELLABLE, HOLDING, TERMINAL, Allocation, Job, JobState, JobTemplate, Priority
 from .selectors import LogPage, job_gpu_samples, jobs_for_list, log_end, log_read, task_histograms
 from .services import (job_cancel, job_hold, job_move, job_release, job_resubmit, job_spec_check, job_submit,
-                       job_update)
+                       job_update, jobs_cancel)
 
 PAGE_SIZE = 50
 POLL_LIST = "every 3s"
@@ -410,13 +410,7 @@ class JobBulkCancelView(PageMixin, View):
             return redirect(back)
         if request.POST.get("confirm") != "yes":
             return render(request, "jobs/bulk_cancel.html", {"jobs": jobs, "back": back})
-        done, refusals = [], []
-        for job in jobs:
-            try:
-                job_cancel(actor=self.actor, job=job)
-                done.append(job.pk)
-            except ServiceError as exc:
-                refusals.append(f"Job {job.pk}: {exc.message}")
+        done, refusals = jobs_cancel(actor=self.actor, jobs=jobs)
         if done:
             messages.success(request, f"Cancelled {len(done)} job{'s' if len(done) != 1 else ''}: "
                                       f"{', '.join(map(str, done))}.")

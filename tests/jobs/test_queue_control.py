@@ -160,3 +160,21 @@ def test_cancel_of_a_held_job_ends_it(cluster, api):
     assert job.state == JobState.CANCELLED
     assert not transition(job.pk, to=JobState.QUEUED, from_states={JobState.QUEUED})
     assert Job.objects.filter(held=True, state=JobState.QUEUED).count() == 0
+
+
+def test_bulk_cancel_cancels_what_it_may_and_names_each_refusal(cluster):
+    """jobs_cancel (the jobs page's bulk cancel): one refusal (a job that ended, a job of someone
+    else that bob may not cancel) stops no other cancel, and each refusal says which job and why."""
+    from portal.jobs.services import jobs_cancel
+
+    mine = [submit(cluster, resources={"gpus": 1}) for _ in range(2)]
+    ended = submit(cluster, resources={"gpus": 1})
+    transition(ended.pk, to=JobState.CANCELLED, from_states={JobState.QUEUED}, message="gone")
+    ended.refresh_from_db()
+    theirs = submit(cluster, user="alice", resources={"gpus": 1})
+    done, refusals = jobs_cancel(actor=Actor(user=cluster.users["bob"]), jobs=[*mine, ended, theirs])
+    assert done == [j.pk for j in mine]
+    assert set(Job.objects.filter(pk__in=done).values_list("state", flat=True)) == {JobState.CANCELLED}
+    assert [r.split(":")[0] for r in refusals] == [f"Job {ended.pk}", f"Job {theirs.pk}"]
+    assert "cancelled and cannot be cancelled" in refusals[0]
+    assert Job.objects.get(pk=theirs.pk).state == JobState.QUEUED
