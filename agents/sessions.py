@@ -337,19 +337,22 @@ class Gateway:
 
     async def _terminal(self, request, shell):
         """A shell in the sandbox on a pseudo-terminal. Binary frames carry output; text frames are
-        JSON: {"type": "input", "data": "..."} or {"type": "resize", "cols": N, "rows": N}."""
+        JSON: {"type": "input", "data": "..."} or {"type": "resize", "cols": N, "rows": N}.
+
+        ``shell`` is the driver's: (argv, env, cwd) for a shell the gateway starts itself (the process
+        sandbox), or an object whose ``spawn()`` gives a terminal (the docker sandbox's ``docker exec``)."""
         from aiohttp import WSMsgType, web
 
-        argv, env, cwd = shell
         ws = web.WebSocketResponse(max_msg_size=self.max_frame_bytes)
         await ws.prepare(request)
-        pid, fd = pty.fork()
-        if pid == 0:  # the child: become the shell
-            try:
-                os.chdir(cwd)
-                os.execvpe(argv[0], argv, env)
-            finally:
-                os._exit(127)
+        try:
+            term = await asyncio.to_thread(shell.spawn) if hasattr(shell, "spawn") else PtyTerminal(*shell)
+        except Exception as exc:  # the sandbox went, or its engine refused
+            log.warning("job %s: could not start a terminal: %s", request.match_info["job"], exc)
+            await ws.send_bytes(f"could not start a shell in the job: {exc}\r\n".encode())
+            await ws.close()
+            return ws
+        fd = term.fd
         loop = asyncio.get_running_loop()
         os.set_blocking(fd, False)
         out: asyncio.Queue = asyncio.Queue()
@@ -358,9 +361,9 @@ class Gateway:
             try:
                 data = os.read(fd, CHUNK)
             except OSError as exc:
-                data = b"" if exc.errno in (errno.EIO, errno.EBADF) else b""
-                if exc.errno == errno.EAGAIN:
+                if exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK):
                     return
+                data = b""  # EIO: the shell ended (a pty), or the attach broke
             out.put_nowait(data)
             if not data:
                 loop.remove_reader(fd)
@@ -384,25 +387,56 @@ class Gateway:
                     except ValueError:
                         continue
                     if m.get("type") == "input" and isinstance(m.get("data"), str):
-                        os.write(fd, m["data"].encode())
+                        await _write_all(fd, m["data"].encode())
                     elif m.get("type") == "resize":
                         cols, rows = int(m.get("cols") or 80), int(m.get("rows") or 24)
-                        fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+                        await asyncio.to_thread(term.resize, cols, rows)
                 elif msg.type == WSMsgType.BINARY:
-                    os.write(fd, msg.data)
+                    await _write_all(fd, msg.data)
         finally:
             sender.cancel()
             loop.remove_reader(fd)
-            try:
-                os.killpg(pid, signal.SIGHUP)
-            except OSError:
-                pass
-            os.close(fd)
-            await asyncio.to_thread(_reap, pid)
+            await asyncio.to_thread(term.close)
         return ws
 
 
+async def _write_all(fd: int, data: bytes) -> None:
+    """Write to a non-blocking terminal, waiting while it is full (a large paste)."""
+    while data:
+        try:
+            data = data[os.write(fd, data):]
+        except BlockingIOError:
+            await asyncio.sleep(0.01)
+
+
+class PtyTerminal:
+    """A shell the gateway starts itself on a pseudo-terminal (the process sandbox)."""
+
+    def __init__(self, argv: list[str], env: dict, cwd: str):
+        pid, fd = pty.fork()
+        if pid == 0:  # the child: become the shell
+            try:
+                os.chdir(cwd)
+                os.execvpe(argv[0], argv, env)
+            finally:
+                os._exit(127)
+        self.pid, self.fd = pid, fd
+
+    def resize(self, cols: int, rows: int) -> None:
+        fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+    def close(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGHUP)
+        except OSError:
+            pass
+        os.close(self.fd)
+        _reap(self.pid)
+
+
 def _reap(pid: int) -> None:
+    import time
+
     for _ in range(50):
         try:
             done, _ = os.waitpid(pid, os.WNOHANG)
@@ -410,8 +444,6 @@ def _reap(pid: int) -> None:
             return
         if done:
             return
-        import time
-
         time.sleep(0.1)
     try:
         os.killpg(pid, signal.SIGKILL)
@@ -467,11 +499,11 @@ class SessionDriver:
         return handle
 
     def _publish(self, sessions, handle) -> None:
-        if not hasattr(self._driver, "session_targets"):  # docker and kvm: not yet (docs/sessions.md)
+        if not hasattr(self._driver, "session_targets"):  # kvm: none (docs/sessions.md)
             pub = Published(handle.job_id, handle.attempt, {s["name"]: s for s in sessions}, {})
             for s in sessions:
                 self.gateway._report(pub, s["name"], "starting",
-                                     f"the {self._driver.name} sandbox cannot publish sessions yet")
+                                     f"the {self._driver.name} sandbox cannot publish sessions")
             return
         targets = self._driver.session_targets(handle, sessions)
         shell = self._driver.session_shell(handle) if any(s["kind"] == "terminal" for s in sessions) else None

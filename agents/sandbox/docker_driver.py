@@ -23,10 +23,12 @@ from __future__ import annotations
 import datetime
 import glob
 import hashlib
+import json
 import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -51,6 +53,9 @@ log = logging.getLogger(__name__)
 
 LABEL_NETWORK = "gpuportal.network"  # on the job networks this driver makes
 OUTPUTS_MOUNT = "/outputs"  # the job's outputs, uploaded as artifacts when it ends (agents/artifacts.py)
+# The job's session folder (docs/sessions.md): JupyterLab's settings and the unix sockets its apps listen
+# on, which the agent's session gateway connects to from the host. The container keeps network none.
+SESSIONS_MOUNT = "/run/gpuportal"
 # The network of jobs with network (a gang spread over nodes gets its own). Its bridge, and a gang's, are
 # named gpj<hash>: the egress policy matches traffic coming in from them by that prefix.
 JOB_NETWORK = "gpuportal-jobs"
@@ -184,6 +189,15 @@ class DockerDriver:
         if spec.network:
             self._prepare_egress(gang=gang_rank(spec) is not None)
         kwargs = self._create_kwargs(spec)
+        sessions_dir = kwargs.pop("_sessions_dir", None)
+        try:
+            return self._create_and_start(spec, kwargs, sessions_dir)
+        except BaseException:
+            if sessions_dir:  # nothing started (or a duplicate, whose sandbox has its own): not kept
+                shutil.rmtree(os.path.dirname(sessions_dir), ignore_errors=True)
+            raise
+
+    def _create_and_start(self, spec: LaunchSpec, kwargs: dict, sessions_dir: str | None) -> SandboxHandle:
         try:
             if gang_rank(spec) is not None:
                 c = self._create_in_gang_network(spec, kwargs)
@@ -196,11 +210,16 @@ class DockerDriver:
                 raise SandboxExists(f"sandbox {kwargs['name']} already exists") from None
             raise SandboxError(f"could not create the sandbox: {exc.explanation or exc}") from None
         try:
+            if sessions_dir:
+                self._write_session_record(c.id, spec, sessions_dir)
             c.start()
-        except docker.errors.APIError as exc:
+        except (docker.errors.APIError, OSError, SandboxError) as exc:
             # A failed start leaves a "Created" container behind; it must go, or
             # the next attempt of this job would find its name taken.
             self._force_remove(c.id)
+            self._forget_session_record(c.id)
+            if not isinstance(exc, docker.errors.APIError):
+                raise SandboxError(f"could not record the job's sessions: {exc}") from None
             msg = exc.explanation or str(exc)
             if "could not select device driver" in msg:
                 raise SandboxError(f"{NO_GPU_MESSAGE} (engine said: {msg})") from None
@@ -243,6 +262,9 @@ class DockerDriver:
         if spec.outputs:
             binds.append((self._make_outputs_dir(spec, uid), OUTPUTS_MOUNT, False))
             env["GPUPORTAL_OUTPUTS_DIR"] = OUTPUTS_MOUNT
+        sessions_dir = self._make_sessions_dir(spec, uid, env) if spec.sessions else None
+        if sessions_dir:  # removed again by _launch if the container is not made
+            binds.append((sessions_dir, SESSIONS_MOUNT, False))
         kwargs = dict(
             image=spec.image,
             command=list(spec.command),
@@ -298,6 +320,8 @@ class DockerDriver:
                 docker.types.DeviceRequest(driver="nvidia", device_ids=list(spec.gpu_uuids),
                                            capabilities=[["gpu"]])
             ]
+        if sessions_dir:
+            kwargs["_sessions_dir"] = sessions_dir
         return kwargs
 
     def _outputs_path(self, job_id: str, attempt: int, rank: int | None) -> Path:
@@ -333,6 +357,84 @@ class DockerDriver:
             if folder.is_dir():
                 return str(folder)
         return None
+
+    # -- interactive sessions (agents/sessions.py) ----------------------------------
+
+    def _make_sessions_dir(self, spec: LaunchSpec, uid: int, env: dict) -> str:
+        """The job's session folder on the host, mounted at /run/gpuportal: a folder of the job's uid in a
+        0700 folder of the agent's (no other host user reaches the sockets), in the temporary folder so a
+        socket's path stays under the 108 bytes AF_UNIX allows. JupyterLab's settings go in it, and the
+        session variables in ``env``."""
+        import tempfile
+
+        from agents.sessions import jupyter_config, session_env
+
+        outer = tempfile.mkdtemp(prefix=f"gpd-{spec.job_id}-")  # 0700, the agent's
+        inner = os.path.join(outer, "s")
+        sockets = {s["name"]: f"{SESSIONS_MOUNT}/{s['name']}.sock" for s in spec.sessions if s["kind"] == "jupyter"}
+        try:
+            os.mkdir(inner, 0o700)
+            owned = _give(inner, uid, 0o700)
+            for s in spec.sessions:
+                if s["kind"] == "jupyter":
+                    os.makedirs(os.path.join(inner, "jupyter"), mode=0o700, exist_ok=True)
+                    _give(os.path.join(inner, "jupyter"), uid, 0o700)
+                    config = jupyter_config(s, sockets[s["name"]])
+                    # The gateway connects as the agent: as root it passes 0600; otherwise the job's folder
+                    # (in the agent's 0700 one) is the fence.
+                    config["ServerApp"]["sock_mode"] = "0600" if owned else "0666"
+                    path = os.path.join(inner, "jupyter", "jupyter_server_config.json")
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+                    with os.fdopen(fd, "w") as f:
+                        json.dump(config, f)
+                    _give(path, uid, 0o600)
+                    env["JUPYTER_CONFIG_PATH"] = f"{SESSIONS_MOUNT}/jupyter"
+        except OSError as exc:
+            shutil.rmtree(outer, ignore_errors=True)
+            raise SandboxError(f"could not make the job's session folder: {exc}") from None
+        env.update(session_env(spec.sessions, sockets))
+        return inner
+
+    def _sessions_records(self) -> Path:
+        return private_dir(driver_dir("docker", self.node, self.state_dir) / "sessions", 0o700)
+
+    def _write_session_record(self, container_id: str, spec: LaunchSpec, sessions_dir: str) -> None:
+        """What a restarted agent needs to serve the container's sessions again (agents/sessions.py
+        SessionDriver.list_own): kept in the agent's folder, out of the job's reach."""
+        path = self._sessions_records() / f"{container_id}.json"
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"dir": os.path.dirname(sessions_dir), "sessions": spec.sessions}, f)
+        os.replace(tmp, path)
+
+    def _forget_session_record(self, container_id: str) -> None:
+        try:
+            (self._sessions_records() / f"{container_id}.json").unlink(missing_ok=True)
+        except (OSError, SandboxError):
+            pass
+
+    def _session_record(self, container_id: str) -> dict | None:
+        try:
+            return json.loads((self._sessions_records() / f"{container_id}.json").read_text())
+        except (OSError, ValueError, SandboxError):
+            return None
+
+    def session_specs(self, handle: SandboxHandle) -> list[dict]:
+        return (self._session_record(handle.ref) or {}).get("sessions") or []
+
+    def session_targets(self, handle: SandboxHandle, sessions: list[dict]) -> dict[str, tuple]:
+        """JupyterLab on its unix socket in the job's session folder, which the gateway reaches from the
+        host. An HTTP app on the container's loopback has no address here (the container has no network):
+        the gateway says so."""
+        rec = self._session_record(handle.ref) or {}
+        return {s["name"]: ("unix", os.path.join(rec["dir"], "s", s["name"] + ".sock"))
+                for s in sessions if s["kind"] == "jupyter" and rec.get("dir")}
+
+    def session_shell(self, handle: SandboxHandle) -> "DockerShell":
+        """A shell in the container, as ``docker exec -it`` starts one: the job's user, environment and
+        working folder, on a pseudo-terminal the engine makes inside the container."""
+        return DockerShell(self.client, handle.ref)
 
     def _create_in_gang_network(self, spec: LaunchSpec, kwargs: dict):
         """Create the container on the gang's network, making the network if no rank has yet.
@@ -556,6 +658,10 @@ class DockerDriver:
         if outputs:  # uploaded (or given up) by now: the agent removes a sandbox after its report
             shutil.rmtree(outputs, ignore_errors=True)
         forget_fenced(self.lease_path, handle.ref)
+        rec = self._session_record(handle.ref)
+        if rec is not None:
+            shutil.rmtree(rec["dir"], ignore_errors=True)
+            self._forget_session_record(handle.ref)
         for net in self._networks_named(gang_network_name(handle.job_id, handle.attempt)):
             try:
                 net.reload()
@@ -585,6 +691,61 @@ class DockerDriver:
             pass
         except docker.errors.APIError as exc:
             log.warning("could not remove container %s: %s", ref[:12], exc)
+
+
+class DockerShell:
+    """Starts terminals in one container for the session gateway (agents/sessions.py)."""
+
+    ARGV = ["/bin/sh", "-c", "if command -v bash >/dev/null 2>&1; then exec bash -i; else exec sh -i; fi"]
+
+    def __init__(self, client, container_id: str):
+        self.client, self.container_id = client, container_id
+
+    def spawn(self) -> "DockerTerminal":
+        api = self.client.api
+        exec_id = api.exec_create(self.container_id, self.ARGV, stdin=True, tty=True, workdir="/work",
+                                  environment={"TERM": "xterm-256color"})["Id"]
+        sock = api.exec_start(exec_id, tty=True, socket=True)
+        return DockerTerminal(api, exec_id, getattr(sock, "_sock", sock))
+
+
+class DockerTerminal:
+    """One ``docker exec`` with a TTY: its attach socket carries the terminal's bytes both ways."""
+
+    def __init__(self, api, exec_id: str, sock):
+        self.api, self.exec_id, self.sock = api, exec_id, sock
+        self.fd = sock.fileno()
+
+    def resize(self, cols: int, rows: int) -> None:
+        try:
+            self.api.exec_resize(self.exec_id, height=rows, width=cols)
+        except docker.errors.APIError as exc:  # the shell ended meanwhile
+            log.debug("exec %s: resize: %s", self.exec_id[:12], exc)
+
+    def close(self) -> None:
+        import socket
+
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        try:  # the shell does not notice the attach going away: hang it up as a terminal would
+            info = self.api.exec_inspect(self.exec_id)
+            if info.get("Running") and info.get("Pid"):
+                os.kill(info["Pid"], signal.SIGHUP)
+        except (docker.errors.APIError, requests.RequestException, OSError) as exc:
+            log.debug("exec %s: hang-up: %s", self.exec_id[:12], exc)
+
+
+def _give(path: str, uid: int, mode: int) -> bool:
+    """Make ``path`` the job's (True), or, for an agent not run as root, open to it (False)."""
+    try:
+        os.chown(path, uid, uid, follow_symlinks=False)
+        return True
+    except PermissionError:
+        os.chmod(path, mode | (0o077 if mode & 0o100 else 0o066))
+        return False
 
 
 def gang_rank(spec: LaunchSpec) -> int | None:

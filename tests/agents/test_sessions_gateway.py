@@ -1,5 +1,5 @@
 """The agent's session gateway on its own (agents/sessions.py): the secret, the HTTP app's own
-root, what it reports to the portal, and sandboxes that cannot publish sessions yet."""
+root, what it reports to the portal, and a sandbox that cannot publish sessions (kvm)."""
 import http.server
 import threading
 
@@ -86,11 +86,11 @@ def test_an_app_that_never_listens_is_reported_with_a_reason(gateway):
 
 
 def test_a_sandbox_without_sessions_says_so_and_runs_the_job(gateway):
-    class NoSessions:  # the docker and kvm drivers, for now
-        name = "docker"
+    class NoSessions:  # the kvm driver: the portal refuses its ports, an older portal may still send some
+        name = "kvm"
 
         def launch(self, spec):
-            return SandboxHandle(driver="docker", ref="r", job_id=spec.job_id, attempt=spec.attempt, started_at=0.0)
+            return SandboxHandle(driver="kvm", ref="r", job_id=spec.job_id, attempt=spec.attempt, started_at=0.0)
 
         def remove(self, handle):
             self.removed = handle
@@ -100,12 +100,12 @@ def test_a_sandbox_without_sessions_says_so_and_runs_the_job(gateway):
     inner = NoSessions()
     driver = SessionDriver(inner, gateway)
     driver.lease_s = 99.0  # set on the driver it wraps, as the agent does with its lease
-    assert inner.lease_s == 99.0 and driver.name == "docker"
+    assert inner.lease_s == 99.0 and driver.name == "kvm"
     handle = driver.launch(LaunchSpec(job_id="5", attempt=1, image="i", command=["true"], sessions=[
         {"name": "lab", "kind": "jupyter", "port": None, "secret": SECRET, "base_url": "/sessions/5/lab/"}]))
     assert handle.job_id == "5"
     assert gateway.reports.sent == [("/jobs/5/sessions", {
         "attempt": 1, "name": "lab", "state": "starting", "gateway_url": "",
-        "message": "the docker sandbox cannot publish sessions yet"})]
+        "message": "the kvm sandbox cannot publish sessions"})]
     driver.remove(handle)
     assert inner.removed is handle

@@ -6,6 +6,7 @@ database calls; tests therefore touch the database only in fixtures that run bef
 the browser starts, or through `in_db_thread`.
 """
 import os
+import socket
 import threading
 from pathlib import Path
 
@@ -116,3 +117,24 @@ def shot(page, name: str) -> Path:
     path = folder / f"{name}.png"
     page.screenshot(path=str(path), full_page=True)
     return path
+
+
+@pytest.fixture(scope="module")
+def portal_asgi():
+    """uvicorn serving portal.asgi (Django and the session proxy) on a free port, in a thread."""
+    import uvicorn
+
+    from portal.asgi import application
+    from tests.procs import wait_for
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(application, log_level="warning", lifespan="on", ws_max_size=1 << 20))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, 30, "uvicorn to start")
+    yield f"http://localhost:{port}"
+    server.should_exit = True
+    thread.join(15)
+    sock.close()

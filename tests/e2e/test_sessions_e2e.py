@@ -67,26 +67,6 @@ def node(tmp_path_factory):
         stop_process(web)
 
 
-@pytest.fixture(scope="module")
-def portal_asgi():
-    """uvicorn serving portal.asgi (Django and the session proxy) on a free port, in a thread."""
-    import uvicorn
-
-    from portal.asgi import application
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(application, log_level="warning", lifespan="on", ws_max_size=1 << 20))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, 30, "uvicorn to start")
-    yield f"http://localhost:{port}"
-    server.should_exit = True
-    thread.join(15)
-    sock.close()
-
-
 @pytest.fixture
 def job(demo, node, e2e_settings):
     """alice's running job with its two sessions, reported running by the node."""
