@@ -82,6 +82,8 @@ class Published:
     targets: dict[str, tuple]  # name -> ("unix", path) | ("tcp", host, port)
     shell: tuple | None = None  # (argv, env, cwd) for terminal sessions
     reported: set[str] = field(default_factory=set)
+    relays: dict = field(default_factory=dict)  # name -> NetnsRelay: closed when the job is withdrawn
+    problems: dict = field(default_factory=dict)  # name -> why the gateway cannot reach its app
 
 
 class Gateway:
@@ -152,9 +154,32 @@ class Gateway:
 
     def publish(self, job_id: str, attempt: int, sessions: list[dict], targets: dict[str, tuple],
                 shell: tuple | None = None) -> None:
-        pub = Published(str(job_id), int(attempt), {s["name"]: s for s in sessions}, targets, shell)
+        """Serve a job's sessions. A target is ("unix", path), ("tcp", host, port), or ("netns",
+        "/proc/<pid>/ns/net", port): a port on the loopback of a sandbox with a network namespace of its
+        own (a docker container with network none), reached through a relay (NetnsRelay)."""
+        pub = Published(str(job_id), int(attempt), {s["name"]: s for s in sessions}, dict(targets), shell)
+        for name, target in list(pub.targets.items()):
+            if target[0] == "netns":
+                relay = None
+                try:
+                    if self._loop is None:
+                        raise RuntimeError("the gateway is not started")
+                    relay = NetnsRelay(target[1], int(target[2]))
+                    asyncio.run_coroutine_threadsafe(relay.start(), self._loop).result(15)
+                except (OSError, RuntimeError) as exc:
+                    log.warning("job %s session %s: no way into the sandbox's network: %s", job_id, name, exc)
+                    if relay is not None:
+                        relay.cleanup()
+                    pub.targets.pop(name)
+                    pub.problems[name] = f"the gateway cannot reach the app: {exc}"
+                    continue
+                pub.relays[name] = relay
+                pub.targets[name] = ("unix", relay.path)
         with self._lock:
+            old = self._published.get(pub.job_id)
             self._published[pub.job_id] = pub
+        if old is not None:
+            self._close_relays(old)
         if self._loop is not None:
             for name in pub.sessions:
                 asyncio.run_coroutine_threadsafe(self._await_ready(pub, name), self._loop)
@@ -163,8 +188,19 @@ class Gateway:
         with self._lock:
             pub = self._published.pop(str(job_id), None)
         if pub is not None:
+            self._close_relays(pub)
             for name in pub.sessions:
                 self._report(pub, name, "ended")
+
+    def _close_relays(self, pub: Published) -> None:
+        for relay in pub.relays.values():
+            if self._loop is not None and self._loop.is_running():
+                try:
+                    asyncio.run_coroutine_threadsafe(relay.close(), self._loop).result(10)
+                    continue
+                except Exception as exc:  # the loop is stopping: the folder still goes
+                    log.debug("relay %s: %s", relay.path, exc)
+            relay.cleanup()
 
     def _lookup(self, job_id: str, name: str, secret: str) -> tuple[Published, dict] | None:
         with self._lock:
@@ -177,12 +213,16 @@ class Gateway:
     async def _await_ready(self, pub: Published, name: str) -> None:
         """Report ``running`` once the app answers (a terminal at once)."""
         kind = pub.sessions[name]["kind"]
+        if name in pub.problems:
+            await asyncio.to_thread(self._report, pub, name, "starting", pub.problems[name])
+            return
         deadline = asyncio.get_running_loop().time() + self.ready_timeout_s
         while kind != "terminal":
             with self._lock:
                 if self._published.get(pub.job_id) is not pub:
                     return
-            if await self._answers(pub.targets.get(name)):
+            relay = pub.relays.get(name)
+            if await (self._relay_answers(relay) if relay else self._answers(pub.targets.get(name))):
                 break
             if asyncio.get_running_loop().time() > deadline:
                 await asyncio.to_thread(self._report, pub, name, "starting",
@@ -190,6 +230,16 @@ class Gateway:
                 return
             await asyncio.sleep(0.25)
         await asyncio.to_thread(self._report, pub, name, "running")
+
+    @staticmethod
+    async def _relay_answers(relay) -> bool:
+        """Whether the app listens behind a relay (the relay's own socket always does)."""
+        try:
+            sock = await asyncio.to_thread(relay.connect)
+        except OSError:
+            return False
+        sock.close()
+        return True
 
     @staticmethod
     async def _answers(target) -> bool:
@@ -398,6 +448,92 @@ class Gateway:
             loop.remove_reader(fd)
             await asyncio.to_thread(term.close)
         return ws
+
+
+CLONE_NEWNET = 0x40000000
+
+
+class NetnsRelay:
+    """A unix socket on the host, in a private folder, whose every connection is carried to a TCP port
+    on the loopback of another network namespace (a container's with network none). The namespace is
+    held open from the start, so a pid reused after the container ends can never lead elsewhere.
+    Entering it takes CAP_SYS_ADMIN: the agent runs as root where it runs docker jobs."""
+
+    def __init__(self, ns_path: str, port: int):
+        import tempfile
+
+        self.port = port
+        self.ns_fd = os.open(ns_path, os.O_RDONLY | os.O_CLOEXEC)
+        self.folder = tempfile.mkdtemp(prefix="gpr-")  # 0700: only the agent connects
+        self.path = os.path.join(self.folder, "relay.sock")
+        self.server = None
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_unix_server(self._carry, self.path)
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        self.cleanup()
+
+    def cleanup(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.folder, ignore_errors=True)
+        if self.ns_fd >= 0:
+            os.close(self.ns_fd)
+            self.ns_fd = -1
+
+    def connect(self):
+        """A TCP socket connected to the port inside the namespace: made by a thread that enters the
+        namespace and ends there (a socket keeps the namespace it was made in)."""
+        import ctypes
+        import socket
+
+        box: dict = {}
+
+        def run():
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                if libc.setns(self.ns_fd, CLONE_NEWNET) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"entering the sandbox's network: {os.strerror(err)}")
+                sock = socket.socket()
+                sock.settimeout(10)
+                sock.connect(("127.0.0.1", self.port))
+                sock.setblocking(False)
+                box["sock"] = sock
+            except OSError as exc:
+                box["error"] = exc
+
+        thread = threading.Thread(target=run, name="netns-connect", daemon=True)
+        thread.start()
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box["sock"]
+
+    async def _carry(self, reader, writer) -> None:
+        try:
+            sock = await asyncio.to_thread(self.connect)
+            up_reader, up_writer = await asyncio.open_connection(sock=sock)
+        except OSError:
+            writer.close()
+            return
+
+        async def pump(src, dst):
+            try:
+                while data := await src.read(CHUNK):
+                    dst.write(data)
+                    await dst.drain()
+                if dst.can_write_eof():
+                    dst.write_eof()
+            except (ConnectionError, OSError):
+                dst.close()
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer), return_exceptions=True)
+        for w in (writer, up_writer):
+            w.close()
 
 
 async def _write_all(fd: int, data: bytes) -> None:

@@ -425,11 +425,21 @@ class DockerDriver:
 
     def session_targets(self, handle: SandboxHandle, sessions: list[dict]) -> dict[str, tuple]:
         """JupyterLab on its unix socket in the job's session folder, which the gateway reaches from the
-        host. An HTTP app on the container's loopback has no address here (the container has no network):
-        the gateway says so."""
+        host side of the mount; an HTTP app on its port on the container's own loopback, which the
+        gateway reaches by entering the container's network namespace (agents/sessions.py NetnsRelay):
+        the container itself keeps network none."""
         rec = self._session_record(handle.ref) or {}
-        return {s["name"]: ("unix", os.path.join(rec["dir"], "s", s["name"] + ".sock"))
-                for s in sessions if s["kind"] == "jupyter" and rec.get("dir")}
+        out: dict[str, tuple] = {s["name"]: ("unix", os.path.join(rec["dir"], "s", s["name"] + ".sock"))
+                                 for s in sessions if s["kind"] == "jupyter" and rec.get("dir")}
+        if any(s["kind"] == "http" for s in sessions):
+            try:
+                pid = (self.client.api.inspect_container(handle.ref).get("State") or {}).get("Pid") or 0
+            except (docker.errors.APIError, requests.RequestException):
+                pid = 0
+            if pid:  # else gone already: nothing to reach
+                out.update({s["name"]: ("netns", f"/proc/{pid}/ns/net", int(s["port"]))
+                            for s in sessions if s["kind"] == "http"})
+        return out
 
     def session_shell(self, handle: SandboxHandle) -> "DockerShell":
         """A shell in the container, as ``docker exec -it`` starts one: the job's user, environment and

@@ -23,6 +23,8 @@ JOB = 987002  # fixed: JupyterLab's base URL (/sessions/<job>/lab/) is set when 
 SECRET = "docker-session-secret-0123456789abcdef"
 LAB = f"/sessions/{JOB}/lab/"
 SHELL = f"/sessions/{JOB}/sh/"
+WEB = f"/sessions/{JOB}/web/"
+WEB_PORT = 8917  # on the container's own loopback; nothing listens on it on the host
 PROJECT_ID = 5  # the node runs the job as this project's uid
 
 
@@ -47,11 +49,16 @@ def docker_node(tmp_path_factory):
     inner = DockerDriver(node=node, client=client, simulated_gpus=True,
                          state_dir=str(tmp_path_factory.mktemp("agent")))
     driver = SessionDriver(inner, gateway)
-    spec = LaunchSpec(job_id=str(JOB), attempt=1, image=image, command=["python3", "-m", "jupyterlab"],
+    # JupyterLab, and a plain HTTP server on the container's loopback (kind http).
+    command = ["sh", "-c", "echo hello from the container > /work/hello.txt && "
+               f"(python3 -m http.server {WEB_PORT} --bind 127.0.0.1 --directory /work >/dev/null 2>&1 &) && "
+               "exec python3 -m jupyterlab"]
+    spec = LaunchSpec(job_id=str(JOB), attempt=1, image=image, command=command,
                       gpu_indexes=[0, 1], gpu_uuids=["GPU-sim-0", "GPU-sim-1"], memory_mb=1024, cpus=1.0,
                       project_id=PROJECT_ID, sessions=[
                           {"name": "lab", "kind": "jupyter", "port": None, "secret": SECRET, "base_url": LAB},
-                          {"name": "sh", "kind": "terminal", "port": None, "secret": SECRET, "base_url": SHELL}])
+                          {"name": "sh", "kind": "terminal", "port": None, "secret": SECRET, "base_url": SHELL},
+                          {"name": "web", "kind": "http", "port": WEB_PORT, "secret": SECRET, "base_url": WEB}])
     handle = driver.launch(spec)
     try:
         target = driver.session_targets(handle, spec.sessions)["lab"]
@@ -87,9 +94,10 @@ def job(demo, docker_node, settings):
     j = Job.objects.create(pk=JOB, project=demo.vision, user=alice, name="lab", image="gpuportal/jupyter",
                            command=["python3", "-m", "jupyterlab"], time_limit_s=3600, state=JobState.RUNNING,
                            gpus=2, sandbox="docker")
-    sessions_create(j, [{"name": "lab", "kind": "jupyter"}, {"name": "sh", "kind": "terminal"}])
+    sessions_create(j, [{"name": "lab", "kind": "jupyter"}, {"name": "sh", "kind": "terminal"},
+                        {"name": "web", "kind": "http", "port": WEB_PORT}])
     Session.objects.filter(job=j).update(secret=SECRET)
-    for name in ("lab", "sh"):
+    for name in ("lab", "sh", "web"):
         session_report(node=None, job=j, attempt=1, name=name, state="running", gateway_url=docker_node.gateway.url)
     j.alice = {"Authorization": f"Bearer {make_token(alice)}"}
     j.charlie = {"Authorization": f"Bearer {make_token(demo.users['charlie'])}"}
@@ -164,6 +172,15 @@ def test_the_terminal_and_gpuctl_shell_run_commands_in_the_container(job, portal
 def _running_execs(client, container) -> list:
     container.reload()
     return [e for e in container.attrs.get("ExecIDs") or [] if client.api.exec_inspect(e).get("Running")]
+
+
+def test_an_http_app_on_the_containers_loopback_is_served_to_its_owner_only(job, portal_asgi, docker_node):
+    r = requests.get(portal_asgi + WEB + "hello.txt", headers=job.alice, timeout=30)
+    assert r.status_code == 200 and r.text == "hello from the container\n"
+    assert requests.get(portal_asgi + WEB + "hello.txt", headers=job.charlie, timeout=30).status_code == 404
+    # The app's port is the container's own: the host has no way to it but the gateway's.
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"http://127.0.0.1:{WEB_PORT}/hello.txt", timeout=5)
 
 
 def test_the_node_refuses_a_connection_without_the_secret_and_the_container_has_no_network(job, docker_node):
