@@ -30,8 +30,8 @@ import urllib.parse
 import requests
 
 from agents import __version__
-from agents.protocol import (CONFIRM, EVENT, EVENT_MESSAGE_MAX, EVENT_STATES, HEARTBEAT, LOG, NODE_PROBLEM_MAX, PROBE,
-                             PROTOCOL_VERSION, REGISTER, Message)
+from agents.protocol import (BATCH_EVENT, CONFIRM, EVENT, EVENT_MESSAGE_MAX, EVENT_STATES, EVENTS, HEARTBEAT, LOG,
+                             NODE_PROBLEM_MAX, PROBE, PROTOCOL_VERSION, REGISTER, Message)
 
 log = logging.getLogger(__name__)
 
@@ -178,17 +178,18 @@ class PortalClient:
         ``node_problem`` (a sandbox that could not be killed) drains the node;
         ``lease_expired`` says the node stopped the job because its lease ran out: the
         portal requeues it as a node fault instead of failing it."""
-        if state not in EVENT_STATES:
-            raise ValueError(f"unknown job event state {state!r}")
-        # Within the portal's field limits: a report refused for its length would leave the job running there.
-        body = {"attempt": attempt, "state": state, "exit_code": exit_code, "message": message[:EVENT_MESSAGE_MAX]}
-        if scrub_failures:
-            body["scrub_failures"] = scrub_failures
-        if node_problem:
-            body["node_problem"] = node_problem[:NODE_PROBLEM_MAX]
-        if lease_expired:
-            body["lease_expired"] = True
-        return self._report(EVENT, body, job_id)
+        return self._report(EVENT, event_body(attempt, state, exit_code=exit_code, message=message,
+                                              scrub_failures=scrub_failures, node_problem=node_problem,
+                                              lease_expired=lease_expired), job_id)
+
+    def event_batch(self, reports: list[dict]) -> list[dict]:
+        """Several jobs' reports in one request (protocol 1.2): each a dict of ``event``'s keyword
+        arguments plus ``job_id``, ``attempt`` and ``state``. -> one ``{job_id, result[, detail]}`` per
+        report, in order; ``result`` "stale" stands for a single report's 409. A portal before 1.2
+        answers PortalError 404."""
+        bodies = [{"job_id": str(r["job_id"]), **event_body(**{k: v for k, v in r.items() if k != "job_id"})}
+                  for r in reports]
+        return self._report(EVENTS, {"events": [BATCH_EVENT.body(**b) for b in bodies]})["results"]
 
     def logs(self, job_id: str, attempt: int, offset: int, data: bytes) -> dict:
         """Ship one chunk of raw output at ``offset`` (raw bytes), base64-encoded: a job may print
@@ -205,6 +206,22 @@ class PortalClient:
         did not run here."""
         return self._send("PUT", f"/jobs/{_q(job_id)}/artifacts", stream=f, params={"attempt": attempt, "path": path},
                           headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})
+
+
+def event_body(attempt: int, state: str, *, exit_code: int | None = None, message: str = "",
+               scrub_failures: list[dict] | None = None, node_problem: str = "", lease_expired: bool = False) -> dict:
+    """A job event's keys (agents.protocol.EVENT), alone or in a batch."""
+    if state not in EVENT_STATES:
+        raise ValueError(f"unknown job event state {state!r}")
+    # Within the portal's field limits: a report refused for its length would leave the job running there.
+    body = {"attempt": attempt, "state": state, "exit_code": exit_code, "message": message[:EVENT_MESSAGE_MAX]}
+    if scrub_failures:
+        body["scrub_failures"] = scrub_failures
+    if node_problem:
+        body["node_problem"] = node_problem[:NODE_PROBLEM_MAX]
+    if lease_expired:
+        body["lease_expired"] = True
+    return body
 
 
 def _q(job_id: str) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 # The version of the agent API's message shapes, "MAJOR.MINOR", sent at registration. The portal
 # refuses an agent whose major differs (its messages would be misread); a minor adds optional
 # fields only. An agent that sends no version predates this field and speaks 1.x.
-PROTOCOL_VERSION = "1.1"  # 1.1: a terminal event may say lease_expired
+PROTOCOL_VERSION = "1.2"  # 1.1: a terminal event may say lease_expired; 1.2: POST events takes several at once
 
 
 def protocol_major(version: str) -> int:
@@ -102,8 +102,16 @@ CONFIRM = Message("jobs/{job_id}/confirm", ("attempt",))
 SCRUB_FAILURE = Message(None, ("gpu_index", "message"))
 EVENT = Message("jobs/{job_id}/events", ("attempt", "state"),
                 ("exit_code", "message", "scrub_failures", "node_problem", "lease_expired"))
+# Protocol 1.2: several jobs' events in one request (many jobs ending together), each an EVENT with its
+# job_id, applied one by one (each idempotent and fenced by its attempt) in one transaction where the
+# portal can. The answer lists each one's result in order: "applied", "duplicate" or "stale" (the 409
+# of a single report). A portal before 1.2 answers 404: the agent sends them one by one.
+BATCH_EVENT = Message(None, ("job_id",) + EVENT.required, EVENT.optional)
+EVENTS = Message("events", ("events",))
+EVENTS_MAX = 200  # events in one request; a node with more ending at once sends several
 LOG = Message("jobs/{job_id}/logs", ("attempt", "offset"), ("data", "data_base64"))  # exactly one of the two
-MESSAGES = (GPU_INVENTORY, REGISTER, PROBE, SAMPLE, HEARTBEAT_JOB, HEARTBEAT, CONFIRM, SCRUB_FAILURE, EVENT, LOG)
+MESSAGES = (GPU_INVENTORY, REGISTER, PROBE, SAMPLE, HEARTBEAT_JOB, HEARTBEAT, CONFIRM, SCRUB_FAILURE, EVENT, BATCH_EVENT,
+            EVENTS, LOG)
 
 # Longest texts of a job event: a longer report would be refused, leaving the job running there.
 EVENT_MESSAGE_MAX = 2000

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from agents import artifacts
 from agents.client import PortalError, PortalUnreachable, StaleAttempt
-from agents.protocol import DEFAULT_SANDBOX, NODE_SANDBOXES, sandbox_hosts
+from agents.protocol import DEFAULT_SANDBOX, EVENTS_MAX, NODE_SANDBOXES, sandbox_hosts
 from agents.sandbox import OOM, RUNNING, LaunchSpec, SandboxError, SandboxHandle
 from agents.supervisor.lease import FENCED, write_lease
 
@@ -146,6 +146,8 @@ class Agent:
         # Ends seen before the launch that started the sandbox tracked it (a job like `true`): by ref,
         # when seen; the launch hands them to the supervisor once it tracks the sandbox.
         self._early_ends: dict[str, float] = {}
+        # Ends of several jobs go up in one request (protocol 1.2); off for a portal that speaks an older one.
+        self.batch_events = True
 
     # -- start-up ---------------------------------------------------------------
 
@@ -161,6 +163,7 @@ class Agent:
                                     sandbox=self.driver.name, gpus=gpus, capabilities=capabilities(self.probe),
                                     gpus_unusable=problem or "")
         self.node_id = resp.get("node")
+        self.batch_events = _speaks(resp.get("protocol_version"), (1, 2))
         self.heartbeat_interval_s = float(resp.get("heartbeat_interval_s") or self.heartbeat_interval_s)
         self.lease_s = float(resp.get("lease_s") or self.lease_s)
         self.fence_grace_s = float(resp.get("fence_grace_s", self.fence_grace_s))
@@ -506,52 +509,119 @@ class Agent:
         try:
             if t.key not in self._jobs:
                 return True
-            state, code, message = t.terminal
-            try:
-                if not self._ship_logs(t, final=True):
-                    return False  # a chunk was refused: try again next pass (a few times, then it is skipped)
-            except StaleAttempt:
-                pass  # the portal will not take more of this attempt; still report below
-            except PortalUnreachable:
-                # The tail first, but not at any price: a portal that takes reports and not logs
-                # would otherwise keep the job running there for good.
-                t.log_failures += 1
-                if t.log_failures < LOG_REFUSALS:
-                    return False
-                log.error("job %s attempt %s: the log tail could not be shipped %d times; reporting the end "
-                          "without it", t.job_id, t.attempt, t.log_failures)
-            if not self._outputs_uploaded(t):
-                return False  # its upload runs (or waits for the portal): the report follows it
-            if t.outputs_note:
-                message = f"{message}; {t.outputs_note}" if message else t.outputs_note
-            self._set_busy(t.handle.gpu_indexes, False)
-            failures = self._scrub(t)
-            if t.report_refusals:
-                # The portal refused the full report; a report it can take beats none: the job
-                # would stay running there, holding its GPUs and quota.
-                code, message = None, f"(report shortened: the portal refused it {t.report_refusals} time(s))"
-            try:
-                self.client.event(t.job_id, t.attempt, state, exit_code=code, message=message,
-                                  scrub_failures=failures, node_problem=t.node_problem,
-                                  lease_expired=t.lease_expired)
-            except StaleAttempt:
-                log.info("job %s attempt %s: portal says stale; dropping the %s report", t.job_id, t.attempt, state)
-            except PortalUnreachable:
-                raise
-            except PortalError as exc:
-                t.report_refusals += 1
-                log.error("job %s attempt %s: the portal refused the %s report (%s); sending it shorter next pass",
-                          t.job_id, t.attempt, state, exc)
-                return False
-            log.info("job %s attempt %s: %s (exit %s) %s", t.job_id, t.attempt, state, code, message)
-            self.driver.remove(t.handle)
-            with self._lock:
-                self._jobs.pop(t.key, None)
-            return True
-        except PortalUnreachable:
-            return False  # keep sandbox and report; the supervisor tries again
+            report = self._end_report(t)
+            return report is not None and self._send_one(t, report)
         finally:
             t.lock.release()
+
+    def _finish_many(self, ts: list[Tracked]) -> None:
+        """``_finish`` for several jobs that ended together: their reports go up in batches of
+        ``EVENTS_MAX`` (protocol 1.2), one request each, instead of one request a job. A portal that
+        does not take batches (before 1.2: 404), or refuses one (400: some report in it is bad), gets
+        them one by one, where each report's own refusal handling applies."""
+        if len(ts) < 2 or not self.batch_events or not hasattr(self.client, "event_batch"):
+            for t in ts:
+                self._guarded(t, "terminal report", self._finish, t)
+            return
+        held = [t for t in ts if t.lock.acquire(blocking=False)]  # the others: another thread finishes them
+        try:
+            ready = []
+            for t in held:
+                if t.key not in self._jobs:
+                    continue
+                report = self._guarded(t, "end of job", self._end_report, t)
+                if report is not None:
+                    ready.append((t, report))
+            for i in range(0, len(ready), EVENTS_MAX):
+                self._report_batch(ready[i:i + EVENTS_MAX])
+        finally:
+            for t in held:
+                t.lock.release()
+
+    def _report_batch(self, batch: list[tuple[Tracked, dict]]) -> None:
+        """Send prepared end reports in one request; each job's locks are held by the caller."""
+        try:
+            results = self.client.event_batch([{"job_id": t.job_id, "attempt": t.attempt, **report} for t, report in batch])
+        except PortalUnreachable:
+            return  # all kept: the next pass sends them again (each report is idempotent)
+        except PortalError as exc:
+            if exc.status in (404, 405):
+                log.info("the portal takes no batched reports (agent protocol before 1.2); sending them one by one")
+                self.batch_events = False
+            for t, report in batch:
+                self._guarded(t, "terminal report", self._send_one, t, report)
+            return
+        if len(results) != len(batch):
+            log.error("the portal answered %d results to %d batched reports; sending them one by one",
+                      len(results), len(batch))
+            for t, report in batch:
+                self._guarded(t, "terminal report", self._send_one, t, report)
+            return
+        for (t, report), res in zip(batch, results):
+            self._guarded(t, "terminal report", self._reported, t, report, res.get("result") or "applied")
+
+    def _send_one(self, t: Tracked, report: dict) -> bool:
+        """Send one prepared end report on its own; True once the job is done here."""
+        try:
+            self.client.event(t.job_id, t.attempt, report["state"],
+                              **{k: v for k, v in report.items() if k != "state"})
+        except StaleAttempt:
+            return self._reported(t, report, "stale")
+        except PortalUnreachable:
+            return False
+        except PortalError as exc:
+            return self._reported(t, report, exc)
+        return self._reported(t, report, "applied")
+
+    def _reported(self, t: Tracked, report: dict, outcome) -> bool:
+        """What the portal made of ``t``'s end report: "applied" or "duplicate" (taken), "stale" (it
+        moved on: the report is dropped) or a PortalError (refused: sent shorter next pass). Once taken
+        or stale, the sandbox goes. Returns True when the job is done here."""
+        state, code, message = report["state"], report["exit_code"], report["message"]
+        if isinstance(outcome, PortalError):
+            t.report_refusals += 1
+            log.error("job %s attempt %s: the portal refused the %s report (%s); sending it shorter next pass",
+                      t.job_id, t.attempt, state, outcome)
+            return False
+        if outcome == "stale":
+            log.info("job %s attempt %s: portal says stale; dropping the %s report", t.job_id, t.attempt, state)
+        else:
+            log.info("job %s attempt %s: %s (exit %s) %s", t.job_id, t.attempt, state, code, message)
+        self.driver.remove(t.handle)
+        with self._lock:
+            self._jobs.pop(t.key, None)
+        return True
+
+    def _end_report(self, t: Tracked) -> dict | None:
+        """Everything before ``t``'s end report: its log tail, its outputs, the scrub of its GPUs.
+        Returns the report's keyword arguments (``PortalClient.event``), or None while something of it
+        must wait for a later pass. Call with ``t.lock`` held."""
+        state, code, message = t.terminal
+        try:
+            if not self._ship_logs(t, final=True):
+                return None  # a chunk was refused: try again next pass (a few times, then it is skipped)
+        except StaleAttempt:
+            pass  # the portal will not take more of this attempt; still report below
+        except PortalUnreachable:
+            # The tail first, but not at any price: a portal that takes reports and not logs
+            # would otherwise keep the job running there for good.
+            t.log_failures += 1
+            if t.log_failures < LOG_REFUSALS:
+                return None
+            log.error("job %s attempt %s: the log tail could not be shipped %d times; reporting the end "
+                      "without it", t.job_id, t.attempt, t.log_failures)
+        if not self._outputs_uploaded(t):
+            return None  # its upload runs (or waits for the portal): the report follows it
+        if t.outputs_note:
+            message = f"{message}; {t.outputs_note}" if message else t.outputs_note
+        self._set_busy(t.handle.gpu_indexes, False)
+        failures = self._scrub(t)
+        if t.report_refusals:
+            # The portal refused the full report; a report it can take beats none: the job
+            # would stay running there, holding its GPUs and quota.
+            code, message = None, f"(report shortened: the portal refused it {t.report_refusals} time(s))"
+        return {"state": state, "exit_code": code, "message": message, "scrub_failures": failures,
+                "node_problem": t.node_problem, "lease_expired": t.lease_expired}
 
     def _outputs_uploaded(self, t: Tracked) -> bool:
         """Whether the attempt's outputs (agents/artifacts.py) are uploaded, or given up. The upload runs
@@ -630,8 +700,9 @@ class Agent:
         another step, another job, or the lease check."""
         with self._lock:
             jobs = [t for t in self._jobs.values() if only is None or t.handle.ref in only]
-        for t in jobs:
-            self._supervise(t)
+        ended = [t for t in jobs if self._supervise(t)]
+        # 3. Report the ends (after their log tails), several in one request when many ended together.
+        self._guarded(None, "end reports", self._finish_many, ended)
         self._guarded(None, "lease check", self.check_lease)
 
     def sandbox_ended(self, ref: str | None = None) -> None:
@@ -641,7 +712,8 @@ class Agent:
             self._ended.add(ref)
         self._wake.set()
 
-    def _supervise(self, t: Tracked) -> None:
+    def _supervise(self, t: Tracked) -> bool:
+        """Steps 1 and 2 for one sandbox; True when it has ended and its end is to be reported."""
         # 1. Enforcement first, from the handle and the clock alone: no report can get in its way.
         self._guarded(t, "time limit", self._enforce_time_limit, t)
         # 2. Notice an exit; ship the log of a running job.
@@ -652,9 +724,7 @@ class Agent:
                     t.terminal = self._terminal_for(t, *polled)
             elif polled is not None:
                 self._guarded(t, "log shipping", self._ship_running_logs, t)
-        # 3. Report an end (after the log tail).
-        if t.terminal is not None:
-            self._guarded(t, "terminal report", self._finish, t)
+        return t.terminal is not None
 
     def _guarded(self, t: Tracked | None, what: str, fn, *args):
         """``fn(*args)``, or None after logging whatever it raised."""
@@ -872,6 +942,15 @@ class Agent:
         set_busy = getattr(self.probe, "set_busy", None)  # only simulated GPUs need telling
         if set_busy and indexes:
             set_busy(indexes, busy)
+
+
+def _speaks(version, least: tuple[int, int]) -> bool:
+    """Whether the portal's "MAJOR.MINOR" protocol version is at least ``least`` (None: before the field)."""
+    try:
+        major, minor = (int(x) for x in str(version).split(".", 1))
+    except ValueError:
+        return False
+    return (major, minor) >= least
 
 
 def _failure_list(failed: dict[int, str]) -> list[dict]:

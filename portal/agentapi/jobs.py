@@ -11,7 +11,7 @@ from rest_framework.response import Response
 from agents import protocol
 from agents.protocol import EVENT_STATES
 from portal.core.api import StrictSerializer
-from portal.jobs.reports import job_append_log, job_confirm, job_report
+from portal.jobs.reports import job_append_log, job_confirm, job_report, job_report_many
 from portal.nodes.agent_api import MAX_ATTEMPT, MAX_INT32, AgentView, speaks
 
 
@@ -59,6 +59,33 @@ class EventView(AgentView):
         data = EventSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         return Response({"result": job_report(node=self.node, job_id=job_id, **data.validated_data)})
+
+
+@speaks(protocol.BATCH_EVENT)
+class BatchEventSerializer(EventSerializer):
+    """One event of a batch: a job's report with its job id (protocol 1.2)."""
+
+    job_id = serializers.CharField(max_length=64)  # one the portal does not know is answered stale
+
+
+@speaks(protocol.EVENTS)
+class EventsSerializer(StrictSerializer):
+    events = BatchEventSerializer(many=True, allow_empty=False, max_length=protocol.EVENTS_MAX)
+
+
+class EventsView(AgentView):
+    """Several jobs' reports in one request (protocol 1.2), for many jobs ending together."""
+
+    @extend_schema(request=EventsSerializer, responses=inline_serializer("EventsApplied", {
+        "results": inline_serializer("EventResult", {
+            "job_id": serializers.CharField(),
+            "result": serializers.ChoiceField(choices=["applied", "duplicate", "stale"],
+                                              help_text="stale: the 409 of a single report; stop that attempt."),
+            "detail": serializers.CharField(required=False)}, many=True)}))
+    def post(self, request):
+        data = EventsSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        return Response({"results": job_report_many(node=self.node, events=data.validated_data["events"])})
 
 
 @speaks(protocol.LOG)

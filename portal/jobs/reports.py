@@ -8,7 +8,7 @@ are no-ops, so agents may retry freely.
 import logging
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, OperationalError, transaction
 from django.db.models import F
 
 from agents.protocol import TERMINAL_EVENT_STATES
@@ -119,6 +119,42 @@ def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None 
             _after_end(job)
         return "applied" if done else "duplicate"
     raise Conflict(f"Unknown state {state!r}.", code="invalid_state")
+
+
+def job_report_many(*, node, events: list[dict]) -> list[dict]:
+    """Apply several reports of one node at once (protocol 1.2: many jobs ending together), in one
+    transaction, each as ``job_report`` would alone: idempotent, fenced by its attempt, a stale one
+    answered ``{"result": "stale"}`` (the 409 of a single report) without undoing the others.
+    Returns one ``{"job_id", "result"[, "detail"]}`` per event, in order.
+
+    Jobs are applied in id order, so two batches (or a batch and a scheduling pass, which also
+    locks by id) take their row locks in one order. Should the database still pick this
+    transaction as a deadlock's victim, nothing of it stays, and each event is applied again in
+    a transaction of its own."""
+    order = sorted(range(len(events)), key=lambda i: (parse_int(events[i]["job_id"]) or 0, i))
+    try:
+        with transaction.atomic():
+            results = {i: _report_one(node, events[i]) for i in order}
+    except OperationalError as exc:
+        if getattr(exc, "__cause__", None) is None or type(exc.__cause__).__name__ != "DeadlockDetected":
+            raise
+        log.warning("node %s: a batch of %d reports lost a deadlock; applying them one by one", node.name,
+                    len(events))
+        results = {}
+        for i in order:
+            with transaction.atomic():
+                results[i] = _report_one(node, events[i])
+    return [results[i] for i in range(len(events))]
+
+
+def _report_one(node, event: dict) -> dict:
+    # No savepoint: job_report refuses (Conflict) before it writes the job, and what it wrote before
+    # that (GPUs it could not scrub, a node problem) stands, as for a single report.
+    fields = {k: v for k, v in event.items() if k != "job_id"}
+    try:
+        return {"job_id": event["job_id"], "result": job_report(node=node, job_id=event["job_id"], **fields)}
+    except Conflict as exc:
+        return {"job_id": event["job_id"], "result": "stale", "detail": exc.message[:300]}
 
 
 def _checkpoint_saved(job_id, attempt: int) -> None:

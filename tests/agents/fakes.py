@@ -4,6 +4,7 @@ import itertools
 import threading
 
 from agents.client import PortalError, PortalUnreachable, StaleAttempt
+from agents.protocol import PROTOCOL_VERSION
 from agents.sandbox import EXITED, OOM, RUNNING, SandboxError, SandboxHandle
 
 
@@ -19,6 +20,7 @@ class FakePortal:
         self.spec: dict = {}  # what confirm returns as the spec
         self.stop_list: list = []  # returned once by the next heartbeat
         self.events: list = []
+        self.batches: list = []  # the (job_id, attempt, state) of each batched report request (protocol 1.2)
         self.log_chunks: list = []
         self.heartbeats: list = []
         self.confirms: list = []
@@ -40,7 +42,7 @@ class FakePortal:
         self._call()
         self.lease_renewed_at = self.clock()
         self.registered = body
-        return {"node": 7, "heartbeat_interval_s": 5, "lease_s": 30}
+        return {"node": 7, "heartbeat_interval_s": 5, "lease_s": 30, "protocol_version": PROTOCOL_VERSION}
 
     def heartbeat(self, *, samples, jobs):
         self._call()
@@ -67,6 +69,23 @@ class FakePortal:
             self.node_problems.append((job_id, attempt, node_problem))
         if scrub_failures:
             self.scrub_failures.append((job_id, attempt, scrub_failures))
+
+    def event_batch(self, reports):
+        """Protocol 1.2's batch: each report as ``event`` takes it, one result each ("stale" for a 409)."""
+        self._call()
+        if self.refuse_events:  # as the real API: one report it refuses refuses the batch (400)
+            self.refuse_events -= 1
+            raise PortalError("POST events: HTTP 400: refused (fake)", 400)
+        self.batches.append([(r["job_id"], r["attempt"], r["state"]) for r in reports])
+        results = []
+        for r in reports:
+            try:
+                self.event(**r)
+            except StaleAttempt:
+                results.append({"job_id": r["job_id"], "result": "stale"})
+            else:
+                results.append({"job_id": r["job_id"], "result": "applied"})
+        return results
 
     def logs(self, job_id, attempt, offset, data):
         self._call((job_id, attempt))

@@ -67,6 +67,10 @@ class PortalStub:
             with self.lock:
                 stop, self.stop_list = self.stop_list, []
             return 200, {"drain": False, "stop": stop}
+        if p == "/events":  # protocol 1.2: several jobs' reports, each answered as alone ("stale": its 409)
+            return 200, {"results": [{"job_id": e.get("job_id"), "result": "stale"
+                                      if (e.get("job_id"), e.get("attempt")) in self.stale else "applied"}
+                                     for e in body.get("events", [])]}
         m = re.fullmatch(r"/jobs/([^/]+)/(confirm|events|logs)", p)
         if not m:
             return 404, {"detail": "no such endpoint"}
@@ -77,8 +81,17 @@ class PortalStub:
         return 200, {}
 
     def calls(self, suffix):
+        """The bodies POSTed to paths ending in ``suffix``; a batch's reports count as their jobs' own
+        ``/jobs/<id>/events`` calls (without their job_id), in order."""
         with self.lock:
-            return [b for p, b, _ in self.requests if p.endswith(suffix)]
+            out = []
+            for p, b, _ in self.requests:
+                if p.endswith("/api/agent/v1/events"):
+                    out += [{k: v for k, v in e.items() if k != "job_id"} for e in b.get("events", [])
+                            if f"/jobs/{e.get('job_id')}/events".endswith(suffix)]
+                elif p.endswith(suffix):
+                    out.append(b)
+            return out
 
     def close(self):
         self.server.shutdown()

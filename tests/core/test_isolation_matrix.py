@@ -173,7 +173,8 @@ MATRIX = {
     # The agent API takes node tokens only: people and their tokens are strangers there.
     **{f"agent:{name}": [e("POST", f"/api/agent/v1/{path}", NOBODY, body={"attempt": 1})] for name, path in [
         ("register", "register"), ("heartbeat", "heartbeat"), ("confirm", "jobs/{vision_job}/confirm"),
-        ("events", "jobs/{vision_job}/events"), ("logs", "jobs/{vision_job}/logs"), ("probe", "probe")]},
+        ("events", "jobs/{vision_job}/events"), ("logs", "jobs/{vision_job}/logs"), ("probe", "probe"),
+        ("events-batch", "events")]},
     "agent:artifacts": [e("PUT", "/api/agent/v1/jobs/{vision_job}/artifacts?attempt=1&path=x", NOBODY, body={"x": 1})],
     "agent:sessions": [e("POST", "/api/agent/v1/jobs/{vision_job}/sessions", NOBODY,
                          body={"attempt": 1, "name": "lab", "state": "ended"})],

@@ -1,0 +1,107 @@
+"""Many jobs ending together: their end reports go up in one request (protocol 1.2), each still
+reported once, after its log tail, and dropped when the portal calls it stale; a portal before 1.2,
+or one that refuses the batch, gets them one by one."""
+
+import pytest
+
+from agents.client import PortalError
+from agents.probe.sim import SimProbe
+from agents.protocol import EVENTS_MAX
+from agents.worker import Agent
+from tests.agents.fakes import Clock, FakeDriver, FakePortal
+
+SPEC = {"image": "gpuportal/busybox:latest", "command": ["true"], "cpus": 1, "memory_mb": 64, "time_limit_s": 600}
+
+
+@pytest.fixture
+def env():
+    clock, wall = Clock(), Clock(1000.0)
+    portal, driver = FakePortal(clock), FakeDriver()
+    agent = Agent(name="n1", client=portal, driver=driver, probe=SimProbe("4xH100-80GB", node_name="n1", clock=wall),
+                  stop_grace_s=0.0, background=False, clock=clock, wall=wall)
+    agent.register()
+    return type("Env", (), dict(portal=portal, driver=driver, agent=agent))
+
+
+def launch_and_end(env, codes: dict[str, int]) -> None:
+    for job_id in codes:
+        assert env.agent.launch(job_id, 1, SPEC) == "started"
+    for job_id, code in codes.items():
+        env.driver.by_job(job_id)["log"] = f"{job_id} done\n".encode()
+        env.driver.exit(job_id, code)
+
+
+def ends(env):
+    return sorted((j, a, s, c) for j, a, s, c, _ in env.portal.events if s not in ("starting", "running"))
+
+
+def test_jobs_ending_together_are_reported_in_one_request_after_their_log_tails(env):
+    launch_and_end(env, {"a": 0, "b": 3, "c": 0})
+    env.agent.supervise_once()
+    assert env.portal.batches == [[("a", 1, "succeeded"), ("b", 1, "failed"), ("c", 1, "succeeded")]]
+    assert ends(env) == [("a", 1, "succeeded", 0), ("b", 1, "failed", 3), ("c", 1, "succeeded", 0)]
+    assert [env.portal.log_text(j) for j in "abc"] == ["a done\n", "b done\n", "c done\n"]
+    assert env.agent.jobs() == {} and env.driver.sandboxes == {}
+    env.agent.supervise_once()  # nothing is reported twice
+    assert len(env.portal.batches) == 1 and len(ends(env)) == 3
+
+
+def test_one_end_alone_goes_as_a_single_report(env):
+    launch_and_end(env, {"a": 0})
+    env.agent.supervise_once()
+    assert env.portal.batches == [] and ends(env) == [("a", 1, "succeeded", 0)]
+
+
+def test_more_ends_than_a_batch_holds_go_in_several(env):
+    codes = {f"j{i}": 0 for i in range(EVENTS_MAX + 5)}
+    launch_and_end(env, codes)
+    env.agent.supervise_once()
+    assert [len(b) for b in env.portal.batches] == [EVENTS_MAX, 5]
+    assert len(ends(env)) == EVENTS_MAX + 5 and env.agent.jobs() == {}
+
+
+def test_a_stale_report_in_a_batch_is_dropped_and_its_sandbox_removed(env):
+    launch_and_end(env, {"a": 0, "b": 0})
+    env.portal.stale.add(("b", 1))  # the portal moved b on (cancelled and requeued, say)
+    env.agent.supervise_once()
+    assert ends(env) == [("a", 1, "succeeded", 0)]
+    assert env.agent.jobs() == {} and env.driver.sandboxes == {}
+
+
+def test_an_unreachable_portal_keeps_every_end_for_the_next_pass(env):
+    launch_and_end(env, {"a": 0, "b": 1})
+    env.portal.unreachable = True
+    env.agent.supervise_once()
+    assert ends(env) == [] and set(env.agent.jobs()) == {("a", 1), ("b", 1)}
+    env.portal.unreachable = False
+    env.agent.supervise_once()
+    assert ends(env) == [("a", 1, "succeeded", 0), ("b", 1, "failed", 1)] and env.agent.jobs() == {}
+
+
+def test_a_refused_batch_is_sent_one_by_one(env):
+    """The portal refuses the batch (one report in it is bad): each report then goes alone, where a
+    refused one is sent shorter next pass and the others are taken at once."""
+    launch_and_end(env, {"a": 0, "b": 1})
+    env.portal.refuse_events = 2  # the batch, then a's single report
+    env.agent.supervise_once()
+    assert ends(env) == [("b", 1, "failed", 1)] and set(env.agent.jobs()) == {("a", 1)}
+    env.agent.supervise_once()
+    assert ends(env) == [("a", 1, "succeeded", None), ("b", 1, "failed", 1)] and env.agent.jobs() == {}
+
+
+def test_a_portal_before_protocol_1_2_gets_single_reports(env):
+    env.portal.register = lambda **body: {"node": 7, "heartbeat_interval_s": 5, "lease_s": 30, "protocol_version": "1.1"}
+    env.agent.register()
+    launch_and_end(env, {"a": 0, "b": 0})
+    env.agent.supervise_once()
+    assert env.portal.batches == [] and len(ends(env)) == 2
+
+
+def test_a_portal_answering_404_to_batches_gets_single_reports_from_then_on(env):
+    def no_batches(reports):
+        raise PortalError("POST /events: HTTP 404: not found", 404)
+
+    env.portal.event_batch = no_batches
+    launch_and_end(env, {"a": 0, "b": 0})
+    env.agent.supervise_once()
+    assert len(ends(env)) == 2 and env.agent.batch_events is False
