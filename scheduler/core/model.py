@@ -251,6 +251,10 @@ class Config:
     # this many seconds after it entered the queue, then takes any node. 0: the bonus only (nodes
     # holding more of its bytes are preferred among those free now), never a wait.
     locality_wait_s: float = 60.0
+    # A reservation starting within this many seconds (at the latest) asks its nodes to prefetch
+    # the datasets of its job they lack (Plan.prefetch); one further off may well move or start
+    # elsewhere first, and its transfer would take the link from jobs starting now.
+    prefetch_horizon_s: float = 600.0
 
 
 @dataclass

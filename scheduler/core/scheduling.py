@@ -31,6 +31,7 @@ class _Pass:
         self.codes: dict[str, tuple[str, str]] = {}
         self.started: list[Allocation] = []
         self.helds: list[Held] = []
+        self.easy_held = 0  # of them EASY backfill's (max_reservations); the others hold a locality wait's GPUs
         self._victims: VictimPool | None = None  # built on the first preemption attempt
         self._las_victims: VictimPool | None = None  # the las rule's pool, likewise
         self.las_used = self.cfg.policy == "las" or "las" in self.cfg.pool_policy.values()
@@ -49,7 +50,7 @@ class _Pass:
         # its datasets while it waits for one of them, and how much longer it waits.
         self._holders: dict[str, list[str]] | None = None
         self._cached: dict[str, frozenset[str] | set[str]] | None = None
-        self.locality_wait: dict[str, tuple[float, list[str]]] = {}
+        self.locality_wait: dict[str, tuple[float, list[str], list[str]]] = {}
 
     # -- helpers -----------------------------------------------------------
     def classes_for(self, job: Job) -> list[ClassKey]:
@@ -160,11 +161,11 @@ class _Pass:
             return got  # no node (or too few for its gang) holding all of its data could take it
         for gid in ids:
             state.untake(gid, frac_units(job, state.cls_of[gid][2]) if gid in fractions else UNITS)
-        self.locality_wait[job.id] = (left, sorted(full))
+        self.locality_wait[job.id] = (left, sorted(full), ids)
         return None
 
     def locality_reason(self, job: Job) -> tuple[str, str]:
-        left, full = self.locality_wait[job.id]
+        left, full, _ = self.locality_wait[job.id]
         names = ", ".join(d.label for d in self.data_of(job).values())
         where = ", ".join(full[:3]) + (f" and {len(full) - 3} more" if len(full) > 3 else "")
         return (REASON_LOCALITY,
@@ -238,7 +239,7 @@ class _Pass:
         the job cannot start in this pass whatever its constraints, and its
         blocking would change nothing (the reservation is already taken)."""
         mode = self.blocking(job)
-        if mode == "easy" and len(self.helds) < self.cfg.max_reservations:
+        if mode == "easy" and self.easy_held < self.cfg.max_reservations:
             return True  # it may be the job that gets the reservation
         if mode == "strict" and self.blocked_head is None:
             return True  # it may be the job that blocks all later ones
@@ -340,7 +341,7 @@ class _Pass:
         return True
 
     def try_reserve(self, job: Job, classes: list[ClassKey], mode: str) -> bool:
-        if self.blocking(job) != "easy" or len(self.helds) >= self.cfg.max_reservations:
+        if self.blocking(job) != "easy" or self.easy_held >= self.cfg.max_reservations:
             return False
         if self.preempted:  # their GPUs come back after the grace period: count them as ending now
             gone = [a for a in self.snap.running if a.job.id in self.preempted]
@@ -354,8 +355,9 @@ class _Pass:
         t, ids = found
         h = reserve(self.state, job, t, ids)
         self.helds.append(h)
+        self.easy_held += 1
         self.plan.reservations.append(h.res)
-        if job.datasets:  # its nodes fetch what they lack while it waits
+        if job.datasets and t - self.now <= self.cfg.prefetch_horizon_s:  # its nodes fetch what they lack
             for node in dict.fromkeys(self.state.gpu[i].node for i in ids):
                 fetch = self.plan.prefetch.setdefault(node, [])
                 fetch += [d for d in self.lacking(node, job) if d not in fetch]
@@ -515,6 +517,7 @@ class _Pass:
         got = None
         if placing:
             got = self.place_job(job, classes, mode)
+            fallback = self.locality_wait[job.id][2] if job.id in self.locality_wait else None
             if got is None and self.helds:
                 usable = [h for h in self.helds
                           if self.now + job.time_limit <= h.res.start_time + EPS
@@ -527,9 +530,15 @@ class _Pass:
                 return
             if job.id in self.locality_wait:
                 # It could start now, on nodes without its data: it waits a little for one with it.
+                # The free GPUs it would take are held for it until its wait ends (later jobs use
+                # them only if they end by then), so that it can still take them then.
                 if blocking == "strict":
                     self.blocked_head = job
-                self.plan.locality_waits[job.id] = self.now + self.locality_wait[job.id][0]
+                until = self.plan.locality_waits[job.id] = self.now + self.locality_wait[job.id][0]
+                if fallback:
+                    h = reserve(state, job, until, fallback)
+                    self.helds.append(h)
+                    self.plan.reservations.append(h.res)
                 if cfg.explain:
                     self.codes[job.id] = self.locality_reason(job)
                 return

@@ -4,7 +4,9 @@
         --gpus 384 --gpus-per-node 8 --policy multifactor --quota tests/scheduler/data/philly_vc_quota.csv
 
 Preempted jobs restart from zero, or with --checkpoint-interval resume from their last
-checkpoint (every job checkpoints; the time since it and the grace are lost). Prints the docs/design.md section 9 metrics,
+checkpoint (every job checkpoints; the time since it and the grace are lost). With --datasets N jobs read
+datasets of a Zipf popularity, staged to nodes over their links and cached (locality on unless
+--no-locality; docs/scheduler.md, "Dataset locality"). Prints the docs/design.md section 9 metrics,
 overall and per tenant, as a table or (--json) as one JSON object.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 
 from scheduler.core.ordering import POLICIES
 
+from .datasets import DataSpec
 from .runner import ReplaySpec, replay
 
 
@@ -51,6 +54,10 @@ def print_table(out: dict, file=sys.stdout) -> None:
           f"wall {out['wall_s']:.1f} s (shared replay {out['wall_s_shared']:.1f} s). "
           f"Tenant utilization is over its guarantee; fairness = mean JCT shared / isolated (on its "
           f"guarantee, or an equal share without one); wait counts every attempt's wait.", file=file)
+    if "data_bytes_moved" in out:
+        print(f"Datasets: {out['data_bytes_moved'] / 1e12:.2f} TB moved ({out['data_bytes_prefetched'] / 1e12:.2f} TB "
+              f"prefetched), {out['data_local_starts']} of {out['data_starts']} starts found their data on their "
+              f"nodes, staging {out['data_staging_mean_s']:.0f} s per start on average.", file=file)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -81,13 +88,32 @@ def main(argv: list[str] | None = None) -> None:
                          "resumes from its last checkpoint when preempted")
     ap.add_argument("--checkpoint-grace", type=float, default=120.0, metavar="S",
                     help="seconds a preempted job gets to save (counted as lost GPU-time); with --checkpoint-interval")
+    ap.add_argument("--datasets", type=int, default=0, metavar="N",
+                    help="jobs read one of N datasets of Zipf popularity (seeded); 0: none")
+    ap.add_argument("--zipf", type=float, default=DataSpec.zipf_s, help="Zipf exponent of dataset popularity")
+    ap.add_argument("--dataset-seed", type=int, default=0)
+    ap.add_argument("--dataset-gb", type=float, nargs=2, default=[DataSpec.min_gb, DataSpec.max_gb],
+                    metavar=("MIN", "MAX"), help="dataset sizes, log-uniform between these")
+    ap.add_argument("--node-bandwidth", type=float, default=DataSpec.bandwidth_gbps, metavar="GBIT",
+                    help="each node's link for staging datasets, Gbit/s")
+    ap.add_argument("--node-cache", type=float, default=DataSpec.cache_gb, metavar="GB",
+                    help="each node's dataset cache (LRU; datasets in use are pinned)")
+    ap.add_argument("--no-locality", action="store_true",
+                    help="the scheduler ignores datasets and caches (transfers are still modelled)")
+    ap.add_argument("--locality-wait", type=float, default=ReplaySpec.locality_wait_s, metavar="S",
+                    help="a job waits up to S s after it entered the queue for a busy node holding its data")
+    ap.add_argument("--no-prefetch", action="store_true", help="reserved nodes do not fetch ahead")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     a = ap.parse_args(argv)
     spec = ReplaySpec(trace=a.trace, start_day=a.start_day, days=a.days, gpus=a.gpus,
                       gpus_per_node=a.gpus_per_node, policy=a.policy, backfill=not a.no_backfill,
                       preemption=not a.no_preemption, quotas=not a.no_quotas, explain=not a.no_explain, placement=a.placement, quota=a.quota, nodes=a.nodes,
                       load_scale=a.load_scale, fairness=not a.no_fairness, workers=a.workers,
-                      checkpoint_interval_s=a.checkpoint_interval, checkpoint_grace_s=a.checkpoint_grace)
+                      checkpoint_interval_s=a.checkpoint_interval, checkpoint_grace_s=a.checkpoint_grace,
+                      data=DataSpec(count=a.datasets, zipf_s=a.zipf, seed=a.dataset_seed, min_gb=a.dataset_gb[0],
+                                    max_gb=a.dataset_gb[1], bandwidth_gbps=a.node_bandwidth, cache_gb=a.node_cache,
+                                    locality=not a.no_locality, prefetch=not a.no_prefetch) if a.datasets else None,
+                      locality_wait_s=a.locality_wait)
     out = replay(spec)
     if a.json:
         print(json.dumps(out, indent=None, sort_keys=True))

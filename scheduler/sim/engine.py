@@ -17,6 +17,11 @@ entered the queue travel with it, for `las`; passes run only at submissions
 and ends, so a running job's crossing of a las threshold takes effect at the
 next of those.
 
+Jobs may name datasets (`TraceJob.datasets`, given by `datasets.assign_datasets`); with a
+`DataModel` a job starting on nodes that lack them first stages them (bytes / the node's
+bandwidth, through a per-node LRU cache) while it holds its GPUs, and the core sees the caches
+for its locality bonus and capped wait (scheduler/sim/datasets.py). Without one, as before.
+
 A trace gives only a job's GPU count. A job never spans nodes unless it asks
 (`Job.nodes`), so one larger than the biggest node of the cluster is replayed as
 a multi-node job: nodes = ceil(gpus / biggest node), gpus_per_node = gpus / nodes
@@ -31,6 +36,7 @@ from dataclasses import dataclass, field
 
 from scheduler.core import Allocation, Config, Job, Node, ProjectQuota, Snapshot, Topology, schedule
 
+from .datasets import DataModel
 from .trace import ALIBABA_QOS, TraceJob
 
 
@@ -66,6 +72,7 @@ class SimResult:
     frag_wait_s: float = 0.0  # job-seconds spent waiting fragmented (all of the replay)
     frag_idle_gpu_s: float = 0.0  # idle GPU-seconds inside the window while a fragmented job waited
     guarantees: dict[str, float] = field(default_factory=dict)
+    data: DataModel | None = None  # transfers and caches, when jobs name datasets
 
 
 def to_core_job(t: TraceJob, qos_map: dict[str, int] | None, nodes: int = 1,
@@ -102,8 +109,9 @@ def nodes_for(gpus: float, node_sizes: list[int]) -> int | None:
 class Simulator:
     def __init__(self, jobs: list[TraceJob], nodes: list[Node], projects: dict[str, ProjectQuota],
                  config: Config, alibaba_qos: bool = False, checkpoint_interval_s: float | None = None,
-                 checkpoint_grace_s: float = 0.0):
+                 checkpoint_grace_s: float = 0.0, data: DataModel | None = None):
         self.nodes = nodes
+        self.data = data
         # None: no job checkpoints (restart from zero); else every job does, as the module says.
         self.checkpoint_interval_s = checkpoint_interval_s
         self.checkpoint_grace_s = checkpoint_grace_s
@@ -134,10 +142,11 @@ class Simulator:
         window = (self.jobs[0].submit, self.jobs[-1].submit) if self.jobs else (0.0, 0.0)
         self.res = SimResult({t.id: JobRecord(t) for t in self.jobs}, self.capacity, window,
                              dropped=dropped, guarantees={p: q.guaranteed_gpus for p, q in projects.items()},
-                             unsplittable=unsplittable, multi_node=len(self.span))
+                             unsplittable=unsplittable, multi_node=len(self.span), data=data)
 
     def run(self) -> SimResult:
-        res, cfg = self.res, self.config
+        res, cfg, data = self.res, self.config, self.data
+        local = data is not None and data.spec.locality  # the core sees datasets and caches
         trace = {t.id: t for t in self.jobs}
         topo = Topology.from_nodes(self.nodes)  # nodes never change during a replay
         queue: dict[str, Job] = {}
@@ -193,6 +202,8 @@ class Simulator:
                 if attempt.get(jid) != att or jid not in running:
                     continue  # a stale end of a preempted attempt
                 a = running.pop(jid)
+                if data is not None:
+                    data.release(jid)
                 allocated -= a.job.gpus
                 run_gpus[a.job.project] -= a.job.gpus
                 victimable -= a.borrowed or a.job.preemptible
@@ -202,6 +213,8 @@ class Simulator:
                 t = self.jobs[i]
                 queue[t.id] = to_core_job(t, self.qos_map, self.span.get(t.id, 1),
                                           None if self.checkpoint_interval_s is None else self.checkpoint_grace_s)
+                if local and t.datasets:
+                    queue[t.id].datasets = t.datasets
                 if t.gpus > 0:
                     wait_count[t.tenant] = wait_count.get(t.tenant, 0) + 1
                 i += 1
@@ -214,12 +227,18 @@ class Simulator:
                 if not queue or not changed:
                     res.skipped += not changed
                     break
+                if local:
+                    data.publish(now)
                 snap = Snapshot(now, self.nodes, list(running.values()), list(queue.values()),
                                 self.projects, {}, usage, cfg)
                 plan = schedule(snap, topo)
                 res.passes += 1
                 fragmented = set(plan.fragmented)
                 res.frag_jobs |= fragmented
+                if data is not None:
+                    for until in plan.locality_waits.values():  # a pass when a job's wait for its data ends
+                        heapq.heappush(wakes, until)
+                    data.prefetch(plan.prefetch, now)
                 for s in plan.starts:
                     job = queue.pop(s.job_id)
                     rec = res.records[job.id]
@@ -233,7 +252,8 @@ class Simulator:
                     if job.gpus > 0:
                         wait_count[job.project] -= 1
                     att = attempt[job.id] = attempt.get(job.id, 0) + 1
-                    heapq.heappush(ends, (now + trace[job.id].runtime - rec.progress_s, att, job.id))
+                    stage = data.stage(running[job.id], trace[job.id].datasets, now) if data is not None else 0.0
+                    heapq.heappush(ends, (now + stage + trace[job.id].runtime - rec.progress_s, att, job.id))
                     if las and job.gpus > 0:  # when it passes its next threshold
                         nxt = [x for x in cfg.las_thresholds_gpu_s if x > job.attained_gpu_s]
                         if nxt:
@@ -242,6 +262,8 @@ class Simulator:
                     a = running.pop(p.job_id, None)
                     if a is None:
                         continue
+                    if data is not None:
+                        data.release(a.job.id)
                     allocated -= a.job.gpus
                     run_gpus[a.job.project] -= a.job.gpus
                     victimable -= a.borrowed or a.job.preemptible

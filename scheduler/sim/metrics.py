@@ -93,4 +93,6 @@ def summarize(res: SimResult, isolated_jct: dict[str, float] | None = None) -> d
     out["dropped"] = len(res.dropped)
     out["unsplittable"] = len(res.unsplittable)
     out["multi_node"] = res.multi_node
+    if res.data is not None:  # jobs named datasets: bytes moved, local starts, staging time
+        out.update(res.data.summary())
     return out

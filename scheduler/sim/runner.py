@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from scheduler.core import Config, ProjectQuota
 
+from .datasets import DataModel, DataSpec, assign_datasets
 from .engine import Simulator, make_projects
 from .metrics import isolated_gpus, summarize
 from .trace import TraceJob, read_nodes, read_quota, read_trace, sample_nodes, uniform_nodes
@@ -38,6 +39,10 @@ class ReplaySpec:
     # to save when preempted; None: no job checkpoints, a preempted one restarts from zero.
     checkpoint_interval_s: float | None = None
     checkpoint_grace_s: float = 0.0
+    # Datasets (scheduler/sim/datasets.py): with `data.count` > 0 jobs read datasets of a Zipf
+    # popularity and nodes stage and cache them; `locality_wait_s` is the core's capped wait.
+    data: DataSpec | None = None
+    locality_wait_s: float = Config.locality_wait_s
 
 
 def _config(spec: ReplaySpec) -> Config:
@@ -45,11 +50,16 @@ def _config(spec: ReplaySpec) -> Config:
     # thrown away). Explaining never changes a decision, so --no-explain only saves time.
     return Config(policy=spec.policy, backfill=spec.backfill, preemption=spec.preemption, quotas=spec.quotas,
                   placement=spec.placement, explain=spec.explain, las_thresholds_gpu_s=tuple(spec.las_thresholds_gpu_s),
-                  las_starvation_factor=spec.las_starvation_factor)
+                  las_starvation_factor=spec.las_starvation_factor, locality_wait_s=spec.locality_wait_s)
 
 
 def _checkpoints(spec: ReplaySpec) -> dict:
     return {"checkpoint_interval_s": spec.checkpoint_interval_s, "checkpoint_grace_s": spec.checkpoint_grace_s}
+
+
+def _data(spec: ReplaySpec, nodes) -> dict:
+    """The Simulator's `data` argument: a fresh model of these nodes' caches, or none."""
+    return {"data": DataModel(nodes, spec.data)} if spec.data is not None and spec.data.count > 0 else {}
 
 
 def _cluster(spec: ReplaySpec):
@@ -70,7 +80,7 @@ def _isolated(args) -> tuple[str, float | None]:
     cap = float(sum(len(n.gpus) for n in nodes))
     projects = {tenant: ProjectQuota(tenant, tenant, guaranteed_gpus=cap, max_gpus=cap)}
     res = Simulator(jobs, nodes, projects, _config(spec), alibaba_qos=bool(spec.nodes),
-                    **_checkpoints(spec)).run()
+                    **_checkpoints(spec), **_data(spec, nodes)).run()
     done = [r.end - r.trace.submit for r in res.records.values() if r.end is not None]
     return tenant, (sum(done) / len(done) if done else None)
 
@@ -78,13 +88,15 @@ def _isolated(args) -> tuple[str, float | None]:
 def replay(spec: ReplaySpec) -> dict:
     t0 = time.perf_counter()
     jobs = read_trace(spec.trace, spec.start_day, spec.days, spec.load_scale)
+    if spec.data is not None:
+        assign_datasets(jobs, spec.data)
     nodes = _cluster(spec)
     capacity = float(sum(len(n.gpus) for n in nodes))
     tenants = sorted({j.tenant for j in jobs})
     quota = read_quota(spec.quota) if spec.quota else None
     projects = make_projects(tenants, capacity, quota)
     sim = Simulator([TraceJob(**vars(j)) for j in jobs], nodes, projects, _config(spec),
-                    alibaba_qos=bool(spec.nodes), **_checkpoints(spec))
+                    alibaba_qos=bool(spec.nodes), **_checkpoints(spec), **_data(spec, nodes))
     res = sim.run()
     shared_s = time.perf_counter() - t0
     iso = {}

@@ -28,6 +28,7 @@ class TraceJob:
     tenant: str
     walltime: float
     gpu_type: str | None = None
+    datasets: tuple = ()  # core Datasets it reads (scheduler/sim/datasets.py); traces give none
 
     @property
     def runtime(self) -> float:
