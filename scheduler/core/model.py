@@ -137,6 +137,10 @@ class Job:
     # next attempt resumes from the checkpoint (docs/jobs.md). None: it does not, so preempting it
     # throws away everything its attempt did; such jobs are victims only as a last resort.
     checkpoint_grace_s: float | None = None
+    # A checkpointing job that saves on its own every this many seconds of its run, and keeps only
+    # what it saved then: preempted, it loses the time since its last save plus its grace. None:
+    # it saves when signalled (docs/jobs.md), so it loses only its grace.
+    checkpoint_interval_s: float | None = None
     # The datasets it reads: placement prefers nodes whose cache holds them (the more bytes the
     # better) and may wait a little for one (Config.locality_wait_s). Empty: placement as without.
     datasets: tuple[Dataset, ...] = ()
@@ -236,6 +240,10 @@ class Config:
     # waiting job gains (measured in docs/scheduler.md). A checkpointing job loses only its grace
     # and is not bounded.
     las_max_loss_gpu_s: float | None = 32 * 3600.0
+    # A checkpointing job that saves every `checkpoint_interval_s` is a victim of the las rule only
+    # this many seconds after one of its saves: preempted then, it loses little more than its grace.
+    # The job that would preempt it waits for the next save (the plan's `next_pass_at` says when).
+    las_checkpoint_window_s: float = 120.0
     max_preempt_attempts: int = 64  # per pass; bounds the cost of a long guaranteed queue
     # Search depth, like Slurm's bf_max_job_test: after this many admitted jobs
     # failed to place, later jobs are only admission-checked and explained.
@@ -308,6 +316,10 @@ class Plan:
     # Jobs that failed to place although enough matching GPUs were free (spread over too many
     # nodes): job id -> the free GPUs of its best class. Filled with explain off too (the simulator).
     fragmented: dict[str, int] = field(default_factory=dict)
+    # The earliest instant at which a job the las rule could not preempt for now may find a victim
+    # (a running job reaching its next checkpoint), or None. Production's periodic pass needs no
+    # hint; the simulator runs a pass then.
+    next_pass_at: float | None = None
     # Dataset locality. Jobs waiting for a node holding their datasets: job id -> the time their
     # wait ends (the simulator runs a pass then). Prefetch: node -> datasets it lacks of the jobs
     # the plan reserved GPUs on it for, to fetch while they wait (the adapter sends them on).

@@ -19,9 +19,46 @@ queued job's may be preempted for it, whatever its quota.
 """
 from __future__ import annotations
 
+import math
+
 from .admission import EPS, Tally
-from .model import Allocation, Job, ProjectQuota
+from .model import Allocation, Config, Job, ProjectQuota
 from .placement import UNITS, ClassKey, ClusterState, alloc_units, frac_units
+
+
+def since_checkpoint(a: Allocation, now: float) -> float:
+    """Seconds a checkpointing job's attempt has run since its last own save (0 for one that saves
+    when signalled): its saves come every `checkpoint_interval_s` of the attempt's run."""
+    every = a.job.checkpoint_interval_s
+    if not every:
+        return 0.0
+    ran = max(now - a.start_time, 0.0)
+    return max(ran - math.floor(ran / every + 1e-9) * every, 0.0)
+
+
+def next_checkpoint(a: Allocation, now: float) -> float:
+    """When a job that saves every `checkpoint_interval_s` next saves."""
+    every = a.job.checkpoint_interval_s
+    return now - since_checkpoint(a, now) + every
+
+
+def las_candidates(running: list[Allocation], now: float, cfg: Config) -> tuple[list[Allocation], list[Allocation]]:
+    """The running jobs the las rule may preempt now, and those it passes over only until their next
+    own save. A job that does not checkpoint is kept once its attempt has run past
+    `las_max_loss_gpu_s` (all of that would be lost); one that saves every `checkpoint_interval_s`
+    is a victim only within `las_checkpoint_window_s` after a save, so it loses little more than its
+    grace. The minimum runtime is the pool's own test."""
+    bound, window = cfg.las_max_loss_gpu_s, cfg.las_checkpoint_window_s
+    now_ok, later = [], []
+    for a in running:
+        if not a.job.checkpoints:
+            if bound is None or max(a.job.gpus, 0.0) * (now - a.start_time) <= bound:
+                now_ok.append(a)
+        elif a.job.checkpoint_interval_s and since_checkpoint(a, now) > window + EPS:
+            later.append(a)
+        else:
+            now_ok.append(a)
+    return now_ok, later
 
 
 class VictimPool:
@@ -62,10 +99,13 @@ class VictimPool:
         return self.left > 0
 
     def cost(self, a: Allocation) -> float:
-        """GPU-seconds of work lost: a checkpointing job's grace, another's whole attempt so far."""
+        """GPU-seconds of work lost: a checkpointing job's grace (and, for one that saves on its own
+        every `checkpoint_interval_s`, the time since its last save), another's whole attempt so far."""
         ran = max(self.now - a.start_time, 0.0)
         grace = a.job.checkpoint_grace_s
-        return max(a.job.gpus, 0.01) * (ran if grace is None else min(ran, grace))
+        if grace is None:
+            return max(a.job.gpus, 0.01) * ran
+        return max(a.job.gpus, 0.01) * (since_checkpoint(a, self.now) + min(ran, grace))
 
     def eligible(self, a: Allocation, job: Job) -> bool:
         if self.queue_of is not None:

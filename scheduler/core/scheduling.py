@@ -12,7 +12,7 @@ from .model import (
 )
 from .ordering import las_queue_running, las_queue_waiting, order_queue
 from .placement import UNITS, ClassKey, ClusterState, Topology, fmt_mem, frac_units
-from .preempt import VictimPool
+from .preempt import VictimPool, las_candidates, next_checkpoint
 
 
 class _Pass:
@@ -34,6 +34,7 @@ class _Pass:
         self.easy_held = 0  # of them EASY backfill's (max_reservations); the others hold a locality wait's GPUs
         self._victims: VictimPool | None = None  # built on the first preemption attempt
         self._las_victims: VictimPool | None = None  # the las rule's pool, likewise
+        self.las_later: list[Allocation] = []  # checkpointing jobs the las rule waits to take after a save
         self.las_used = self.cfg.policy == "las" or "las" in self.cfg.pool_policy.values()
         self.preempted: set[str] = set()
         self.preempt_attempts = 0
@@ -261,9 +262,7 @@ class _Pass:
             now, cfg = self.now, self.cfg
             queue_of = {a.job.id: las_queue_running(a, now, cfg) for a in self.snap.running}
             queue_of.update((j.id, las_queue_waiting(j, now, cfg)) for j in self.snap.queued)
-            bound = cfg.las_max_loss_gpu_s
-            running = [a for a in self.snap.running if bound is None or a.job.checkpoints
-                       or max(a.job.gpus, 0.0) * (now - a.start_time) <= bound]
+            running, self.las_later = las_candidates(self.snap.running, now, cfg)
             self._las_victims = VictimPool(running, now, cfg.min_runtime_s, self.state, self.tally,
                                            self.snap.projects, queue_of=queue_of, taken=self.preempted)
         return self._las_victims
@@ -274,16 +273,28 @@ class _Pass:
             return False
         if self.cfg.quotas and (self._victims is None or bool(self._victims)):
             return True
-        return self.las_used and (self._las_victims is None or bool(self._las_victims))
+        return self.las_used and (self._las_victims is None or bool(self._las_victims) or bool(self.las_later))
+
+    def las_wake(self, q: int) -> None:
+        """A job of LAS queue `q` found no victim: jobs of a higher queue passed over until their next
+        own save may be victims then; the plan says when the first of them saves."""
+        queue_of = self.las_victims.queue_of
+        wake = min((next_checkpoint(a, self.now) for a in self.las_later
+                    if queue_of[a.job.id] > q and a.job.id not in self.preempted), default=None)
+        if wake is not None and (self.plan.next_pass_at is None or wake < self.plan.next_pass_at):
+            self.plan.next_pass_at = wake
 
     def try_preempt_las(self, job: Job, classes: list[ClassKey]) -> bool:
         """Tiresias' rule: preempt running work of a higher LAS queue (more attained service)."""
         cfg = self.cfg
         if not cfg.preemption or self.preempt_attempts >= cfg.max_preempt_attempts \
-                or self.policy_of(job) != "las" or not self.las_victims:
+                or self.policy_of(job) != "las":
             return False
         pool = self.las_victims
         q = pool.queue_of[job.id]
+        if not pool:
+            self.las_wake(q)
+            return False
         # As for guarantees: if a job found none, a larger one of no lower queue finds none.
         key = ("las", id(classes), job.nodes)
         prev = self.preempt_failed.get(key)
@@ -294,6 +305,7 @@ class _Pass:
         if not victims:
             if prev is None or (job.gpus <= prev[0] and q <= prev[1]):
                 self.preempt_failed[key] = (job.gpus, q)
+            self.las_wake(q)
             return False
         mine = job.attained_gpu_s / 3600
         for a in victims:

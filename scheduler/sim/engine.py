@@ -76,13 +76,14 @@ class SimResult:
 
 
 def to_core_job(t: TraceJob, qos_map: dict[str, int] | None, nodes: int = 1,
-                checkpoint_grace_s: float | None = None) -> Job:
+                checkpoint_grace_s: float | None = None, checkpoint_interval_s: float | None = None) -> Job:
     qos = qos_map.get(t.tenant, 0) if qos_map else 0
     preemptible = bool(qos_map) and qos == 0
     return Job(t.id, t.tenant, t.tenant, t.tenant, t.gpus, t.submit,
                t.walltime if math.isfinite(t.walltime) else 90 * 86400.0,
                gpu_type=t.gpu_type, qos=qos, preemptible=preemptible, nodes=nodes,
-               checkpoint_grace_s=checkpoint_grace_s)
+               checkpoint_grace_s=checkpoint_grace_s,
+               checkpoint_interval_s=checkpoint_interval_s if checkpoint_grace_s is not None else None)
 
 
 def saved_on_preemption(ran_s: float, interval_s: float) -> float:
@@ -212,7 +213,8 @@ class Simulator:
             while i < n and self.jobs[i].submit <= now:
                 t = self.jobs[i]
                 queue[t.id] = to_core_job(t, self.qos_map, self.span.get(t.id, 1),
-                                          None if self.checkpoint_interval_s is None else self.checkpoint_grace_s)
+                                          None if self.checkpoint_interval_s is None else self.checkpoint_grace_s,
+                                          self.checkpoint_interval_s or None)
                 if local and t.datasets:
                     queue[t.id].datasets = t.datasets
                 if t.gpus > 0:
@@ -234,6 +236,10 @@ class Simulator:
                 plan = schedule(snap, topo)
                 res.passes += 1
                 fragmented = set(plan.fragmented)
+                if plan.next_pass_at is not None and plan.next_pass_at > now:
+                    # las passed over a checkpointing job until its next save: a pass then, as
+                    # production's periodic pass would run
+                    heapq.heappush(wakes, plan.next_pass_at)
                 res.frag_jobs |= fragmented
                 if data is not None:
                     for until in plan.locality_waits.values():  # a pass when a job's wait for its data ends

@@ -86,3 +86,34 @@ def test_a_checkpointing_job_resumes_from_its_last_checkpoint_and_loses_the_rest
 def test_a_job_that_saves_when_signalled_loses_only_its_grace():
     res = _borrow_then_reclaim(checkpoint_interval_s=0, checkpoint_grace_s=60)
     assert res.records["a1"].end == 2100 + 2100 and res.lost_gpu_s == 60
+
+
+def test_of_two_checkpointing_victims_the_one_just_past_a_save_goes():
+    # Both save every 30 min and would free the node; "late" is 25 min past its last save, "fresh" 2 min.
+    busy = [_carol("late", 8, [f"n0-{i}" for i in range(8)], NOW - 3 * 1800 - 1500, checkpoint_grace_s=120,
+                   checkpoint_interval_s=1800),
+            _carol("fresh", 8, [f"n1-{i}" for i in range(8)], NOW - 1800 - 120, checkpoint_grace_s=120,
+                   checkpoint_interval_s=1800)]
+    plan = schedule(snapshot(nodes(2), [job("a", 8)], busy, projects=PROJECTS))
+    assert [p.job_id for p in plan.preemptions] == ["fresh"]
+
+
+def _las_saver(**cfg):
+    """One GPU under las. a (4 h, saves every 1800 s) runs from 0; at 4000 s it has had 1.1 GPU-hours
+    (queue 1) when b (600 s, queue 0) arrives, 400 s after a's save at 3600."""
+    jobs = [TraceJob("a", 0, 4 * 3600, 1, "t", 86400), TraceJob("b", 4000, 600, 1, "u", 86400)]
+    projects = make_projects(["t", "u"], 1, None)
+    return Simulator(jobs, uniform_nodes(1, 1), projects, Config(policy="las", **cfg),
+                     checkpoint_interval_s=1800, checkpoint_grace_s=60).run()
+
+
+def test_the_simulator_preempts_a_saving_job_at_its_next_save():
+    # b waits for a's save at 5400 (a pass runs then), preempts it losing only the 60 s grace, runs
+    # 5400-6000; a resumes with 14400 - 5400 s left.
+    res = _las_saver()
+    assert {k: r.end for k, r in res.records.items()} == {"b": 6000, "a": 6000 + 9000}
+    assert res.lost_gpu_s == 60 and res.records["a"].preempted == 1
+    # Preempting at once (a window of an interval) loses the 400 s since the save too.
+    res = _las_saver(las_checkpoint_window_s=1800)
+    assert {k: r.end for k, r in res.records.items()} == {"b": 4600, "a": 4600 + 14400 - 3600}
+    assert res.lost_gpu_s == 460

@@ -77,3 +77,35 @@ def test_a_job_whose_attempt_has_run_past_the_loss_bound_is_not_preempted():
     assert plan.preemptions == []
     plan = schedule(snapshot(cluster, [job("new", 8, project="bob")], run, **LAS, las_max_loss_gpu_s=None))
     assert [p.job_id for p in plan.preemptions] == ["r"]
+
+
+def _saver(ran, interval=1800.0):
+    """An 8-GPU job of queue 1 that saves on its own every `interval` s and has run `ran` s."""
+    return running(job("r", 8, project="x", time_limit=48 * H, checkpoint_grace_s=120,
+                       checkpoint_interval_s=interval), [f"n0-{i}" for i in range(8)], start=NOW - ran)
+
+
+def test_a_job_that_saves_on_its_own_is_preempted_only_just_after_a_save():
+    # 2 h 15 min run, saves every 30 min: 15 min since its last save, all of which it would lose.
+    # The new job waits, and the plan names the instant of r's next save for the next pass.
+    plan = schedule(snapshot(nodes(1), [job("new", 8, project="bob")], [_saver(2 * H + 900)], **LAS))
+    assert plan.preemptions == [] and plan.waiting["new"].code != "preempting"
+    assert plan.next_pass_at == NOW + 900
+    # 60 s after a save (within las_checkpoint_window_s, 120 s): it is preempted and loses 60 s + grace
+    plan = schedule(snapshot(nodes(1), [job("new", 8, project="bob")], [_saver(2 * H + 60)], **LAS))
+    assert [p.job_id for p in plan.preemptions] == ["r"] and plan.next_pass_at is None
+    # a wider window takes it 15 min after its save; a job that saves when signalled any time
+    plan = schedule(snapshot(nodes(1), [job("new", 8, project="bob")], [_saver(2 * H + 900)], **LAS,
+                             las_checkpoint_window_s=1800))
+    assert [p.job_id for p in plan.preemptions] == ["r"]
+    plan = schedule(snapshot(nodes(1), [job("new", 8, project="bob")], [_saver(2 * H + 900, None)], **LAS))
+    assert [p.job_id for p in plan.preemptions] == ["r"]
+
+
+def test_before_its_first_save_a_job_that_saves_on_its_own_is_not_a_las_victim():
+    # 20 min into an attempt that resumed from 2 GPU-hours: queue 1, past the minimum runtime, but
+    # nothing saved yet in this attempt
+    r = _saver(1200)
+    r.job.attained_gpu_s = 2 * H
+    plan = schedule(snapshot(nodes(1), [job("new", 8, project="bob")], [r], **LAS))
+    assert plan.preemptions == [] and plan.next_pass_at == NOW + 600
