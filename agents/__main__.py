@@ -69,12 +69,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(docs/sessions.md); empty: this node publishes no sessions")
     ap.add_argument("--session-url", default=env("GPUPORTAL_SESSION_URL") or "",
                     help="the gateway's URL as the portal reaches it (default http://HOST:PORT of --session-listen)")
+    ap.add_argument("--refused-is-outage", choices=["on", "off"], default=env("GPUPORTAL_REFUSED_IS_OUTAGE") or "on",
+                    help="a connection the portal's host refuses (its web processes restarting) renews the lease "
+                         "like the portal's outage answer, so jobs run on through a restart of the portal; off "
+                         "where a firewall may reject (not drop) this node's packets (docs/reliability.md)")
     ap.add_argument("--stop-grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     ap.add_argument("--concurrency", type=int, default=4, help="Celery worker threads")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     # argparse checks choices on the command line only, not on defaults from the environment.
-    for opt, var in (("gang_network_driver", "GPUPORTAL_GANG_NETWORK_DRIVER"), ("gpu_scrub", "GPUPORTAL_GPU_SCRUB")):
+    for opt, var in (("gang_network_driver", "GPUPORTAL_GANG_NETWORK_DRIVER"), ("gpu_scrub", "GPUPORTAL_GPU_SCRUB"),
+                     ("refused_is_outage", "GPUPORTAL_REFUSED_IS_OUTAGE")):
         choices = next(a.choices for a in ap._actions if a.dest == opt)
         if getattr(args, opt) not in choices:
             ap.error(f"{var}: expected one of {', '.join(choices)}, got {getattr(args, opt)!r}")
@@ -123,7 +128,7 @@ def main(argv=None) -> int:
     except (ValueError, SandboxError) as exc:
         print(f"agent: {exc}", file=sys.stderr)
         return 2
-    client = PortalClient(args.portal, args.token)
+    client = PortalClient(args.portal, args.token, refused_is_outage=args.refused_is_outage == "on")
     if args.session_listen:
         from agents.sessions import Gateway, SessionDriver
 

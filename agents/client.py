@@ -12,12 +12,23 @@ that, so the agent's lease never outlasts the portal's view of it):
 
 - a heartbeat or registration the portal processed;
 - any request the portal answered with its own outage answer (503 with the
-  ``X-Gpuportal-Outage`` header: its database is out). A portal that cannot
-  reach its database cannot mark this node down either, and gives every node a
-  fresh lease once it is back, so the jobs keep running through its outage.
+  ``X-Gpuportal-Outage`` header: its database is out; the kit's nginx says
+  ``web`` while gunicorn is not running). A portal that cannot reach its
+  database cannot mark this node down either, and gives every node a fresh
+  lease once it is back, so the jobs keep running through its outage;
+- any request the portal's host refused (connection refused: nothing listens
+  on the portal's port, so its web processes are restarting or down), unless
+  ``refused_is_outage`` is off. That refusal reaches every node alike, so the
+  portal hears no node: its reaper is down too (every portal process
+  restarted) and gives every node a fresh lease when it is back, or it takes
+  every node silent at once for its own fault (the mass-failure brake) and
+  marks none down. A firewall that *rejects* one node's packets (rather than
+  dropping them) looks the same to that node: where one may, turn it off
+  (``--refused-is-outage off``).
 
-Other 5xx (a proxy with no portal behind it) and no answer at all do not renew
-it: that is the silence the lease is for.
+Other 5xx (a proxy with no portal behind it, no outage header), a reset or
+timed-out connection and no answer at all do not renew it: that is the silence
+the lease is for (a partition drops packets: the connection times out).
 """
 
 from __future__ import annotations
@@ -61,7 +72,7 @@ LEASE_PATHS = ("/heartbeat", "/register")
 class PortalClient:
     def __init__(self, portal_url: str, token: str, *, timeout_s: float = 10.0, retries: int = 3,
                  backoff_s: float = 0.5, max_backoff_s: float = 5.0, session: requests.Session | None = None,
-                 clock=time.monotonic, sleep=time.sleep):
+                 clock=time.monotonic, sleep=time.sleep, refused_is_outage: bool = True):
         if not token.startswith("gpn_"):
             raise ValueError("--token: a node token starts with gpn_")
         self.base = portal_url.rstrip("/") + API_PREFIX
@@ -82,8 +93,17 @@ class PortalClient:
         # the jobs' supervisors see it at once, not after a heartbeat's whole retry loop).
         self.on_lease_renewed = None
         self.portal_outage: str = ""  # what the portal last said is out ("database"), "" once it answers
+        self.refused_is_outage = refused_is_outage
 
     # -- transport ------------------------------------------------------------
+
+    def _outage(self, what: str, sent: float) -> None:
+        """The portal's own outage (its answer says so, or its host refused the connection): the lease
+        is renewed from ``sent``, and the jobs keep running (module docstring)."""
+        if what != self.portal_outage:
+            log.warning("the portal's %s is out; jobs keep running while it is", what)
+        self.portal_outage = what
+        self._renewed(sent)
 
     def _renewed(self, sent: float) -> None:
         self.lease_renewed_at = max(self.lease_renewed_at or sent, sent)
@@ -112,17 +132,17 @@ class PortalClient:
                                          timeout=self.timeout_s)
             except (requests.ConnectionError, requests.Timeout) as exc:
                 last_err = f"{type(exc).__name__}: {exc}"
+                if self.refused_is_outage and _refused(exc):
+                    self._outage("web (connection refused)", sent)
+                    last_err = f"connection refused (portal web outage): {exc}"
                 log.debug("%s %s failed (%s), attempt %d", method, path, last_err, attempt + 1)
                 continue
             if r.status_code >= 500:
                 last_err = f"HTTP {r.status_code}"
                 outage = r.headers.get(OUTAGE_HEADER, "")
                 if outage:
-                    if outage != self.portal_outage:
-                        log.warning("the portal says its %s is out; jobs keep running while it answers", outage)
-                    self.portal_outage = outage
+                    self._outage(outage, sent)
                     last_err += f" (portal {outage} outage)"
-                    self._renewed(sent)
                 continue
             self.portal_outage = ""
             if path in LEASE_PATHS and r.status_code < 400:
@@ -222,6 +242,23 @@ def event_body(attempt: int, state: str, *, exit_code: int | None = None, messag
     if lease_expired:
         body["lease_expired"] = True
     return body
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether a requests error is the portal's host refusing the connection (ECONNREFUSED on
+    connect: urllib3's NewConnectionError raised from ConnectionRefusedError), not a timeout or reset."""
+    seen = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ConnectionRefusedError):
+            return True
+        todo += [e.__cause__, e.__context__, getattr(e, "reason", None),
+                 *(a for a in getattr(e, "args", ()) if isinstance(a, BaseException))]
+    return False
 
 
 def _q(job_id: str) -> str:

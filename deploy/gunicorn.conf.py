@@ -31,3 +31,24 @@ errorlog = "-"
 loglevel = os.getenv("GUNICORN_LOG_LEVEL", "info")
 access_log_format = '%({x-forwarded-for}i)s "%(r)s" %(s)s %(B)s %(M)sms'
 proc_name = "gpuportal-web"
+# The application (Django, every URL and view) is loaded in the master *before* it listens, and the
+# workers fork from it ready to answer. So while gunicorn (re)starts nothing listens at all: nginx
+# cannot connect and answers the portal's outage (503, X-Gpuportal-Outage: web; deploy/nginx), and
+# an agent reaching gunicorn directly is refused, which it also takes for the portal's outage: its
+# jobs run on through a restart of every portal process (docs/reliability.md, "Restarting the portal").
+# Without it the master listens at once and requests queue unanswered while workers load for
+# seconds, which an agent cannot tell from a partition. New code needs a restart (`systemctl restart
+# gpuportal-web`): a reload (HUP) forks new workers from the code already loaded.
+preload_app = True
+
+
+def on_starting(server):
+    """Preloaded: import the URLconf (every view module) in the master too, so a fresh worker's first
+    request does not; and close any database connection the imports opened, not to share it with forks."""
+    if not server.cfg.preload_app:
+        return
+    from django.db import connections
+    from django.urls import get_resolver
+
+    get_resolver().url_patterns
+    connections.close_all()

@@ -52,10 +52,22 @@ class PortalStub:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._handler = Handler
+        self.port = 0
+        self.listen()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def listen(self):
+        """Serve on the stub's port (a free one the first time; the same one after ``stop_listening``)."""
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), self._handler)
+        self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
+
+    def stop_listening(self):
+        """Close the listening socket, as a portal whose web processes are restarting: connections are refused."""
+        self.server.shutdown()
+        self.server.server_close()
 
     def answer(self, path, body):
         p = path.removeprefix("/api/agent/v1")
@@ -94,5 +106,5 @@ class PortalStub:
             return out
 
     def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+        if self.server.socket.fileno() != -1:
+            self.stop_listening()

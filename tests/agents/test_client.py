@@ -1,4 +1,5 @@
 import base64
+import socket
 
 import pytest
 
@@ -122,3 +123,31 @@ def test_the_portals_outage_answer_renews_the_lease_a_proxys_5xx_does_not(stub):
     with pytest.raises(PortalUnreachable, match="database outage"):
         c.heartbeat(samples=[], jobs=[])
     assert c.lease_renewed_at == 130.0 and c.portal_outage == "database" and c.last_contact is None
+
+
+def test_a_refused_connection_is_the_portals_web_outage_a_timeout_is_silence(stub):
+    """Nothing listening on the portal's port (its web processes restarting) reaches every node alike,
+    so it renews the lease like the outage answer; a connection that never answers (a partition, an
+    overloaded portal) does not, nor a refusal with refused_is_outage off."""
+    now = [100.0]
+    c = client(stub.url, clock=lambda: now[0], retries=0)
+    off = client(stub.url, clock=lambda: now[0], retries=0, refused_is_outage=False)
+    stub.stop_listening()
+    with pytest.raises(PortalUnreachable, match="connection refused"):
+        c.heartbeat(samples=[], jobs=[])
+    assert c.lease_renewed_at == 100.0 and c.portal_outage.startswith("web") and c.last_contact is None
+    with pytest.raises(PortalUnreachable):
+        off.heartbeat(samples=[], jobs=[])
+    assert off.lease_renewed_at is None and off.portal_outage == ""
+    with socket.socket() as mute:  # accepts connections (the kernel does), never answers
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)
+        slow = PortalClient(f"http://127.0.0.1:{mute.getsockname()[1]}", TOKEN, timeout_s=0.3, retries=0,
+                            sleep=lambda s: None)
+        with pytest.raises(PortalUnreachable, match="Timeout"):
+            slow.heartbeat(samples=[], jobs=[])
+        assert slow.lease_renewed_at is None and slow.portal_outage == ""
+    stub.listen()  # back on the same port
+    now[0] = 110.0
+    c.heartbeat(samples=[], jobs=[])
+    assert c.lease_renewed_at == 110.0 and c.portal_outage == ""

@@ -50,6 +50,21 @@ def test_job_keeps_running_while_the_portal_answers_503_longer_than_the_lease(li
     assert [c["state"] for c in live.stub.calls("/jobs/j1/events")] == ["starting", "running"]
 
 
+def test_job_keeps_running_while_the_portal_refuses_connections_longer_than_the_lease(live):
+    """Every portal process restarted at once: nothing listens on its port for a while. The agent
+    renews its lease (and the lease file its jobs' supervisors read) on each refusal."""
+    assert live.agent.launch("j1", 1, JOB) == "started"
+    live.stub.stop_listening()
+    t_end = time.monotonic() + 3 * LEASE_S
+    while time.monotonic() < t_end:
+        assert running(live, "j1") and not live.agent.fenced
+        time.sleep(0.1)
+    assert live.agent.client.portal_outage.startswith("web")
+    live.stub.listen()
+    wait_for(lambda: live.agent.client.portal_outage == "", 5, "the portal to answer again")
+    assert running(live, "j1")
+
+
 def test_silence_past_the_lease_stops_the_job(live):
     """The control: a proxy's 502 (no portal behind it) is silence, and the lease fences."""
     assert live.agent.launch("j1", 1, JOB) == "started"

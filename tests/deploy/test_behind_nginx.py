@@ -145,7 +145,8 @@ http {{
         wait_for(lambda: " ready." in log("agent") or procs["agent"].poll() is not None, 60, "the agent")
         assert procs["agent"].poll() is None, log("agent")[-3000:]
         yield type("Deployed", (), dict(base=base, http=f"http://127.0.0.1:{http_port}", cert=str(cert), node=name,
-                                        token=make_token(demo.users["alice"], ["read", "submit"]), log=log))
+                                        token=make_token(demo.users["alice"], ["read", "submit"]), log=log,
+                                        node_token=node_token, stop_web=lambda: stop_process(procs["gunicorn"])))
     finally:
         for key in ("agent", "worker", "nginx", "gunicorn"):
             if key in procs:
@@ -191,3 +192,16 @@ def test_nginx_serves_static_files_and_redirects_to_https(deployed):
     login = requests.get(f"{d.base}/login/", verify=d.cert, timeout=10)
     assert login.status_code == 200 and "max-age" in login.headers["Strict-Transport-Security"]
     assert "secure" in login.headers.get("Set-Cookie", "secure").lower()
+
+
+def test_with_gunicorn_stopped_nginx_answers_the_portals_outage_and_the_agent_holds_its_lease(deployed):
+    """Every portal process restarted: nginx cannot connect to gunicorn and says so as the portal's own
+    outage (503, Retry-After, X-Gpuportal-Outage: web), which the agent takes as renewing its lease."""
+    d = deployed
+    d.stop_web()
+    r = requests.post(f"{d.base}/api/agent/v1/heartbeat", json={"samples": [], "jobs": []}, verify=d.cert, timeout=10,
+                      headers={"Authorization": f"Bearer {d.node_token}"})
+    assert r.status_code == 503 and r.headers["X-Gpuportal-Outage"] == "web" and r.headers["Retry-After"] == "5"
+    assert "restarting" in r.json()["detail"]
+    wait_for(lambda: "the portal's web is out; jobs keep running" in d.log("agent"), 15,
+             "the agent to take the answer as the portal's outage")

@@ -274,11 +274,13 @@ class Cluster:
         return pids
 
     def close(self) -> None:
+        for key in list(self.procs):  # all asked at once, then each waited for: the grace runs once, not per process
+            for sig in (signal.SIGCONT, signal.SIGTERM):  # a frozen agent cannot stop otherwise
+                try:
+                    os.killpg(self.procs[key][0].pid, sig)
+                except ProcessLookupError:
+                    pass
         for key in list(self.procs):
-            try:
-                os.killpg(self.procs[key][0].pid, signal.SIGCONT)  # a frozen agent cannot stop otherwise
-            except ProcessLookupError:
-                pass
             self.stop(key, grace_s=5)
         for pid in self.job_pids():
             try:
