@@ -13,8 +13,9 @@ through ``Agent.launch`` on ``--concurrency`` threads (the agent's Celery pool),
 ``--rate`` a second (0: all at once), with the supervisor running as in production and a
 portal stand-in in the same process that answers at once. It prints submit to running (the
 launch message's arrival to the agent's ``running`` report), running to terminal for the
-job's command (``true``: how soon the agent learns of an exit and reports it) and the node's
-CPU per job: the agent's process, the per-job supervisors, and dockerd plus containerd
+job's command (``true``: how soon the agent learns of an exit and reports it), where a launch's
+time goes (the wait for a launch thread, the driver's launch, and in it the engine's create and
+start calls) and the node's CPU per job: the agent's process, the per-job supervisors, and dockerd plus containerd
 (process sandbox: the agent and its job wrappers). ``--no-watch`` turns off exit watching
 (pidfd, Docker events), so the supervisor's 1 s tick notices exits, as before it existed.
 
@@ -89,6 +90,53 @@ def _cpu_of(names: tuple[str, ...]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def _time_phases(agent, driver) -> dict:
+    """Where a launch's time goes: when each job's launch began (it waited for one of the agent's
+    launch threads until then) and how long the driver's launch and, in it, the engine's create and
+    start calls took (docker), by job id. Wraps the methods of these two objects only."""
+    import threading
+
+    phases: dict = {"began": {}, "driver": {}, "create": {}, "start": {}}
+    lock = threading.Lock()
+    current = threading.local()
+
+    def timed(obj, name, key, job_of=None):
+        inner = getattr(obj, name)
+
+        def wrapper(*a, **k):
+            job = job_of(*a) if job_of else getattr(current, "job", None)
+            if key == "began":
+                current.job = job
+                with lock:
+                    phases[key][job] = time.perf_counter()
+                return inner(*a, **k)
+            t = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                with lock:
+                    phases[key][job] = time.perf_counter() - t
+
+        setattr(obj, name, wrapper)
+
+    timed(agent, "launch", "began", job_of=lambda job_id, *_: job_id)
+    timed(driver, "launch", "driver", job_of=lambda spec: spec.job_id)
+    api = getattr(getattr(driver, "client", None), "api", None)
+    if api is not None:  # docker: the engine's two calls (docker-py's create goes through create_container)
+        timed(api, "create_container", "create")
+        timed(api, "start", "start")
+    return phases
+
+
+def _print_phases(phases: dict, submitted: dict) -> None:
+    waited = [(phases["began"][j] - t) * 1000 for j, t in submitted.items() if j in phases["began"]]
+    print(f"  where it goes: waiting for a launch thread p50 {statistics.median(waited):7.0f} ms, "
+          + ", ".join(f"{name} p50 {statistics.median(xs) * 1000:.0f} ms"
+                      for name, xs in (("driver launch", list(phases["driver"].values())),
+                                       ("engine create", list(phases["create"].values())),
+                                       ("engine start", list(phases["start"].values()))) if xs))
+
+
 def agent_mode(args) -> None:
     import tempfile
     import threading
@@ -123,6 +171,7 @@ def agent_mode(args) -> None:
     sup.start()
     spec = {"image": args.image, "command": ["true"], "cpus": 0.1, "memory_mb": 64, "time_limit_s": 600}
     submitted: dict[str, float] = {}
+    phases = _time_phases(agent, driver)
     engine_cpu, own = _cpu_of(engine), os.times()
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
@@ -162,6 +211,7 @@ def agent_mode(args) -> None:
     for name, xs in (("submit to running", to_running), ("running to terminal", to_end)):
         print(f"  {name:20s} p50 {statistics.median(xs):7.0f} ms   p99 {pct(xs, 99):7.0f} ms   max {max(xs):7.0f} ms")
     per = 1000 / n
+    _print_phases(phases, submitted)
     print(f"  node CPU per job {(agent_cpu + children_cpu + engine_cpu) * per:.1f} ms: agent {agent_cpu * per:.1f}, "
           f"{'supervisors' if args.sandbox == 'docker' else 'job wrappers'} {children_cpu * per:.1f}"
           + (f", dockerd+containerd {engine_cpu * per:.1f} (shims not counted)" if engine else "")

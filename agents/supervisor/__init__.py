@@ -15,18 +15,27 @@ job's parent (``SOURCE``), where nothing of the agent's environment or packages 
 
 import os
 import sys
-from pathlib import Path
 
-SOURCE = (Path(__file__).with_name("lease.py")).read_text()
-ROOT = str(Path(__file__).resolve().parents[2])  # where ``agents`` is importable from
+# os.path, not pathlib: each job's supervisor imports this package, and pathlib (with the fnmatch and
+# urllib it pulls in) was a third of its start-up CPU.
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))  # ``agents`` imports from here
 
 
-def start(kind: str, ref: str, lease_path: Path, lease_s: float, grace_s: float, *extra: str) -> "subprocess.Popen":
+def __getattr__(name: str) -> str:
+    """``SOURCE``, lease.py's text (the process sandbox's job parent), read when first asked for."""
+    if name == "SOURCE":
+        with open(os.path.join(os.path.dirname(__file__), "lease.py")) as f:
+            globals()["SOURCE"] = text = f.read()
+        return text
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def start(kind: str, ref: str, lease_path, lease_s: float, grace_s: float, *extra: str) -> "subprocess.Popen":
     """Start ``python -m agents.supervisor KIND REF`` detached (a session of its own, so it outlives the
     agent and a signal to the agent's group); its messages go to ``supervisors.log`` beside the lease."""
     import subprocess  # here: the supervisor process imports this package and needs none of it
 
-    with open(lease_path.parent / "supervisors.log", "ab") as errf:
+    with open(os.path.join(os.path.dirname(str(lease_path)), "supervisors.log"), "ab") as errf:
         return subprocess.Popen(
             [sys.executable, "-m", "agents.supervisor", kind, ref, "--lease-file", str(lease_path),
              "--lease-s", str(lease_s), "--grace-s", str(grace_s), *extra],

@@ -216,3 +216,14 @@ def test_a_vm_is_destroyed_at_its_lease_deadline_by_its_own_supervisor(kvm_image
         assert d.poll(h) == (FENCED, None)
     finally:
         close_vm_driver(d)
+
+
+def test_a_containers_supervisor_starts_on_the_standard_library_alone():
+    """Every docker job starts a supervisor process, so its start-up is node CPU per job: it loads no
+    docker SDK, no requests and no pathlib (with fnmatch and urllib, a third of its imports)."""
+    out = subprocess.run([sys.executable, "-c", "import sys, agents.supervisor.__main__, agents.supervisor as s; "
+                          "print(len(s.SOURCE) > 0, *sorted(sys.modules))"],
+                         capture_output=True, text=True, check=True, cwd=os.path.dirname(os.path.dirname(
+                             os.path.dirname(os.path.abspath(__file__))))).stdout.split()
+    assert out[0] == "True"  # the process sandbox's job parent still reads lease.py's text
+    assert not {"docker", "requests", "urllib3", "pathlib", "fnmatch"} & set(out[1:])
