@@ -34,7 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m agents", description="gpuportal node agent")
     ap.add_argument("--portal", default=env("GPUPORTAL_PORTAL_URL"), help="portal base URL")
     ap.add_argument("--token", default=env("GPUPORTAL_NODE_TOKEN"), help="node token (gpn_...)")
-    ap.add_argument("--broker", default=env("CELERY_BROKER_URL"), help="Celery broker URL")
+    ap.add_argument("--broker", default=env("CELERY_BROKER_URL"),
+                    help="Celery broker URL (wins over CELERY_BROKER_URL in the environment)")
     ap.add_argument("--broker-folder", default=env("GPUPORTAL_BROKER_FOLDER"),
                     help="folder of a filesystem:// broker (the embedded default); must match the portal's")
     ap.add_argument("--name", default=env("GPUPORTAL_NODE_NAME") or os.uname().nodename)
@@ -87,6 +88,22 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not getattr(args, opt):
             ap.error(f"--{opt} is required (or its environment variable)")
     return args
+
+
+def use_broker(app, url: str, folder: str | None = None) -> None:
+    """Point the agent's Celery app at ``url``, the --broker flag's value. Celery reads
+    CELERY_BROKER_URL (and CELERY_BROKER_READ_URL / _WRITE_URL) from the environment before its own
+    setting, so an environment naming another broker would silently win: the flag wins instead, and the
+    environment is made to agree with it."""
+    for var in ("CELERY_BROKER_READ_URL", "CELERY_BROKER_WRITE_URL"):
+        if os.environ.pop(var, None):
+            log.warning("%s ignored: the agent uses --broker for reading and writing", var)
+    os.environ["CELERY_BROKER_URL"] = url
+    app.conf.broker_url = url
+    if url.startswith("filesystem://"):
+        folder = folder or os.path.join("var", "broker")
+        os.makedirs(folder, exist_ok=True)
+        app.conf.broker_transport_options = {"data_folder_in": folder, "data_folder_out": folder}
 
 
 def register_until_answered(agent: Agent, stop: threading.Event) -> None:
@@ -160,11 +177,7 @@ def main(argv=None) -> int:
     from agents.tasks import app, bind_agent
 
     bind_agent(agent)
-    app.conf.broker_url = args.broker
-    if args.broker.startswith("filesystem://"):
-        folder = args.broker_folder or os.path.join("var", "broker")
-        os.makedirs(folder, exist_ok=True)
-        app.conf.broker_transport_options = {"data_folder_in": folder, "data_folder_out": folder}
+    use_broker(app, args.broker, args.broker_folder)
     queue = f"node.{args.name}"
     log.info("consuming Celery queue %s on %s", queue, args.broker.split("@")[-1])
     asked_to_stop = threading.Event()
