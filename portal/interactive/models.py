@@ -5,6 +5,7 @@ the agent reports where it can be reached (``gateway_url``) and when it answers.
 """
 import secrets
 
+from django.conf import settings
 from django.db import models
 
 from portal.core.querysets import TenantQuerySet
@@ -45,6 +46,9 @@ class Session(models.Model):
     secret = models.CharField(max_length=64, default=new_secret)
     # Who besides the job's owner may connect: the job's project ("project"), or nobody ("owner").
     share = models.CharField(max_length=8, choices=[("owner", "owner"), ("project", "project")], default="owner")
+    # And these people by name, whatever ``share`` says: members of the job's organization (checked again
+    # at every connection, so one who leaves it loses the way in).
+    shared_users = models.ManyToManyField(settings.AUTH_USER_MODEL, blank=True, related_name="shared_sessions")
     gateway_url = models.CharField(max_length=300, blank=True)
     message = models.CharField(max_length=300, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)

@@ -27,7 +27,24 @@ def session_for_connect(user, job_id, name: str, *, token=None) -> Session | Non
         return session
     if session.share == "project" and Session.objects.for_user(user, "view").filter(pk=session.pk).exists():
         return session
+    if session.shared_users.filter(pk=user.pk).exists() and in_organization(user, session.job.project):
+        return session
     return None
+
+
+def in_organization(user, project) -> bool:
+    """Whether a person is a member of a project of ``project``'s organization (the tenant)."""
+    from portal.tenancy.models import Membership
+
+    return Membership.objects.filter(user=user, project__organization_id=project.organization_id).exists()
+
+
+def named_for_user(user):
+    """Sessions shared with a person by name, in the organizations they are a member of."""
+    from portal.tenancy.models import Membership
+
+    orgs = Membership.objects.filter(user=user).values("project__organization_id")
+    return Session.objects.filter(shared_users=user, job__project__organization_id__in=orgs)
 
 
 def display_state(session: Session) -> str:
@@ -45,7 +62,8 @@ def sessions_for_user(user, *, job=None, live_only: bool = False):
     """Sessions a person may connect to (their own, and those shared with their projects)."""
     from django.db.models import Q
 
-    qs = Session.objects.for_user(user, "view").filter(Q(job__user=user) | Q(share="project")) \
+    mine = Session.objects.for_user(user, "view").filter(Q(job__user=user) | Q(share="project"))
+    qs = Session.objects.filter(Q(pk__in=mine.values("pk")) | Q(pk__in=named_for_user(user).values("pk"))) \
         .select_related("job", "job__project").order_by("-job__submitted_at", "name")
     if job is not None:
         qs = qs.filter(job=job)

@@ -8,7 +8,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from portal.core.context import Actor
-from portal.core.errors import Forbidden
+from portal.core.errors import Forbidden, InvalidInput
 from portal.core.services import audit_record
 
 from .models import LIVE_STATES, Session, SessionPolicy, SessionState
@@ -43,14 +43,33 @@ def session_report(*, node, job, attempt: int, name: str, state: str, gateway_ur
     return session
 
 
-def session_share(*, actor: Actor, session: Session, share: str) -> Session:
-    """Only the job's owner says who else may connect: nobody ("owner") or the job's project."""
+def session_share(*, actor: Actor, session: Session, share: str | None = None,
+                  users: list[str] | None = None) -> Session:
+    """Only the job's owner says who else may connect: nobody ("owner") or the job's project, and
+    people by name (``users`` replaces the list): members of the job's organization only."""
+    from django.contrib.auth import get_user_model
+
+    from .selectors import in_organization
+
     if session.job.user_id != getattr(actor.user, "pk", None):
         raise Forbidden("Only the job's owner can share its sessions.")
+    people = []
+    if users is not None:
+        found = {u.username: u for u in get_user_model().objects.filter(username__in=users, is_active=True)}
+        # One answer for an unknown name and another tenant's user: names of other tenants never leak.
+        missing = [n for n in users if n not in found or not in_organization(found[n], session.job.project)]
+        if missing:
+            raise InvalidInput("No user named " + ", ".join(repr(n) for n in missing) + " in this job's organization.",
+                               field="users")
+        people = [found[n] for n in dict.fromkeys(users) if found[n].pk != session.job.user_id]
     with transaction.atomic():
-        Session.objects.filter(pk=session.pk).update(share=share)
-        session.share = share
-        audit_record(actor=actor, action="session.share", obj=session, project=session.job.project, share=share)
+        if share is not None:
+            Session.objects.filter(pk=session.pk).update(share=share)
+            session.share = share
+        if users is not None:
+            session.shared_users.set(people)
+        audit_record(actor=actor, action="session.share", obj=session, project=session.job.project,
+                     share=session.share, users=sorted(u.username for u in session.shared_users.all()))
     return session
 
 

@@ -139,6 +139,52 @@ def test_only_the_owner_and_then_the_project_may_connect(demo, api):
     assert {s["name"]: s["url"] for s in listed} == {"lab": f"/sessions/{job.pk}/lab/", "sh": f"/sessions/{job.pk}/sh/"}
 
 
+def test_the_owner_shares_a_session_with_named_people_of_its_organization(demo, api):
+    from django.contrib.auth import get_user_model
+
+    from portal.tenancy.models import Membership, Project
+
+    job = lab_job(demo)
+    alice, bob, charlie = (demo.users[u] for u in ("alice", "bob", "charlie"))
+    # erin is in alice's organization (another of its projects), not in the job's project.
+    erin = get_user_model().objects.create_user("erin", password="x-erin-pass-123")
+    audio = Project.objects.create(organization=demo.vision.organization, slug="audio", name="Audio")
+    Membership.objects.create(project=audio, user=erin, role="member")
+    sid = Session.objects.get(job=job, name="lab").pk
+    url = f"/api/v1/sessions/{sid}/"
+    # Only members of the job's organization can be named; another tenant's user reads like an unknown name.
+    for name in ("charlie", "nobody-such"):
+        r = api("alice").patch(url, {"users": [name]}, format="json")
+        assert r.status_code == 400, r.json()
+        assert r.json()["error"]["fields"]["users"] == [f"No user named {name!r} in this job's organization."]
+    r = api("alice").patch(url, {"users": ["erin", "charlie"]}, format="json")
+    assert r.status_code == 400 and not Session.objects.get(pk=sid).shared_users.exists()  # all or nothing
+    assert api("alice").patch(url, {}, format="json").status_code == 400
+    assert api("alice").patch(url, {"users": "erin"}, format="json").status_code == 400
+    assert api("bob").patch(url, {"users": ["bob"]}, format="json").status_code == 404  # not shared with him
+    assert api("charlie").patch(url, {"users": ["charlie"]}, format="json").status_code == 404
+    r = api("alice").patch(url, {"users": ["erin", "erin", "alice"]}, format="json")
+    assert r.status_code == 200 and r.json()["users"] == ["erin"] and r.json()["share"] == "owner"
+    # erin gets in to this session only; bob (same project, not named) and charlie still do not.
+    assert session_for_connect(erin, job.pk, "lab") is not None
+    assert session_for_connect(erin, job.pk, "sh") is None
+    assert session_for_connect(bob, job.pk, "lab") is None
+    assert session_for_connect(charlie, job.pk, "lab") is None
+    listed = api("erin").get("/api/v1/sessions/").json()["results"]
+    assert [(s["job"], s["name"]) for s in listed] == [(job.pk, "lab")]
+    assert api("erin").get(url).status_code == 200
+    assert api("erin").patch(url, {"users": []}, format="json").status_code == 403  # the owner's to change
+    # Checked at every connection: once erin leaves the organization, she is out.
+    Membership.objects.filter(user=erin).delete()
+    assert session_for_connect(erin, job.pk, "lab") is None
+    assert api("erin").get(url).status_code == 404
+    Membership.objects.create(project=audio, user=erin, role="member")
+    # An empty list takes everyone's name back.
+    r = api("alice").patch(url, {"users": []}, format="json")
+    assert r.status_code == 200 and r.json()["users"] == []
+    assert session_for_connect(erin, job.pk, "lab") is None
+
+
 def test_a_token_needs_the_submit_scope_and_the_jobs_project(demo):
     from portal.accounts.services import token_authenticate
 
