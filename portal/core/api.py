@@ -10,28 +10,8 @@ from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from .context import Actor, actor_from_request
-from .errors import ServiceError
+from .errors import InvalidInput, ServiceError, flatten
 from .rest import PayloadTooLarge
-
-
-def _flatten(detail, prefix="") -> dict[str, list[str]]:
-    """DRF's nested error detail -> {"field.sub": ["message", ...]}."""
-    out: dict[str, list[str]] = {}
-    if isinstance(detail, Mapping):
-        for key, value in detail.items():
-            name = f"{prefix}.{key}" if prefix else str(key)
-            for k, v in _flatten(value, name).items():
-                out.setdefault(k, []).extend(v)
-    elif isinstance(detail, list):
-        if all(not isinstance(item, (Mapping, list)) for item in detail):
-            out[prefix or "non_field_errors"] = [str(item) for item in detail]
-        else:
-            for index, item in enumerate(detail):
-                for k, v in _flatten(item, f"{prefix}[{index}]" if prefix else str(index)).items():
-                    out.setdefault(k, []).extend(v)
-    else:
-        out[prefix or "non_field_errors"] = [str(detail)]
-    return out
 
 
 def error_body(status_code: int, code: str, message: str, fields: dict | None = None) -> dict:
@@ -52,19 +32,13 @@ def exception_handler(exc, context):
     if response is None:
         return None  # a real bug: let Django report the 500
     if isinstance(exc, exceptions.ValidationError):
-        fields = _flatten(exc.detail)
-        general = fields.pop("non_field_errors", None)
-        message = general[0] if general else "Invalid input: " + "; ".join(
-            f"{name}: {msgs[0]}" for name, msgs in list(fields.items())[:5]
-        )
-        if general and len(general) > 1:
-            fields["non_field_errors"] = general
-        response.data = error_body(response.status_code, "invalid", message, fields)
+        refusal = InvalidInput.from_detail(exc.detail)
+        response.data = error_body(response.status_code, "invalid", refusal.message, refusal.as_fields())
     else:
         detail = exc.detail if isinstance(exc, exceptions.APIException) else str(exc)
         code = getattr(exc, "default_code", "error")
         if isinstance(detail, (list, dict)):
-            fields = _flatten(detail)
+            fields = flatten(detail)
             response.data = error_body(response.status_code, code, "Request refused.", fields)
         else:
             code = getattr(detail, "code", code) or code

@@ -13,9 +13,7 @@ from django.contrib import messages
 from django.contrib.auth.mixins import LoginRequiredMixin, UserPassesTestMixin
 from django.http import Http404
 from django.shortcuts import redirect, render
-from rest_framework import serializers
 
-from .api import _flatten
 from .context import actor_from_request
 from .errors import ServiceError
 
@@ -51,11 +49,6 @@ def refused(request, exc: ServiceError, *, back: str):
         return render(request, "core/refused.html", {"message": exc.message, "back": back}, status=403)
     messages.error(request, exc.message)
     return redirect(back)
-
-
-def validation_fields(exc: serializers.ValidationError) -> dict[str, list[str]]:
-    """DRF's nested errors as the API reports them: {"resources.gpus": ["..."]}."""
-    return _flatten(exc.detail)
 
 
 CSRF_INPUT = re.compile(r'<input type="hidden" name="csrfmiddlewaretoken" value="[^"]*">')

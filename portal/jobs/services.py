@@ -8,7 +8,7 @@ from rest_framework import serializers
 
 from portal.core import locks
 from portal.core.context import Actor
-from portal.core.errors import Conflict, Forbidden, InvalidInput, ServiceError, Unprocessable
+from portal.core.errors import Conflict, Forbidden, InvalidInput, ServiceError, Unprocessable, check_valid
 from portal.core.querysets import check_token_project, user_can
 from portal.core.queue import request_schedule_pass
 from portal.core.services import audit_record, require_operator
@@ -50,7 +50,7 @@ def _submit_project_or_all_errors(actor: Actor, data: dict) -> Project:
         errors.pop("project", None)
         if not errors:
             raise
-        raise serializers.ValidationError({**exc.as_fields(), **errors}) from None
+        raise InvalidInput.from_detail({**exc.as_fields(), **errors}) from None
 
 
 def merge_template(project: Project, data: dict) -> tuple[dict, JobTemplate | None]:
@@ -82,9 +82,7 @@ def job_submit(*, actor: Actor, data: dict, idempotency_key: str = "") -> tuple[
         return existing, False
     project = _submit_project_or_all_errors(actor, data)
     merged, template = merge_template(project, data)
-    spec = JobSpecSerializer(data=merged, context={"project": project})
-    spec.is_valid(raise_exception=True)
-    v = spec.validated_data
+    v = check_valid(JobSpecSerializer(data=merged, context={"project": project}))
     res = v["resources"]
     if res["gpus"] > 0:
         _check_budget(project)
@@ -161,8 +159,8 @@ def _check_field(serializer: JobSpecSerializer, field: str, value):
         value = serializer.fields[field].run_validation(value)
         if (check := getattr(serializer, f"validate_{field}", None)) is not None:
             value = check(value)
-    except serializers.ValidationError as exc:
-        raise serializers.ValidationError({field: exc.detail}) from None
+    except serializers.ValidationError as exc:  # the serializer's own check of one field
+        raise InvalidInput.from_detail({field: exc.detail}) from None
     return value
 
 
@@ -235,13 +233,13 @@ def job_submit_batch(*, actor: Actor, data) -> list[int]:
         project, template, key, own = entry
         try:
             own = {f: _check_field(fields_of, f, value) for f, value in own.items()}
-        except serializers.ValidationError as exc:
-            errors.update({f"jobs[{i}].{f}": msgs for f, msgs in exc.detail.items()})
+        except InvalidInput as exc:
+            errors.update({f"jobs[{i}].{f}": msgs for f, msgs in exc.as_fields().items()})
             continue
         if (project.pk, key) in checked:
             items.append((project, {**checked[(project.pk, key)], **own}, template))
     if errors:
-        raise serializers.ValidationError(errors)
+        raise InvalidInput.from_detail(errors)
     for project in {p.pk: p for p, v, _ in items if v["resources"]["gpus"] > 0}.values():
         _check_budget(project)
     plain = all(not (v["array"] or v["depends_on"] or v.get("ports")) for _, v, _ in items)
@@ -268,7 +266,7 @@ def job_spec_check(*, actor: Actor, data: dict) -> None:
     page asks when its own checks failed, so one answer lists every problem)."""
     project = _submit_project_or_all_errors(actor, data)
     merged, _ = merge_template(project, data)
-    JobSpecSerializer(data=merged, context={"project": project}).is_valid(raise_exception=True)
+    check_valid(JobSpecSerializer(data=merged, context={"project": project}))
 
 
 def _idempotency_fingerprint(actor: Actor, data: dict) -> str:
@@ -518,7 +516,7 @@ def job_update(*, actor: Actor, job: Job, time_limit: int | None = None, priorit
                 errors.update(_cluster_fit(res.validated_data))
             changes.update(gpus=gpus, gpu_memory_mb=res.validated_data["gpu_memory_mb"])
     if errors:
-        raise serializers.ValidationError(errors)
+        raise InvalidInput.from_detail(errors)
     if not changes:
         raise InvalidInput("Nothing to change: give a new time_limit, priority or resources.gpus.",
                            code="nothing_to_update")
@@ -559,7 +557,7 @@ def template_save(*, actor: Actor, project: Project, name: str, spec: dict, lock
     if not check.is_valid():
         errors = {f"spec.{k}": v for k, v in check.errors.items() if k.split(".")[0] in spec}
         if errors:
-            raise serializers.ValidationError(errors)
+            raise InvalidInput.from_detail(errors)
     with transaction.atomic():
         if template is None:
             if JobTemplate.objects.filter(project=project, name=name).exists():

@@ -14,11 +14,10 @@ from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
 from django.views import View
-from rest_framework import serializers
 
-from portal.core.errors import ServiceError
+from portal.core.errors import ServiceError, check_valid
 from portal.core.numbers import parse_int, parse_ints
-from portal.core.pages import PageMixin, refused, scoped_or_404, validation_fields, version
+from portal.core.pages import PageMixin, refused, scoped_or_404, version
 from portal.core.querysets import user_can
 from portal.tenancy.models import Project
 
@@ -128,18 +127,13 @@ class JobSubmitView(PageMixin, View):
             # With the API's verdict on the inputs that passed: every problem in one answer.
             try:
                 job_spec_check(actor=self.actor, data=form.spec())
-            except serializers.ValidationError as exc:
-                form.add_api_errors(validation_fields(exc), beside_own=True)
             except ServiceError as exc:
-                form.add_api_errors(exc.as_fields(), exc.message, beside_own=True)
+                form.add_api_errors(exc.as_fields(), None if exc.fields else exc.message, beside_own=True)
             return self._render(request, form)
         try:
             job, _ = job_submit(actor=self.actor, data=form.spec())
-        except serializers.ValidationError as exc:
-            form.add_api_errors(validation_fields(exc))
-            return self._render(request, form)
         except ServiceError as exc:
-            form.add_api_errors(exc.as_fields(), exc.message)
+            form.add_api_errors(exc.as_fields(), None if exc.fields else exc.message)
             return self._render(request, form)
         what = f"Array job {job.pk} ({job.array})" if job.is_array_parent else f"Job {job.pk}"
         messages.success(request, f"{what} submitted.")
@@ -364,18 +358,16 @@ class JobUpdateView(PageMixin, View):
         if text:
             data["resources"] = {"gpus": text}
         try:
-            form = JobUpdateSerializer(data=data)
-            form.is_valid(raise_exception=True)
-            v = form.validated_data
+            v = check_valid(JobUpdateSerializer(data=data))
             gpus = v.get("resources", {}).get("gpus")
             job = job_update(actor=self.actor, job=job, time_limit=v.get("time_limit"), priority=v.get("priority"),
                              gpus=None if gpus == job.gpus else gpus)  # nothing changed: it says so
-        except serializers.ValidationError as exc:
-            messages.error(request, "Not updated: " + "; ".join(
-                f"{k}: {' '.join(str(m) for m in v)}" for k, v in validation_fields(exc).items()))
-            return redirect(back)
         except ServiceError as exc:
-            return refused(request, exc, back=back)
+            if not exc.fields:
+                return refused(request, exc, back=back)
+            messages.error(request, "Not updated: " + "; ".join(
+                f"{k}: {' '.join(str(m) for m in v)}" for k, v in exc.as_fields().items()))
+            return redirect(back)
         messages.success(request, f"Job {job.slurm_id} updated.")
         return redirect(back)
 
@@ -385,10 +377,10 @@ class JobResubmitView(PageMixin, View):
         job = _job(request, pk)
         try:
             new = job_resubmit(actor=self.actor, job=job)
-        except serializers.ValidationError as exc:
-            messages.error(request, "; ".join(f"{k}: {v[0]}" for k, v in validation_fields(exc).items()))
-            return redirect("jobs:detail", pk=job.pk)
         except ServiceError as exc:
+            if exc.fields:
+                messages.error(request, "; ".join(f"{k}: {v[0]}" for k, v in exc.as_fields().items()))
+                return redirect("jobs:detail", pk=job.pk)
             return refused(request, exc, back=reverse("jobs:detail", args=[job.pk]))
         dropped = " without its environment (only its owner's resubmits keep it)" if job.env and not new.env else ""
         messages.success(request, f"Job {job.pk} resubmitted as job {new.pk}{dropped}.")

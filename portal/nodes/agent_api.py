@@ -16,7 +16,8 @@ from rest_framework.views import APIView
 
 from agents import protocol
 from agents.protocol import NODE_SANDBOXES, PROTOCOL_VERSION, protocol_major
-from portal.core.api import StrictSerializer, _flatten
+from portal.core.api import StrictSerializer
+from portal.core.errors import flatten
 
 from .auth import IsNode, NodeTokenAuthentication
 from .services import agent_probe_answer, agent_register
@@ -251,7 +252,7 @@ def samples_check(samples: list[dict]) -> tuple[list[dict], list[int], list[dict
         except serializers.ValidationError as exc:
             uuid = sample.get("gpu_uuid")
             refused.append({"position": position, "gpu_uuid": uuid if isinstance(uuid, str) else None,
-                            "errors": _flatten(exc.detail)})
+                            "errors": flatten(exc.detail)})
     return good, positions, refused
 
 

@@ -7,10 +7,9 @@ from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.views import View
 from django.views.generic import ListView
-from rest_framework import serializers
 
 from portal.core.errors import ServiceError
-from portal.core.pages import PageMixin, refused, scoped_or_404, validation_fields
+from portal.core.pages import PageMixin, refused, scoped_or_404
 from portal.core.querysets import user_can
 from portal.interactive.selectors import session_cards
 from portal.jobs.models import JobTemplate
@@ -163,13 +162,14 @@ class TemplateAddView(PageMixin, View):
         if form.is_valid():
             try:
                 template_save(actor=self.actor, project=project, **form.cleaned_data)
-            except serializers.ValidationError as exc:
-                for name, texts in validation_fields(exc).items():
-                    form.add_error("spec", f"{name}: {texts[0]}")
             except ServiceError as exc:
                 if exc.status == 403:
                     return refused(request, exc, back=project_url(project))
-                form.add_error(exc.field if exc.field in form.fields else None, exc.message)
+                if exc.fields:
+                    for name, texts in exc.as_fields().items():
+                        form.add_error("spec", f"{name}: {texts[0]}")
+                else:
+                    form.add_error(exc.field if exc.field in form.fields else None, exc.message)
             else:
                 messages.success(request, f"Template {form.cleaned_data['name']} saved.")
                 return redirect(project_url(project))

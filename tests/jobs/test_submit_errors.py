@@ -53,3 +53,20 @@ def test_name_defaults_to_the_commands_program(alice, command, name):
 def test_a_given_name_is_kept(alice):
     r = submit(alice, {"project": "vision", "name": "mine", "image": IMAGE, "command": ["python"]})
     assert r.status_code == 201 and r.json()["name"] == "mine"
+
+
+def test_the_submit_service_refuses_with_the_services_own_error(demo):
+    """Services raise one family of errors (portal.core.errors), never DRF's: a page, a
+    management command or a task calling job_submit catches ServiceError alone and still gets
+    every field's message, flattened as the API reports them."""
+    from portal.core.context import Actor
+    from portal.core.errors import InvalidInput
+    from portal.jobs.services import job_submit
+
+    with pytest.raises(InvalidInput) as refusal:
+        job_submit(actor=Actor(user=demo.users["alice"]), data={
+            "project": "vision", "image": IMAGE, "command": [], "resources": {"gpus": 64}})
+    fields = refusal.value.as_fields()
+    assert set(fields) == {"command", "resources.gpus"}, fields
+    assert refusal.value.status == 400 and refusal.value.message.startswith("Invalid input: ")
+    assert not Job.objects.exists()
