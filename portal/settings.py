@@ -400,6 +400,9 @@ SCHEDULER_MIN_RUNTIME_S = env_int("SCHEDULER_MIN_RUNTIME_S", 600, minimum=0)
 # Requested passes start at least this far apart (Slurm's sched_min_interval); requests meanwhile
 # coalesce into the next one (portal/core/passes.py).
 SCHEDULER_PASS_INTERVAL_S = env_float("SCHEDULER_PASS_INTERVAL_S", 0.2)
+# A pass that finds nothing changed since the last full one (same rows read, no note pending)
+# reuses its plan for up to this long; time alone (ages, minimum runtimes) waits at most this.
+SCHEDULER_REPLAN_S = env_int("SCHEDULER_REPLAN_S", 30, minimum=0)
 SCHEDULER_FAIRSHARE_HALF_LIFE_S = env_int("SCHEDULER_FAIRSHARE_HALF_LIFE_S", 7 * 86400, minimum=60)
 # Kept from each node's registered CPUs and memory for its own system (agent, engine, kernel): the
 # scheduler places jobs, GPU or CPU-only, only while their cpus and memory_mb fit in the rest.

@@ -3,36 +3,44 @@
 `run_pass()` is what the `scheduler.schedule_pass` task runs. Steps:
 1. Open a transaction and take a non-blocking advisory lock; a second pass returns at once.
 2. End jobs whose dependencies failed (cancelled, with the reason).
-3. Build a `scheduler.core.Snapshot`: schedulable nodes and healthy GPUs, the jobs holding
+3. Digest what the snapshot would read (`inputs_digest`); when nothing changed since the last
+   full pass, within SCHEDULER_REPLAN_S and no reason note pending, its plan stands: only stale
+   launches are re-sent (`_plan_stands`).
+4. Build a `scheduler.core.Snapshot`: schedulable nodes and healthy GPUs, the jobs holding
    GPUs, queued jobs, quotas, decayed usage and this month's GPU-hours.
-4. Run the pure core.
-5. Apply in the same transaction: each start is a conditional queued->assigned transition
+5. Run the pure core.
+6. Apply in the same transaction: each start is a conditional queued->assigned transition
    plus its Allocation rows (the partial unique index refuses a double-booked whole GPU;
    shared fractions are summed under a row lock); each preemption ends the attempt and
    requeues the job with attempt+1; changed reasons and queue positions are written.
-6. After commit, send `agent.launch` / `agent.stop` to the nodes' queues. A launch lost
+7. After commit, send `agent.launch` / `agent.stop` to the nodes' queues. A launch lost
    between commit and publish is re-sent by a later pass (jobs assigned too long ago).
 """
+import hashlib
 import logging
+import math
 import time
 from collections import Counter, defaultdict
 from datetime import timedelta
 from decimal import Decimal
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.core.cache import cache
 from django.db import IntegrityError, connection, transaction
-from django.db.models import F, Sum
+from django.db.models import F, FloatField, Func, Sum
 from django.utils import timezone
 
 from portal.core import locks
 from portal.core.crashpoints import crashpoint
 from portal.core.passes import pass_begins
-from portal.jobs.models import HOLDING, QOS_VALUE, TERMINAL, Allocation, Job, JobState
+from portal.jobs.models import (HOLDING, QOS_VALUE, TERMINAL, Allocation, Job, JobState, ProjectFairshare,
+                                ProjectMonthUsage)
 from portal.jobs.selectors import launch_specs, usage_for_pass
 from portal.jobs.states import transition
 from portal.jobs.usage import usage_fold
 from portal.nodes.models import GPU, GPUHealth, GPUMode, Node, NodeState
-from portal.tenancy.models import Organization, Quota
+from portal.tenancy.models import Organization, Project, Quota
 from scheduler import core
 
 from .dispatch import send_launches, send_stop
@@ -41,6 +49,20 @@ log = logging.getLogger(__name__)
 
 def _epoch(dt) -> float:
     return dt.timestamp()
+
+
+class Epoch(Func):
+    """A timestamp as seconds since the epoch (a float), computed by the database: parsing
+    thousands of datetimes in Python was most of a snapshot's cost."""
+
+    output_field = FloatField()
+
+    def as_postgresql(self, compiler, connection, **extra):
+        return self.as_sql(compiler, connection, template="EXTRACT(EPOCH FROM %(expressions)s)::float8", **extra)
+
+    def as_sqlite(self, compiler, connection, **extra):
+        return self.as_sql(compiler, connection, template="((julianday(%(expressions)s) - 2440587.5) * 86400.0)",
+                           **extra)
 
 
 def config_from_settings() -> core.Config:
@@ -79,6 +101,44 @@ def _attained_gpu_s() -> dict[int, float]:
     return out
 
 
+NODE_STATES = (NodeState.READY, NodeState.DRAINING)
+NODE_FIELDS = ("name", "pool", "state", "sandbox", "queue_verified_at", "cpus", "memory_mb")
+GPU_FIELDS = ("id", "node__name", "index", "model", "memory_mb", "health", "mode", "topology")
+# What the snapshot reads of a job besides its times, which come as epoch floats (Epoch).
+JOB_FIELDS = ("id", "project__slug", "project__organization__slug", "user__username", "gpus", "time_limit_s",
+              "gpu_type", "gpu_memory_mb", "priority", "preemptible", "array_parent_id", "array_limit", "sandbox",
+              "nodes", "cpus", "memory_mb", "node__name", "checkpoint_signal", "checkpoint_grace_s")
+JOB_TIMES = {"submit_s": Epoch("submitted_at"), "changed_s": Epoch("state_changed_at")}
+ALLOCATION_FIELDS = ("job_id", "gpu_id", "fraction", "shared", "borrowed")
+
+
+def _nodes():
+    return Node.objects.filter(state__in=NODE_STATES)
+
+
+def _gpus():
+    return GPU.objects.filter(node__state__in=NODE_STATES)
+
+
+def _holding_jobs():
+    return Job.objects.filter(state__in=HOLDING, is_array_parent=False)
+
+
+def _queued_jobs(now):
+    # A held job (jobs.services.job_hold) is not in the snapshot: it keeps its `held` reason; nor is
+    # one whose last attempt is still saving its checkpoint (states.requeue_holding).
+    return Job.objects.filter(state=JobState.QUEUED, is_array_parent=False, held=False).exclude(resume_after__gt=now)
+
+
+def _open_allocations():
+    return Allocation.objects.filter(released_at__isnull=True)
+
+
+def _blocking_dependencies():
+    return Job.depends_on.through.objects.filter(from_job__state=JobState.QUEUED).exclude(
+        to_job__state=JobState.SUCCEEDED)
+
+
 def build_snapshot(now=None):
     """Returns (snapshot, context) where context maps core ids back to rows."""
     now = now or timezone.now()
@@ -87,69 +147,60 @@ def build_snapshot(now=None):
         name: core.Node(name=name, pool=pool, gpus=[], sandbox=sandbox, cpus=float(cpus), memory_mb=memory,
                         # New jobs only where the agent has proved it receives its queue (Node.schedulable).
                         schedulable=node_state == NodeState.READY and verified is not None)
-        for name, pool, node_state, sandbox, verified, cpus, memory in Node.objects.filter(
-            state__in=[NodeState.READY, NodeState.DRAINING]).values_list(
-            "name", "pool", "state", "sandbox", "queue_verified_at", "cpus", "memory_mb")}
-    gpu_rows = GPU.objects.filter(node__state__in=[NodeState.READY, NodeState.DRAINING]).values_list(
-        "id", "node__name", "node__pool", "node__state", "index", "model", "memory_mb", "health", "mode",
-        "node__sandbox", "node__queue_verified_at", "topology")
+        for name, pool, node_state, sandbox, verified, cpus, memory in _nodes().values_list(*NODE_FIELDS)}
     gpu_node: dict[str, str] = {}
     core_gpus: dict[str, core.GPU] = {}
-    for gid, node_name, pool, node_state, index, model, memory, health, mode, sandbox, verified, topo in gpu_rows:
+    for gid, node_name, index, model, memory, health, mode, topo in _gpus().values_list(*GPU_FIELDS):
         node = nodes.get(node_name)
         if node is None:  # a node that turned ready between the two reads: its jobs wait for the next pass
             continue
-        node.gpus.append(core.GPU(id=str(gid), node=node_name, index=index, model=model, memory_mb=memory,
-                                  healthy=health == GPUHealth.HEALTHY, shared=mode == GPUMode.SHARED,
-                                  sandbox=sandbox, topo=_topo(topo)))
-        gpu_node[str(gid)] = node_name
-        core_gpus[str(gid)] = node.gpus[-1]
-
-    fields = ("id", "project__slug", "project__organization__slug", "user__username", "gpus", "submitted_at",
-              "time_limit_s", "gpu_type", "gpu_memory_mb", "priority", "preemptible", "array_parent_id",
-              "array_limit", "started_at", "state_changed_at", "sandbox", "nodes", "cpus", "memory_mb", "node__name",
-              "checkpoint_signal", "checkpoint_grace_s")
-
-    def to_core(row, deps_ok=True) -> core.Job:
-        return core.Job(
-            id=str(row["id"]), project=row["project__slug"], org=row["project__organization__slug"],
-            user=row["user__username"], gpus=float(row["gpus"]), submit_time=_epoch(row["submitted_at"]),
-            time_limit=float(row["time_limit_s"]), gpu_type=row["gpu_type"] or None,
-            gpu_memory_mb=row["gpu_memory_mb"], qos=QOS_VALUE[row["priority"]], preemptible=row["preemptible"],
-            array_parent=str(row["array_parent_id"]) if row["array_parent_id"] else None,
-            array_limit=row["array_limit"], deps_satisfied=deps_ok, sandbox=row["sandbox"], nodes=row["nodes"],
-            attained_gpu_s=attained.get(row["id"], 0.0), cpus=float(row["cpus"]), memory_mb=row["memory_mb"],
-            checkpoint_grace_s=float(row["checkpoint_grace_s"] or 0) if row["checkpoint_signal"] else None,
-        )
+        gid = str(gid)
+        gpu = core.GPU(id=gid, node=node_name, index=index, model=model, memory_mb=memory,
+                       healthy=health == GPUHealth.HEALTHY, shared=mode == GPUMode.SHARED, sandbox=node.sandbox,
+                       topo=_topo(topo))
+        node.gpus.append(gpu)
+        gpu_node[gid] = node_name
+        core_gpus[gid] = gpu
 
     config = config_from_settings()
     attained = _attained_gpu_s() if config.policy == "las" else {}  # only las reads it
-    holding = {row["id"]: row for row in Job.objects.filter(state__in=HOLDING, is_array_parent=False).values(*fields)}
+    qos = QOS_VALUE
+
+    def to_core(row, deps_ok=True) -> core.Job:
+        job_id = row["id"]
+        return core.Job(
+            id=str(job_id), project=row["project__slug"], org=row["project__organization__slug"],
+            user=row["user__username"], gpus=float(row["gpus"]), submit_time=row["submit_s"],
+            time_limit=float(row["time_limit_s"]), gpu_type=row["gpu_type"] or None,
+            gpu_memory_mb=row["gpu_memory_mb"], qos=qos[row["priority"]], preemptible=row["preemptible"],
+            array_parent=str(row["array_parent_id"]) if row["array_parent_id"] else None,
+            array_limit=row["array_limit"], deps_satisfied=deps_ok, sandbox=row["sandbox"], nodes=row["nodes"],
+            attained_gpu_s=attained.get(job_id, 0.0), cpus=float(row["cpus"]), memory_mb=row["memory_mb"],
+            checkpoint_grace_s=float(row["checkpoint_grace_s"] or 0) if row["checkpoint_signal"] else None,
+        )
+
+    holding = {row["id"]: row for row in _holding_jobs().values(*JOB_FIELDS, **JOB_TIMES)}
     allocs: dict[int, list] = defaultdict(list)
-    for job_id, gpu_id, fraction, shared, borrowed, started in Allocation.objects.filter(
-            released_at__isnull=True).values_list("job_id", "gpu_id", "fraction", "shared", "borrowed", "started_at"):
+    for job_id, gpu_id, fraction, shared, borrowed, started in _open_allocations().values_list(
+            *ALLOCATION_FIELDS, Epoch("started_at")):
         allocs[job_id].append((str(gpu_id), float(fraction), shared, borrowed, started))
     running = []
     for job_id, row in holding.items():
         rows = allocs.get(job_id, [])
-        start = min((r[4] for r in rows), default=row["state_changed_at"])
+        start = min((r[4] for r in rows), default=row["changed_s"])
         running.append(core.Allocation(
-            job=to_core(row), gpu_ids=[r[0] for r in rows], start_time=_epoch(start),
+            job=to_core(row), gpu_ids=[r[0] for r in rows], start_time=start,
             fractions={r[0]: r[1] for r in rows if r[2]}, borrowed=any(r[3] for r in rows),
             node=None if rows else row["node__name"]))
 
-    through = Job.depends_on.through
-    blocked = set(through.objects.filter(from_job__state=JobState.QUEUED).exclude(
-        to_job__state=JobState.SUCCEEDED).values_list("from_job_id", flat=True))
-    # A held job (jobs.services.job_hold) is not in the snapshot: it keeps its `held` reason; nor is
-    # one whose last attempt is still saving its checkpoint (states.requeue_holding).
-    queued_rows = list(Job.objects.filter(state=JobState.QUEUED, is_array_parent=False, held=False)
-                       .exclude(resume_after__gt=now)
-                       .order_by("submitted_at", "id").values(*fields, "reason_code", "reason_message",
-                                                             "queue_position"))
-    queued = [to_core(row, deps_ok=row["id"] not in blocked) for row in queued_rows]
-    for job, row in zip(queued, queued_rows):
-        job.queued_since = _epoch(row["state_changed_at"])  # submit, or its requeue after preemption
+    blocked = set(_blocking_dependencies().values_list("from_job_id", flat=True))
+    queued_rows = list(_queued_jobs(now).order_by("submitted_at", "id").values(
+        *JOB_FIELDS, "reason_code", "reason_message", "queue_position", **JOB_TIMES))
+    queued = []
+    for row in queued_rows:
+        job = to_core(row, deps_ok=row["id"] not in blocked)
+        job.queued_since = row["changed_s"]  # submit, or its requeue after preemption
+        queued.append(job)
 
     project_slugs = {j.project for j in queued} | {a.job.project for a in running}
     quotas = Quota.objects.filter(project__slug__in=project_slugs).select_related("project__organization")
@@ -176,6 +227,45 @@ def build_snapshot(now=None):
     )
     context = {"gpu_node": gpu_node, "gpus": core_gpus, "queued": {str(r["id"]): r for r in queued_rows}, "holding": holding}
     return snapshot, context
+
+
+def _columns(lookups) -> tuple[str, ...]:
+    """The job's own columns behind snapshot lookups: "project__slug" is read as the project's id
+    (the projects themselves are digested apart)."""
+    return tuple(dict.fromkeys(name.split("__")[0] for name in lookups))
+
+
+def inputs_digest(now, config: core.Config) -> str | None:
+    """A digest of every row the snapshot reads, with the config: two passes over equal digests
+    plan the same (but for time). PostgreSQL hashes the rows where they are (one statement, no
+    row comes to Python; a few tens of ms for 10,000 waiting jobs); None elsewhere. Reasons and
+    positions are what a pass writes, not what it reads, so they are left out."""
+    if connection.vendor != "postgresql":
+        return None
+    job_columns = _columns(JOB_FIELDS) + ("submitted_at", "state_changed_at")
+    sources = [
+        _nodes().values_list(*NODE_FIELDS),
+        _gpus().values_list(*_columns(GPU_FIELDS)),
+        _holding_jobs().values_list(*job_columns, "state", "attempt"),
+        _queued_jobs(now).values_list(*job_columns),
+        _open_allocations().values_list(*ALLOCATION_FIELDS, "started_at"),
+        _blocking_dependencies().values_list("from_job_id", "to_job_id"),
+        Quota.objects.values_list(*(f.attname for f in Quota._meta.concrete_fields)),
+        Project.objects.values_list("id", "slug", "organization_id"),
+        Organization.objects.values_list("id", "slug", "max_gpus"),
+        get_user_model().objects.values_list("id", "username"),
+        ProjectMonthUsage.objects.values_list("project_id", "month", "gpu_s"),
+        ProjectFairshare.objects.values_list(*(f.attname for f in ProjectFairshare._meta.concrete_fields)),
+    ]
+    parts, params = [], []
+    for qs in sources:
+        sql, p = qs.order_by().query.sql_with_params()
+        parts.append(f"SELECT count(*), coalesce(sum(hash_record_extended(t, 0)), 0) FROM ({sql}) t")
+        params += p
+    with connection.cursor() as cursor:
+        cursor.execute(" UNION ALL ".join(parts), params)
+        rows = cursor.fetchall()
+    return hashlib.sha256(repr((rows, config)).encode()).hexdigest()
 
 
 def _topo(reported: dict | None) -> tuple | None:
@@ -315,33 +405,34 @@ def _notes(plan: core.Plan) -> dict[str, str]:
 
 
 def _write_reasons(plan: core.Plan, context) -> int:
+    """Write the reasons and positions that changed since the job's row was read; returns how many."""
     changed = []
     notes = _notes(plan)
+    queued = context["queued"]
     for job_id, reason in plan.waiting.items():
-        row = context["queued"].get(job_id)
+        row = queued.get(job_id)
         if row is None:
             continue
         message = (f"{notes[job_id]}. {reason.message}" if job_id in notes else reason.message)[:300]
         if (row["reason_code"], row["reason_message"], row["queue_position"]) != (reason.code, message, reason.position):
-            changed.append(Job(pk=int(job_id), reason_code=reason.code, reason_message=message,
-                               queue_position=reason.position))
+            changed.append((row["id"], reason.code, message, reason.position))
+    context["notes"] = bool(notes)
     # Only queued rows: a job cancelled meanwhile keeps its own reason.
     if connection.vendor == "postgresql":
-        # One UPDATE ... FROM (VALUES ...) per thousand rows: 10,000 reasons in well under a second.
+        # One UPDATE ... FROM unnest(four arrays) per 5,000 rows: four parameters, whatever the count.
         table = Job._meta.db_table
-        for i in range(0, len(changed), 1000):
-            batch = changed[i:i + 1000]
-            values = ", ".join(["(%s::bigint, %s, %s, %s::integer)"] * len(batch))
-            params = [x for job in batch for x in (job.pk, job.reason_code, job.reason_message, job.queue_position)]
+        for i in range(0, len(changed), 5000):
+            ids, codes, messages, positions = (list(c) for c in zip(*changed[i:i + 5000]))
             with connection.cursor() as cursor:
                 cursor.execute(
                     f"UPDATE {table} AS j SET reason_code = v.code, reason_message = v.msg, queue_position = v.pos "
-                    f"FROM (VALUES {values}) AS v(id, code, msg, pos) WHERE j.id = v.id AND j.state = %s",
-                    params + [JobState.QUEUED])
+                    f"FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::integer[]) AS v(id, code, msg, pos) "
+                    f"WHERE j.id = v.id AND j.state = %s",
+                    [ids, codes, messages, positions, JobState.QUEUED])
     else:
-        for job in changed:
-            Job.objects.filter(pk=job.pk, state=JobState.QUEUED).update(
-                reason_code=job.reason_code, reason_message=job.reason_message, queue_position=job.queue_position)
+        for job_id, code, message, position in changed:
+            Job.objects.filter(pk=job_id, state=JobState.QUEUED).update(
+                reason_code=code, reason_message=message, queue_position=position)
     return len(changed)
 
 
@@ -369,6 +460,52 @@ def _resend_stale_launches(now) -> list[tuple[str, int, int]]:
     return out
 
 
+# The last full pass that changed nothing but reasons: the digest of what it read, until when its
+# plan stands, and its counts (inputs_digest, run_pass). In the shared cache: any worker may pass next.
+LAST_PLAN = "scheduler:last-plan"
+
+
+def _notes_quiet() -> bool:
+    """Whether no source of reason notes has any to give: a source may say so through a `quiet`
+    attribute (a function); one without it is taken as having some."""
+    for source in REASON_NOTES:
+        quiet = getattr(source, "quiet", None)
+        try:
+            if quiet is None or not quiet():
+                return False
+        except Exception:
+            log.exception("reason notes from %r failed", source)
+            return False
+    return True
+
+
+def _plan_stands(digest: str | None, now) -> dict | None:
+    """The last plan's record when this pass would plan the same: nothing the snapshot reads has
+    changed since it (the digest), no time-driven change is due (`until`) and no reason note is
+    pending. Slurm's controller skips its backfill cycle on the same grounds (no job, node or
+    partition update since the last one)."""
+    if digest is None:
+        return None
+    last = cache.get(LAST_PLAN)
+    if not last or last.get("digest") != digest or _epoch(now) >= min(
+            last["at"] + settings.SCHEDULER_REPLAN_S, last["due"] or math.inf):
+        return None
+    return last if _notes_quiet() else None
+
+
+def _plan_record(digest: str | None, now, plan: core.Plan, context, queued: int) -> dict | None:
+    """What a later pass needs to reuse this plan, or None when it may not: a plan that starts or
+    preempts anything changes what the next pass reads, and a note may change by itself."""
+    if digest is None or plan.starts or plan.preemptions or context.get("notes"):
+        return None
+    # Time changes a plan too (ages, minimum runtimes, las queues, budgets, locality waits): a
+    # full pass every SCHEDULER_REPLAN_S at least, and at the next instant the core names.
+    due = [t for t in (getattr(plan, "next_pass_at", None), *plan.locality_waits.values())
+           if t is not None]
+    return {"digest": digest, "at": _epoch(now), "due": min(due, default=None), "waiting": len(plan.waiting),
+            "fragmented": len(plan.fragmented), "queued": queued}
+
+
 def run_pass(*, wait: bool = False) -> dict:
     """One scheduling pass (see the module docstring for the steps). With `wait` (the task), a
     pass that finds another running waits for it instead of returning: a requested pass is never
@@ -376,6 +513,13 @@ def run_pass(*, wait: bool = False) -> dict:
     t0 = time.perf_counter()
     launches: list[tuple[str, int, int]] = []
     stops: list[tuple[str, int, int, int, str | None]] = []
+    published = {"s": 0.0}
+
+    def publish():
+        t = time.perf_counter()
+        _publish(launches, stops)
+        published["s"] = time.perf_counter() - t
+
     with transaction.atomic():
         if wait:
             locks.xact_lock(locks.SCHEDULE_PASS)
@@ -385,6 +529,22 @@ def run_pass(*, wait: bool = False) -> dict:
         now = timezone.now()
         cancelled = _cancel_failed_dependents()
         usage_fold()  # released allocations into the running usage totals the snapshot reads
+        config = config_from_settings()
+        digest = inputs_digest(now, config)
+        last = _plan_stands(digest, now)
+        if last is not None:
+            # Nothing changed: the last plan stands and its reasons are in place. Only lost launches.
+            launches += _resend_stale_launches(now)
+            t_applied = time.perf_counter()
+            transaction.on_commit(publish)
+            log.debug("scheduling pass: nothing changed, %d waiting", last["waiting"])
+            return {
+                "started": 0, "preempted": 0, "waiting": last["waiting"], "fragmented": last["fragmented"],
+                "placements_by_topology": {}, "reasons_written": 0, "dependents_cancelled": cancelled,
+                "queued": last["queued"], "unchanged": True,
+                "build_s": round(t_applied - t0, 4), "core_s": 0.0, "apply_s": 0.0,
+                "commit_publish_s": 0.0, "publish_s": 0.0, "total_s": round(time.perf_counter() - t0, 4),
+            }
         snapshot, context = build_snapshot(now)
         t_built = time.perf_counter()
         crashpoint("schedule.after_snapshot")
@@ -409,7 +569,11 @@ def run_pass(*, wait: bool = False) -> dict:
         crashpoint("schedule.before_commit")
         launches += _resend_stale_launches(now)
         t_applied = time.perf_counter()
-        transaction.on_commit(lambda: _publish(launches, stops))
+        record = _plan_record(digest, now, plan, context, len(snapshot.queued))
+        transaction.on_commit(publish)
+        # Kept only once committed; and a pass that does not keep one forgets the one before.
+        transaction.on_commit(lambda: cache.set(LAST_PLAN, record, timeout=settings.SCHEDULER_REPLAN_S)
+                              if record else cache.delete(LAST_PLAN))
     t_published = time.perf_counter()
     # A pass that changed something is news; the idle ones (every few seconds) are not.
     log.log(logging.INFO if started or plan.preemptions or cancelled else logging.DEBUG,
@@ -423,7 +587,7 @@ def run_pass(*, wait: bool = False) -> dict:
         "reasons_written": reasons, "dependents_cancelled": cancelled, "queued": len(snapshot.queued),
         "build_s": round(t_built - t0, 4), "core_s": round(t_planned - t_built, 4),
         "apply_s": round(t_applied - t_planned, 4), "commit_publish_s": round(t_published - t_applied, 4),
-        "total_s": round(time.perf_counter() - t0, 4),
+        "publish_s": round(published["s"], 4), "total_s": round(time.perf_counter() - t0, 4),
     }
 
 

@@ -464,3 +464,11 @@ def waiting_notes(job_ids) -> dict[str, str]:
         if j in wanted and j not in out:
             out[j] = note
     return out
+
+
+def _notes_quiet() -> bool:
+    """Whether waiting_notes has nothing to say to anyone: no node booting, no note kept."""
+    return not cache.get(NOTES_KEY) and not PoolNode.objects.filter(state=PoolNodeState.BOOTING).exists()
+
+
+waiting_notes.quiet = _notes_quiet  # the scheduling pass may then reuse its last plan (scheduler/adapter.py)

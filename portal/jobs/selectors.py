@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone as dt_timezone
 from decimal import Decimal
 
-from django.db.models import Count, Sum
+from django.db.models import Count, F, Sum
 from django.utils import timezone
 
 from portal.core.querysets import allowed_project_ids, staff_bypass
@@ -130,13 +130,20 @@ def launch_specs(pairs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
     Multi-node gangs get the rendezvous variables torchrun and NCCL use."""
     from .models import HOLDING, Job
 
+    from portal.tenancy.models import Project
+
     ids = {job_id for _, job_id in pairs}
-    jobs = {j.pk: j for j in Job.objects.filter(pk__in=ids, state__in=HOLDING).select_related(
-        "project__quota", "project__organization", "node")}
+    # A pass may launch thousands: no row joined into each job, no model per allocation.
+    jobs = {j.pk: j for j in Job.objects.filter(pk__in=ids, state__in=HOLDING).annotate(node_name=F("node__name"))}
+    projects = {p.pk: p for p in Project.objects.filter(pk__in={j.project_id for j in jobs.values()}).select_related(
+        "quota", "organization")}
+    for job in jobs.values():
+        job.project = projects[job.project_id]
     allocs: dict[int, list] = defaultdict(list)
-    for a in (Allocation.objects.filter(job_id__in=list(jobs), released_at__isnull=True).select_related("gpu__node")
-              .order_by("gpu__node__name", "gpu__index")):
-        allocs[a.job_id].append(a)
+    for job_id, *held in (Allocation.objects.filter(job_id__in=list(jobs), released_at__isnull=True)
+                          .order_by("gpu__node__name", "gpu__index")
+                          .values_list("job_id", "gpu__node__name", "gpu__index", "gpu__uuid", "fraction", "shared")):
+        allocs[job_id].append(held)  # node, index, uuid, fraction, shared
     from portal.interactive.selectors import launch_sessions
 
     sessions = launch_sessions(list(jobs))
@@ -146,20 +153,20 @@ def launch_specs(pairs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
         if job is None:
             continue
         held = allocs.get(job_id, [])
-        nodes = list(dict.fromkeys(a.gpu.node.name for a in held)) or [job.node.name if job.node else node_name]
+        nodes = list(dict.fromkeys(a[0] for a in held)) or [job.node_name or node_name]
         if node_name not in nodes:
             continue
-        mine = [a for a in held if a.gpu.node.name == node_name]
+        mine = [a for a in held if a[0] == node_name]
         rendezvous = None
         if len(nodes) > 1:
             # The master is the first node; the port is derived from the job id so gangs do not collide.
             rendezvous = {"MASTER_ADDR": nodes[0], "MASTER_PORT": str(29500 + job.pk % 1000),
                           "WORLD_SIZE": str(len(held)), "NODE_RANK": str(nodes.index(node_name)),
                           "LOCAL_WORLD_SIZE": str(len(mine))}
-        fraction = float(mine[0].fraction) if mine and mine[0].shared else None
+        fraction = float(mine[0][3]) if mine and mine[0][4] else None
         out[(node_name, job_id)] = {
             "job_id": str(job.pk), "attempt": job.attempt, "image": job.image, "command": job.command,
-            "env": job.env, "gpu_indexes": [a.gpu.index for a in mine], "gpu_uuids": [a.gpu.uuid for a in mine],
+            "env": job.env, "gpu_indexes": [a[1] for a in mine], "gpu_uuids": [a[2] for a in mine],
             "cpus": float(job.cpus), "memory_mb": job.memory_mb, "time_limit_s": job.time_limit_s,
             "network": bool(job.network and job.project.quota.network_allowed), "sandbox": job.sandbox,
             "array_index": job.array_index, "gpu_fraction": fraction,
