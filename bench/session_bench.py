@@ -42,7 +42,7 @@ from benchdb import throwaway_database  # noqa: E402
 
 DB_NAME = "gpuportal_bench_sessions"
 JOB = 424242
-SECRET = "bench-secret-" + "x" * 30
+BASE_SECRET = "bench-secret-" + "x" * 30  # the session's own; the node gets attempt 1's key
 
 
 def free_port() -> int:
@@ -129,7 +129,10 @@ def main():
                                  image="local", command=["jupyter", "lab"], time_limit_s=3600,
                                  state=JobState.RUNNING)
         sessions_create(job, [{"name": "lab", "kind": "jupyter"}, {"name": "web", "kind": "http", "port": web_port}])
-        Session.objects.filter(job=job).update(secret=SECRET)
+        Session.objects.filter(job=job).update(secret=BASE_SECRET)
+        from portal.interactive.models import attempt_secret
+
+        key = attempt_secret(BASE_SECRET, 1)
         for name in ("lab", "web"):
             session_report(node=None, job=job, attempt=1, name=name, state="running", gateway_url=gateway.url)
 
@@ -150,8 +153,8 @@ def main():
             t0 = time.perf_counter()
             handle = driver.launch(LaunchSpec(
                 job_id=str(JOB), attempt=1, image="local", command=[sys.executable, "-m", "jupyterlab"],
-                sessions=[{"name": "lab", "kind": "jupyter", "port": None, "secret": SECRET, "base_url": lab},
-                          {"name": "web", "kind": "http", "port": web_port, "secret": SECRET, "base_url": web_path}]))
+                sessions=[{"name": "lab", "kind": "jupyter", "port": None, "secret": key, "base_url": lab},
+                          {"name": "web", "kind": "http", "port": web_port, "secret": key, "base_url": web_path}]))
             while True:
                 try:
                     if requests.get(portal + lab + "api/status", headers=cookie, timeout=5).status_code == 200:
@@ -162,7 +165,7 @@ def main():
             print(f"launch to JupyterLab usable through the portal: {time.perf_counter() - t0:.1f} s")
 
             # 2. Latency of a small GET.
-            secret = {"X-Gpuportal-Session-Secret": SECRET}
+            secret = {"X-Gpuportal-Session-Secret": key}
             direct = timed_gets(f"http://127.0.0.1:{web_port}/small.txt", args.requests, {})
             via_gw = timed_gets(gateway.url + web_path + "small.txt", args.requests, secret)
             via_portal = timed_gets(portal + web_path + "small.txt", args.requests, cookie)

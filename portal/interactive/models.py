@@ -3,6 +3,8 @@
 The portal proxies a running session at /sessions/<job id>/<name>/ (portal/interactive/proxy.py);
 the agent reports where it can be reached (``gateway_url``) and when it answers.
 """
+import hashlib
+import hmac
 import secrets
 
 from django.conf import settings
@@ -31,6 +33,13 @@ def new_secret() -> str:
     return secrets.token_urlsafe(32)
 
 
+def attempt_secret(secret: str, attempt: int) -> str:
+    """What one attempt of the job's app and its node are given: a key of its own per attempt, made from
+    the session's secret (never sent anywhere). A node that ran an earlier attempt (a retry or a
+    preemption moved the job) knows nothing that opens the new one."""
+    return hmac.new(secret.encode(), f"gpuportal-session-attempt:{attempt}".encode(), hashlib.sha256).hexdigest()
+
+
 class SessionQuerySet(TenantQuerySet):
     project_path = "job__project"
 
@@ -41,8 +50,9 @@ class Session(models.Model):
     port = models.PositiveIntegerField(null=True, blank=True)
     kind = models.CharField(max_length=10, choices=SessionKind.choices)
     state = models.CharField(max_length=10, choices=SessionState.choices, default=SessionState.STARTING)
-    # Injected into the app (JupyterLab's token) and sent by the proxy to the agent's gateway: a
-    # request to the node or the app without it is refused. Never shown to anyone.
+    # Each attempt's key is made from it (attempt_secret): injected into the app (JupyterLab's token) and
+    # sent by the proxy to the agent's gateway; a request to the node or the app without it is refused.
+    # Never shown to anyone, never sent as it is.
     secret = models.CharField(max_length=64, default=new_secret)
     # Who besides the job's owner may connect: the job's project ("project"), or nobody ("owner").
     share = models.CharField(max_length=8, choices=[("owner", "owner"), ("project", "project")], default="owner")
@@ -50,6 +60,8 @@ class Session(models.Model):
     # at every connection, so one who leaves it loses the way in).
     shared_users = models.ManyToManyField(settings.AUTH_USER_MODEL, blank=True, related_name="shared_sessions")
     gateway_url = models.CharField(max_length=300, blank=True)
+    # The attempt whose node gave gateway_url: the proxy sends an attempt's key only to that attempt's node.
+    gateway_attempt = models.PositiveIntegerField(default=0)
     message = models.CharField(max_length=300, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     running_at = models.DateTimeField(null=True, blank=True)
@@ -70,6 +82,9 @@ class Session(models.Model):
     @property
     def path(self) -> str:
         return f"/sessions/{self.job_id}/{self.name}/"
+
+    def secret_for(self, attempt: int) -> str:
+        return attempt_secret(self.secret, attempt)
 
 
 class SessionPolicy(models.Model):

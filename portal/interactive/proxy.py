@@ -151,8 +151,13 @@ def _load(headers, job_id: str, name: str):
     if session is None:
         raise Denied(404, "Not found.")
     state = display_state(session)
-    return {"id": session.pk, "user": user.pk, "kind": session.kind, "secret": session.secret,
-            "gateway": session.gateway_url, "state": state, "prefix": session.path, "name": session.name,
+    # A node that ran an earlier attempt is never sent this attempt's key: until the new attempt's node
+    # reports, the session is not running.
+    current = session.gateway_attempt == session.job.attempt
+    return {"id": session.pk, "user": user.pk, "kind": session.kind,
+            "secret": session.secret_for(session.job.attempt),
+            "gateway": session.gateway_url if current else "", "state": state, "prefix": session.path,
+            "name": session.name,
             "job": session.job_id, "message": session.message}
 
 

@@ -1,6 +1,6 @@
 """Reads for interactive sessions: who may connect, and the cards the pages show."""
 
-from .models import LIVE_STATES, Session, SessionState
+from .models import LIVE_STATES, Session, SessionState, attempt_secret
 
 
 def session_for_connect(user, job_id, name: str, *, token=None) -> Session | None:
@@ -83,9 +83,12 @@ def launch_sessions(job_ids: list[int]) -> dict[int, list[dict]]:
     out: dict[int, list[dict]] = {}
     if not job_ids:
         return out
-    for s in Session.objects.filter(job_id__in=job_ids).order_by("job_id", "name"):
-        out.setdefault(s.job_id, []).append({"name": s.name, "port": s.port, "kind": s.kind, "secret": s.secret,
-                                             "base_url": s.path})
+    rows = Session.objects.filter(job_id__in=job_ids).order_by("job_id", "name") \
+        .values_list("job_id", "name", "port", "kind", "secret", "job__attempt")
+    for job_id, name, port, kind, secret, attempt in rows:
+        out.setdefault(job_id, []).append({"name": name, "port": port, "kind": kind,
+                                           "secret": attempt_secret(secret, attempt),  # this attempt's own
+                                           "base_url": f"/sessions/{job_id}/{name}/"})
     return out
 
 

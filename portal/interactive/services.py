@@ -35,7 +35,8 @@ def session_report(*, node, job, attempt: int, name: str, state: str, gateway_ur
     now = timezone.now()
     fields = {"state": state, "message": message[:300]}
     if state == SessionState.RUNNING:
-        fields.update(gateway_url=gateway_url, running_at=now, last_activity_at=now, warned_at=None, ended_at=None)
+        fields.update(gateway_url=gateway_url, gateway_attempt=attempt, running_at=now, last_activity_at=now,
+                      warned_at=None, ended_at=None)
     elif state == SessionState.ENDED:
         fields.update(ended_at=now, gateway_url="")
     Session.objects.filter(pk=session.pk).update(**fields)

@@ -14,13 +14,15 @@ import uuid
 import pytest
 import requests
 
+from portal.interactive.models import attempt_secret
 from tests.conftest import make_token
 from tests.procs import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 JOB = 987002  # fixed: JupyterLab's base URL (/sessions/<job>/lab/) is set when it starts
-SECRET = "docker-session-secret-0123456789abcdef"
+BASE_SECRET = "docker-session-secret-0123456789abcdef"  # the session's own; the node knows attempt 1's key
+SECRET = attempt_secret(BASE_SECRET, 1)
 LAB = f"/sessions/{JOB}/lab/"
 SHELL = f"/sessions/{JOB}/sh/"
 WEB = f"/sessions/{JOB}/web/"
@@ -96,7 +98,7 @@ def job(demo, docker_node, settings):
                            gpus=2, sandbox="docker")
     sessions_create(j, [{"name": "lab", "kind": "jupyter"}, {"name": "sh", "kind": "terminal"},
                         {"name": "web", "kind": "http", "port": WEB_PORT}])
-    Session.objects.filter(job=j).update(secret=SECRET)
+    Session.objects.filter(job=j).update(secret=BASE_SECRET)
     for name in ("lab", "sh", "web"):
         session_report(node=None, job=j, attempt=1, name=name, state="running", gateway_url=docker_node.gateway.url)
     j.alice = {"Authorization": f"Bearer {make_token(alice)}"}

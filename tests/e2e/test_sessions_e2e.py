@@ -15,13 +15,15 @@ import pytest
 import requests
 
 from tests.e2e.conftest import PASSWORD, in_db_thread, shot
+from portal.interactive.models import attempt_secret
 from tests.conftest import make_token
 from tests.procs import start_process, stop_process, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 JOB = 987001  # fixed: JupyterLab's base URL (/sessions/<job>/lab/) is set when it starts
-SECRET = "test-session-secret-0123456789abcdef"
+BASE_SECRET = "test-session-secret-0123456789abcdef"  # the session's own; the node knows attempt 1's key
+SECRET = attempt_secret(BASE_SECRET, 1)
 LAB = f"/sessions/{JOB}/lab/"
 SHELL = f"/sessions/{JOB}/sh/"
 WEB = f"/sessions/{JOB}/web/"
@@ -79,7 +81,7 @@ def job(demo, node, e2e_settings):
                            command=["jupyter", "lab"], time_limit_s=3600, state=JobState.RUNNING, gpus=2)
     sessions_create(j, [{"name": "lab", "kind": "jupyter"}, {"name": "sh", "kind": "terminal"},
                         {"name": "web", "kind": "http", "port": node.web_port}])
-    Session.objects.filter(job=j).update(secret=SECRET)
+    Session.objects.filter(job=j).update(secret=BASE_SECRET)
     j.alice_token = make_token(alice)
     for name in ("lab", "sh", "web"):
         session_report(node=None, job=j, attempt=1, name=name, state="running", gateway_url=node.gateway.url)
@@ -286,3 +288,40 @@ def _opens(url, headers) -> bool:
             return True
     except Exception:
         return False
+
+
+def test_a_person_the_owner_names_gets_in_until_they_leave_the_organization(job, demo, portal_asgi):
+    from django.contrib.auth import get_user_model
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    from portal.core.context import Actor
+    from portal.interactive.models import Session
+    from portal.interactive.services import session_share
+    from portal.tenancy.models import Membership, Project
+
+    erin = get_user_model().objects.create_user("erin", password="x-erin-pass-123")
+    audio = Project.objects.create(organization=demo.vision.organization, slug="audio", name="Audio")
+    Membership.objects.create(project=audio, user=erin, role="member")
+    bearer = {"Authorization": f"Bearer {make_token(erin)}"}
+    ws = portal_asgi.replace("http://", "ws://") + SHELL + "ws"
+
+    def refused() -> bool:
+        with pytest.raises(InvalidStatus) as no:
+            connect(ws, additional_headers=bearer, open_timeout=10)
+        return (requests.get(portal_asgi + LAB + "api/status", headers=bearer).status_code == 404
+                and no.value.response.status_code == 404)
+
+    assert refused()
+    for name in ("lab", "sh"):
+        session_share(actor=Actor(user=demo.users["alice"]), session=Session.objects.get(job=job, name=name),
+                      users=["erin"])
+    assert requests.get(portal_asgi + LAB + "api/status", headers=bearer).status_code == 200
+    with connect(ws, additional_headers=bearer, open_timeout=10) as shell:
+        shell.send(json.dumps({"type": "input", "data": "echo erin-$((6*7))\n"}))
+        seen, deadline = b"", time.monotonic() + 20
+        while b"erin-42" not in seen and time.monotonic() < deadline:
+            seen += shell.recv(timeout=10)
+        assert b"erin-42" in seen
+    Membership.objects.filter(user=erin).delete()  # checked on the next request and WebSocket
+    assert refused()

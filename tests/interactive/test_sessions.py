@@ -77,10 +77,42 @@ def test_the_launch_spec_carries_the_sessions(demo):
     job.state = JobState.ASSIGNED
     job.save(update_fields=["state"])
     sessions = launch_specs([("gpu-01", job.pk)])[("gpu-01", job.pk)]["sessions"]
-    secrets = dict(Session.objects.filter(job=job).values_list("name", "secret"))
+    lab, sh = Session.objects.filter(job=job).order_by("name")
     assert sessions == [
-        {"name": "lab", "port": None, "kind": "jupyter", "secret": secrets["lab"], "base_url": f"/sessions/{job.pk}/lab/"},
-        {"name": "sh", "port": None, "kind": "terminal", "secret": secrets["sh"], "base_url": f"/sessions/{job.pk}/sh/"}]
+        {"name": "lab", "port": None, "kind": "jupyter", "secret": lab.secret_for(1), "base_url": f"/sessions/{job.pk}/lab/"},
+        {"name": "sh", "port": None, "kind": "terminal", "secret": sh.secret_for(1), "base_url": f"/sessions/{job.pk}/sh/"}]
+    # The session's own secret never leaves the portal: each attempt gets a key of its own.
+    assert lab.secret not in {s["secret"] for s in sessions} and lab.secret_for(1) != lab.secret_for(2)
+    job.attempt = 2
+    job.save(update_fields=["attempt"])
+    again = launch_specs([("gpu-01", job.pk)])[("gpu-01", job.pk)]["sessions"]
+    assert [s["secret"] for s in again] == [lab.secret_for(2), sh.secret_for(2)]
+
+
+@pytest.mark.django_db(transaction=True)  # the proxy's _load closes stale connections, as in its own threads
+def test_a_new_attempts_key_goes_only_to_the_node_that_runs_it(demo):
+    from portal.interactive.proxy import _load
+    from portal.interactive.services import session_report
+
+    job = lab_job(demo)
+    Job = type(job)
+    Job.objects.filter(pk=job.pk).update(state=JobState.RUNNING)
+    job.refresh_from_db()
+    alice = {b"authorization": f"Bearer {make_token(demo.users['alice'])}".encode()}
+    lab = Session.objects.get(job=job, name="lab")
+    session_report(node=None, job=job, attempt=1, name="lab", state="running", gateway_url="http://node-a:8790")
+    info = _load(alice, str(job.pk), "lab")
+    assert (info["gateway"], info["secret"]) == ("http://node-a:8790", lab.secret_for(1))
+    # The job moves (a retry, a preemption): until attempt 2's node reports, nothing is sent to node A.
+    Job.objects.filter(pk=job.pk).update(attempt=2)
+    job.refresh_from_db()
+    info = _load(alice, str(job.pk), "lab")
+    assert info["gateway"] == "" and info["secret"] == lab.secret_for(2)
+    session_report(node=None, job=job, attempt=1, name="lab", state="running", gateway_url="http://node-a:8790")
+    assert _load(alice, str(job.pk), "lab")["gateway"] == ""  # the old attempt's report changes nothing
+    session_report(node=None, job=job, attempt=2, name="lab", state="running", gateway_url="http://node-b:8790")
+    info = _load(alice, str(job.pk), "lab")
+    assert (info["gateway"], info["secret"]) == ("http://node-b:8790", lab.secret_for(2))
 
 
 @pytest.fixture
