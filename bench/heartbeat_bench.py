@@ -16,12 +16,15 @@ Target (issue 14): 1,000 agents x 40 samples every 5 s = 200 heartbeats/s (8,000
 on this 2-core machine.
 
 With --paced, each agent heartbeats at the default interval (NODE_HEARTBEAT_INTERVAL_S, as a
-real agent does) instead of as fast as possible, and the reaper runs every NODE_REAP_INTERVAL_S
-beside them: it prints how many nodes were falsely marked down (the goal is 0), the longest
-silence the portal saw from one node against NODE_TIMEOUT_S, and the longest time an agent went
-without an answered heartbeat against its lease (AGENT_LEASE_S).
+real agent does) instead of as fast as possible, and the reaper (nodes_reap, what the worker runs)
+runs every NODE_REAP_INTERVAL_S beside them: it prints the heartbeats/s achieved, how late the
+heartbeats came (an agent's time between two answered heartbeats beyond the interval), how many
+live nodes were falsely marked down (the goal is 0), the longest silence the portal saw from a live
+node against NODE_TIMEOUT_S, the longest time an agent went without an answered heartbeat against
+its lease (AGENT_LEASE_S), and the detection time of dead nodes: --kill agents stop heartbeating
+a third of the way in, and each one's time from its death to `down` is measured (the goal: 30 s).
 
-    ... bench/heartbeat_bench.py --agents 1000 --duration 60 --paced
+    ... bench/heartbeat_bench.py --agents 1000 --duration 90 --paced --kill 10
 """
 import argparse
 import os
@@ -134,6 +137,7 @@ def main():
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--port", type=int, default=0, help="default: a free one")
     ap.add_argument("--paced", action="store_true", help="each agent every NODE_HEARTBEAT_INTERVAL_S, reaper running")
+    ap.add_argument("--kill", type=int, default=10, help="paced: agents that die a third of the way in")
     args = ap.parse_args()
     if not args.port:
         import socket
@@ -173,7 +177,7 @@ def main():
 
             meter = CpuMeter(server.pid)
             if args.paced:
-                return paced(args, nodes, uuids, url, meter)
+                return paced(args, nodes, uuids, url, meter, env)
             flat(args, nodes, uuids, url, meter)
         finally:
             if server is not None:
@@ -252,11 +256,34 @@ def flat(args, nodes, uuids, url, meter) -> None:
           f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
 
 
-def paced(args, nodes, uuids, url, meter) -> None:
-    """1,000 agents at the real interval with the reaper beside them: false downs, silences, leases.
+# The reaper in a process of its own, as the Celery worker runs it: nodes_reap every NODE_REAP_INTERVAL_S
+# (beat's period, whatever a run takes), from NODE_TIMEOUT_S in, once every agent has had its first beats.
+REAPER = """
+import sys, time
+import django
+django.setup()
+from django.conf import settings
+from portal.nodes.services import nodes_reap
+stop_at = time.monotonic() + float(sys.argv[1])
+time.sleep(settings.NODE_TIMEOUT_S)
+runs, due = 0, time.monotonic()
+while time.monotonic() < stop_at:
+    nodes_reap()
+    runs += 1
+    due += settings.NODE_REAP_INTERVAL_S
+    time.sleep(max(0.0, due - time.monotonic()))
+print("REAPER_RUNS", runs)
+"""
+
+
+def paced(args, nodes, uuids, url, meter, env) -> None:
+    """1,000 agents at the real interval with the reaper beside them: false downs, silences, leases,
+    and the time to detect dead nodes.
 
     Each agent is its own coroutine (one connection per heartbeat, as the agent's client after
-    an idle interval), so a slow answer delays only that agent, as in a real fleet."""
+    an idle interval), so a slow answer delays only that agent, as in a real fleet. The reaper is
+    a process of its own (the worker's role); the nodes it marked down are read from the audit
+    trail (`node.down`), so a live node marked down and back by the end still counts."""
     import asyncio
     import json
 
@@ -264,33 +291,41 @@ def paced(args, nodes, uuids, url, meter) -> None:
 
     interval = settings.NODE_HEARTBEAT_INTERVAL_S
     latencies: list[float] = []
+    lateness: list[float] = []  # per answered heartbeat: time since the agent's previous answer, beyond the interval
     errors = [0]
     worst_lease_gap = [0.0]
     stop = threading.Event()
-    reaper_out = {"downs": 0, "worst_silence": 0.0, "runs": 0}
+    reaper_out = {"worst_silence": 0.0}
     path = url.split(str(args.port), 1)[1]
+    if args.kill >= args.agents:
+        raise SystemExit("--kill must leave live agents")
+    doomed = set(random.sample([name for name, _ in nodes], args.kill))
+    kill_at = [None]  # monotonic: when the doomed agents stop heartbeating (set by the fleet)
+    died: dict[str, float] = {}  # name -> wall-clock time of death (the reaper's audit rows are on this machine's clock)
 
-    def reaper():
+    def watch_silence():  # the longest silence of a live node, as the reaper would see it
         from django.db import connection as conn
         from django.utils import timezone
 
         from portal.nodes.models import Node
-        from portal.nodes.services import nodes_reap
 
-        stop.wait(settings.NODE_TIMEOUT_S)  # every node has had its first beats before the reaper judges
+        stop.wait(settings.NODE_TIMEOUT_S)
         while not stop.is_set():
-            oldest = Node.objects.order_by("last_heartbeat_at").values_list("last_heartbeat_at", flat=True).first()
+            oldest = (Node.objects.exclude(name__in=doomed).order_by("last_heartbeat_at")
+                      .values_list("last_heartbeat_at", flat=True).first())
             reaper_out["worst_silence"] = max(reaper_out["worst_silence"], (timezone.now() - oldest).total_seconds())
-            reaper_out["downs"] += nodes_reap().get("down", 0)
-            reaper_out["runs"] += 1
             stop.wait(settings.NODE_REAP_INTERVAL_S)
         conn.close()
 
     async def agent(name: str, token: str, stop_at: float):
         await asyncio.sleep(random.uniform(0, interval))  # agents started at different times
         last_ok = time.monotonic()
+        last_answer = None
         i = 0
         while time.monotonic() < stop_at:
+            if name in doomed and time.monotonic() >= kill_at[0]:
+                died[name] = time.time()  # dead: no more heartbeats (its last one was answered)
+                return
             i += 1
             body = json.dumps({"samples": samples_for(uuids[name], i, args.per_gpu), "jobs": []}).encode()
             sent = time.monotonic()
@@ -304,6 +339,9 @@ def paced(args, nodes, uuids, url, meter) -> None:
             worst_lease_gap[0] = max(worst_lease_gap[0], done - last_ok)
             if ok:
                 latencies.append(done - sent)
+                if last_answer is not None:
+                    lateness.append(done - last_answer - interval)
+                last_answer = done
                 last_ok = sent
             else:
                 errors[0] += 1
@@ -312,10 +350,13 @@ def paced(args, nodes, uuids, url, meter) -> None:
 
     async def fleet():
         stop_at = time.monotonic() + args.duration
+        kill_at[0] = time.monotonic() + args.duration / 3
         await asyncio.gather(*(agent(name, token, stop_at) for name, token in nodes))
 
-    th = threading.Thread(target=reaper)
+    th = threading.Thread(target=watch_silence)
     th.start()
+    reaper = subprocess.Popen([sys.executable, "-c", REAPER, str(args.duration)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, text=True)
     before = meter.snapshot()
     start = time.monotonic()
     try:
@@ -323,21 +364,48 @@ def paced(args, nodes, uuids, url, meter) -> None:
     finally:
         stop.set()
         th.join()
+        runs = next((ln.split()[1] for ln in reaper.communicate(timeout=120)[0].splitlines()
+                     if ln.startswith("REAPER_RUNS")), "?")
     elapsed = time.monotonic() - start
     after = meter.snapshot()
+    from portal.core.models import AuditEvent
+    from portal.nodes.models import Node
+
+    names = dict(Node.objects.values_list("pk", "name"))
+    downs = [(names[int(pk)], at.timestamp()) for pk, at in
+             AuditEvent.objects.filter(action="node.down").values_list("object_id", "created_at")]
+    false_downs = len({n for n, _ in downs if n not in doomed})
+    detected: dict[str, float] = {}
+    for n, at in downs:
+        if n in doomed:
+            detected[n] = min(at, detected.get(n, at))
     q = statistics.quantiles(latencies, n=100)
+    late = statistics.quantiles(lateness, n=100)
     rate = len(latencies) / elapsed
     print(f"paced: {args.agents} agents every {interval:g}s for {elapsed:.0f}s: {len(latencies)} heartbeats "
           f"({rate:.0f} heartbeats/s, {rate * 8 * args.per_gpu:.0f} samples/s), errors {errors[0]}; latency p50 "
           f"{q[49] * 1000:.0f} ms, p99 {q[98] * 1000:.0f} ms, max {max(latencies) * 1000:.0f} ms")
-    print(CpuMeter.report(before, after, len(latencies)) + " (the reaper's queries included)")
-    print(f"reaper: {reaper_out['runs']} runs every {settings.NODE_REAP_INTERVAL_S:g}s, nodes marked down: "
-          f"{reaper_out['downs']} (goal 0); longest silence it saw {reaper_out['worst_silence']:.1f}s "
+    print(CpuMeter.report(before, after, len(latencies)) + " (the reaper's database queries included)")
+    print(f"heartbeat lateness (an agent's time between two answers beyond the {interval:g}s interval): "
+          f"p50 {late[49]:.2f}s, p99 {late[98]:.2f}s, max {max(lateness):.2f}s")
+    print(f"reaper (its own process): {runs} runs every {settings.NODE_REAP_INTERVAL_S:g}s, nodes marked down: "
+          f"{len(downs)} ({len(doomed)} dead); live nodes falsely marked down (node lost): {false_downs} "
+          f"(goal 0); longest silence it saw from a live node {reaper_out['worst_silence']:.1f}s "
           f"(NODE_TIMEOUT_S {settings.NODE_TIMEOUT_S:g}s)")
+    if doomed:
+        times = sorted(detected[n] - died[n] for n in doomed if n in detected and n in died)  # wall clock, one machine
+        missed = len(doomed) - len(times)
+        print(f"dead nodes: {len(doomed)} agents stopped {args.duration / 3:.0f}s in; from death to down: "
+              + (f"min {times[0]:.1f}s, p50 {statistics.median(times):.1f}s, max {times[-1]:.1f}s" if times else "none")
+              + (f", {missed} NOT detected before the end" if missed else "")
+              + f" (goal 30s; NODE_TIMEOUT_S {settings.NODE_TIMEOUT_S:g}s + reaper every "
+              f"{settings.NODE_REAP_INTERVAL_S:g}s, counted from the last heartbeat, up to "
+              f"{interval:g}s before the death)")
     gap = worst_lease_gap[0]
     print(f"agents: longest lease age (since the last answered heartbeat was sent) {gap:.1f}s "
           f"(AGENT_LEASE_S {settings.AGENT_LEASE_S:g}s) "
           f"-> {'no false fence' if gap < settings.AGENT_LEASE_S else 'an agent would have FENCED'}")
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
 
 
 if __name__ == "__main__":
