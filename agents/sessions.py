@@ -145,6 +145,10 @@ class Gateway:
         self._loop.close()
 
     def stop(self) -> None:
+        with self._lock:
+            published = list(self._published.values())
+        for pub in published:  # their sandboxes may outlive the agent; the relays' folders do not
+            self._close_relays(pub)
         if self._loop is not None and self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread is not None:

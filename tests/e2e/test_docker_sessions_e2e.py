@@ -47,9 +47,9 @@ def docker_node(tmp_path_factory):
         pytest.fail(f"the Docker engine is not running ({exc}); start it with .ci/docker.sh", pytrace=False)
     image = jupyter_image.ensure(client)
     node = f"e2e-dsessions-{uuid.uuid4().hex[:6]}"
+    state_dir = str(tmp_path_factory.mktemp("agent"))
     gateway = Gateway(listen="127.0.0.1:0").start()
-    inner = DockerDriver(node=node, client=client, simulated_gpus=True,
-                         state_dir=str(tmp_path_factory.mktemp("agent")))
+    inner = DockerDriver(node=node, client=client, simulated_gpus=True, state_dir=state_dir)
     driver = SessionDriver(inner, gateway)
     # JupyterLab, and a plain HTTP server on the container's loopback (kind http).
     command = ["sh", "-c", "echo hello from the container > /work/hello.txt && "
@@ -69,7 +69,8 @@ def docker_node(tmp_path_factory):
             logs = client.containers.get(handle.ref).logs().decode(errors="replace")
             pytest.fail(f"JupyterLab did not answer on {target[1]}; its log:\n{logs[-4000:]}")
         yield type("Node", (), {"gateway": gateway, "driver": driver, "handle": handle, "client": client,
-                                "socket": target[1], "uid": inner.job_uid(spec)})
+                                "socket": target[1], "uid": inner.job_uid(spec), "name": node,
+                                "state_dir": state_dir})
     finally:
         driver.remove(handle)
         gateway.stop()
@@ -202,3 +203,34 @@ def test_the_node_refuses_a_connection_without_the_secret_and_the_container_has_
     st = os.stat(os.path.dirname(docker_node.socket))
     assert (st.st_uid, st.st_mode & 0o777) == (docker_node.uid, 0o700)
     assert os.stat(os.path.dirname(os.path.dirname(docker_node.socket))).st_mode & 0o777 == 0o700
+
+
+def test_a_restarted_agent_serves_the_containers_sessions_again(docker_node):
+    """A new agent (its own driver and gateway) adopts the running container and publishes its sessions
+    from the record the first one left in its folder, the HTTP app's way in included."""
+    from websockets.sync.client import connect
+
+    from agents.sandbox.docker_driver import DockerDriver
+    from agents.sessions import Gateway, SessionDriver
+
+    gateway = Gateway(listen="127.0.0.1:0").start()
+    try:
+        driver = SessionDriver(DockerDriver(node=docker_node.name, client=docker_node.client, simulated_gpus=True,
+                                            state_dir=docker_node.state_dir), gateway)
+        assert [h.ref for _, _, h in driver.list_own()] == [docker_node.handle.ref]
+        key = {"X-Gpuportal-Session-Secret": SECRET}
+        assert requests.get(gateway.url + LAB + "api/status", headers=key, timeout=30).status_code == 200
+        r = requests.get(gateway.url + WEB + "hello.txt", headers=key, timeout=30)
+        assert r.status_code == 200 and r.text == "hello from the container\n"
+        with connect(gateway.url.replace("http://", "ws://") + SHELL + "ws", additional_headers=key,
+                     open_timeout=30) as ws:
+            ws.send(json.dumps({"type": "input", "data": "echo again-$((6*7))\n"}))
+            seen, deadline = b"", time.monotonic() + 30
+            while b"again-42" not in seen and time.monotonic() < deadline:
+                seen += ws.recv(timeout=30)
+        assert b"again-42" in seen
+        relays = [r.folder for pub in gateway._published.values() for r in pub.relays.values()]
+        assert len(relays) == 1 and os.path.isdir(relays[0])
+    finally:
+        gateway.stop()
+    assert not os.path.exists(relays[0])  # a stopped gateway leaves no relay behind (the container runs on)
