@@ -2,6 +2,7 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
+from portal.metrics.views import JobMetricsView
 from portal.nodes.views import ClusterView
 
 api_v1 = [
@@ -25,6 +26,8 @@ urlpatterns = [
     path("", include("portal.pages.urls")),
     path("projects/<slug:slug>/volumes/", include(("portal.storage.urls", "volumes"))),
     path("jobs/", include("portal.jobs.urls")),
+    # The job page's GPU charts: metrics sit above jobs, so the route is composed here.
+    path("jobs/<int:pk>/metrics/", JobMetricsView.as_view(), name="job-metrics"),
     path("nodes/", include("portal.nodes.urls")),
     path("cluster/", ClusterView.as_view(), name="cluster"),
     path("metrics", include("portal.metrics.urls")),

@@ -11,7 +11,6 @@ urlpatterns = [
     path("<int:pk>/", views.JobDetailView.as_view(), name="detail"),
     path("<int:pk>/status/", views.JobStatusView.as_view(), name="status"),
     path("<int:pk>/log/", views.JobLogView.as_view(), name="log"),
-    path("<int:pk>/metrics/", views.JobMetricsView.as_view(), name="metrics"),
     path("<int:pk>/cancel/", views.JobCancelView.as_view(), name="cancel"),
     path("<int:pk>/resubmit/", views.JobResubmitView.as_view(), name="resubmit"),
     path("<int:pk>/hold/", views.JobHoldView.as_view(), name="hold"),

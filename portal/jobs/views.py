@@ -8,7 +8,7 @@ import dataclasses
 
 from django.contrib import messages
 from django.core.paginator import Paginator
-from django.http import Http404, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http import Http404, HttpResponse, StreamingHttpResponse
 from django.shortcuts import redirect, render
 from django.template.loader import render_to_string
 from django.urls import reverse
@@ -23,7 +23,7 @@ from portal.tenancy.models import Project
 
 from .api import JobUpdateSerializer
 from .forms import JobFilterForm, JobSubmitForm
-from .models import CANCELLABLE, HOLDING, TERMINAL, Allocation, Job, JobState, JobTemplate, Priority
+from .models import CANCELLABLE, HOLDING, TERMINAL, Job, JobState, JobTemplate, Priority
 from .selectors import LogPage, job_gpu_samples, jobs_for_list, log_end, log_read, task_histograms
 from .services import (job_cancel, job_hold, job_move, job_release, job_resubmit, job_spec_check, job_submit,
                        job_update, jobs_cancel)
@@ -36,7 +36,6 @@ LOG_GRACE_S = 30
 # The detail page opens on the end of the log; the raw log has all of it.
 LOG_TAIL_BYTES = 256 * 1024
 STATE_ORDER = {state: i for i, state in enumerate(JobState.values)}
-SAMPLE_KEYS = ("ts", "utilization", "memory_used_mb", "memory_total_mb", "temperature_c", "power_w", "power_limit_w")
 
 
 def histogram_items(counts: dict[str, int] | None) -> list[dict]:
@@ -253,35 +252,6 @@ def _log_pages(job: Job, attempt: int, offset: int):
         if page.next_offset >= page.size or page.next_offset == offset:
             return
         offset = page.next_offset
-
-
-class JobMetricsView(PageMixin, View):
-    """JSON for the GPU charts: the latest sample of each GPU the job holds; with ?history=1 also
-    the attempt's minute rollups since it got its GPUs (the last 24 h at most), so the charts
-    start at the job's start rather than when the page was opened."""
-
-    def get(self, request, pk):
-        job = _job(request, pk)
-        gpus = []
-        for g in job_gpu_samples(job):
-            sample = g["sample"] or {}
-            gpus.append({**{k: g[k] for k in ("uuid", "index", "node", "model", "fraction", "open")},
-                         # Only this GPU's own figures: `processes` may name other tenants' work.
-                         "sample": {k: sample.get(k) for k in SAMPLE_KEYS} if g["sample"] else None})
-        allocs = list(Allocation.objects.filter(job=job, attempt=job.attempt).values_list("gpu_id", "gpu__uuid",
-                                                                                          "started_at"))
-        started = min((a[2] for a in allocs), default=job.started_at)
-        # live: keep polling while the job may still get or hold GPUs. started/ended: the x axis's ends.
-        body = {"job": job.pk, "state": job.state, "live": job.state not in TERMINAL, "gpus": gpus,
-                "started": int(started.timestamp()) if started else None,
-                "ended": int(job.ended_at.timestamp()) if job.ended_at and job.state in TERMINAL else None}
-        if request.GET.get("history") and started:
-            from portal.metrics.selectors import gpu_minutes
-
-            history = gpu_minutes(gpu_ids=[a[0] for a in allocs], start=started)
-            uuid = {a[0]: a[1] for a in allocs}
-            body["history"] = {"t": history["t"], "gpus": {uuid[k]: v for k, v in history["gpus"].items()}}
-        return JsonResponse(body)
 
 
 class JobActionView(PageMixin, View):

@@ -199,7 +199,7 @@ MATRIX = {
     "jobs:detail": [page("GET", "/jobs/{vision_job}/", PAGE_VISION)],
     "jobs:status": [page("GET", "/jobs/{vision_job}/status/", PAGE_VISION)],
     "jobs:log": [page("GET", "/jobs/{vision_job}/log/", PAGE_VISION)],
-    "jobs:metrics": [page("GET", "/jobs/{vision_job}/metrics/", PAGE_VISION)],
+    "job-metrics": [page("GET", "/jobs/{vision_job}/metrics/", PAGE_VISION)],
     # alice's job: bob (member) may not cancel it; staff may.
     "jobs:cancel": [page("POST", "/jobs/{vision_job}/cancel/", roles(302, 302, 403, 403, 404, 302))],
     # Staff submit only where they are members.
