@@ -293,6 +293,14 @@ class Agent:
         if pending:
             self._begin_stop(t, "cancelled", pending[0], pending[1], signal=pending[2])
             return "started"
+        if self._clock() - self._lease_renewed() > self.lease_s:
+            # The lease ran out while the sandbox started (a slow engine after the last check): the fence
+            # stopped every job it knew, not this one, which the portal may be re-placing now. Stop it as
+            # the fence does, before anything else.
+            log.error("job %s attempt %s: the lease ran out while it started; stopping it", job_id, attempt)
+            self._begin_stop(t, "failed", "stopped by the agent: the lease ran out while the sandbox started",
+                             min(self.stop_grace_s, self.fence_grace_s), lease_expired=True)
+            return "started"
         try:
             self.client.event(job_id, attempt, "running")
         except StaleAttempt:

@@ -126,3 +126,36 @@ def test_a_heartbeat_retrying_through_an_outage_keeps_the_lease_file_fresh(tmp_p
             driver.stop(handle, 0)
             driver.remove(handle)
         stub.close()
+
+
+class SlowStart(FakeDriver):
+    """A sandbox engine whose start outlasts what was left of the lease, the portal silent meanwhile."""
+
+    def __init__(self, clock, portal):
+        super().__init__()
+        self.clock, self.portal, self.agent = clock, portal, None
+
+    def launch(self, spec):
+        handle = super().launch(spec)
+        self.portal.unreachable = True
+        self.clock.t += 20  # past the 15 s lease
+        self.agent.check_lease()  # the lease thread fences meanwhile: no job is tracked yet
+        return handle
+
+
+def test_a_sandbox_whose_start_outlasts_the_lease_is_stopped_as_the_fence_stops_the_others():
+    clock, wall = Clock(), Clock(1000.0)
+    portal = FakePortal(clock)
+    driver = SlowStart(clock, portal)
+    agent = Agent(name="n1", client=portal, driver=driver, probe=SimProbe("2xH100-80GB", node_name="n1", clock=wall),
+                  stop_grace_s=10.0, background=False, clock=clock, wall=wall)
+    driver.agent = agent
+    agent.register()
+    agent.lease_s, agent.fence_grace_s = 15.0, 3.0
+    clock.t += 5  # confirmed within the lease
+    assert agent.launch("j1", 1, {**JOB, "gpu_indexes": [0]}) == "started"
+    assert agent.fenced and driver.running() == []
+    assert driver.stopped == [("j1", 1, 3.0)]  # the fence grace
+    portal.unreachable = False
+    agent.supervise_once()
+    assert ("j1", 1) in portal.lease_expired  # reported as the lease's doing: the portal requeues, never fails it
