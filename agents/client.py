@@ -168,11 +168,15 @@ class PortalClient:
         return self._post("/" + message.path.format(job_id=_q(job_id)), message.body(**body))
 
     def register(self, *, name: str, cpus: int, memory_mb: int, sandbox: str, gpus: list[dict],
-                 capabilities: dict | None = None, gpus_unusable: str = "") -> dict:
+                 capabilities: dict | None = None, gpus_unusable: str = "",
+                 cached_datasets: list[str] | None = None) -> dict:
         """-> {node, heartbeat_interval_s, lease_s}. ``gpus_unusable``: why the sandbox cannot give
-        this node's GPUs to jobs ("" when it can); the portal keeps GPU jobs off them."""
+        this node's GPUs to jobs ("" when it can); the portal keeps GPU jobs off them.
+        ``cached_datasets``: the digests in the node's dataset cache."""
         body = {"name": name, "cpus": cpus, "memory_mb": memory_mb, "sandbox": sandbox, "gpus": gpus,
                 "capabilities": capabilities or {}, "protocol_version": PROTOCOL_VERSION}
+        if cached_datasets is not None:
+            body["cached_datasets"] = list(cached_datasets)
         if gpus_unusable:
             body["gpus_unusable"] = gpus_unusable
         return self._report(REGISTER, body)
@@ -182,9 +186,25 @@ class PortalClient:
         probe of an earlier registration."""
         return self._report(PROBE, {"nonce": nonce})
 
-    def heartbeat(self, *, samples: list[dict], jobs: list[dict]) -> dict:
-        """-> {drain: bool, stop: [{job_id, attempt, reason}]}"""
-        return self._report(HEARTBEAT, {"samples": samples, "jobs": jobs})
+    def open_dataset(self, url: str):
+        """A dataset file to read (agents/datasets.py): an "agent:<path>" URL (an upload the portal keeps)
+        from the agent API with this node's token, any other through plain http(s)."""
+        if url.startswith("agent:"):
+            r = self.session.get(self.base + url[len("agent:"):], stream=True, timeout=self.timeout_s)
+            if r.status_code != 200:
+                r.close()
+                raise OSError(f"the portal answered {r.status_code} for {url[len('agent:'):]}")
+            return r.raw
+        from agents.datasets import open_url
+
+        return open_url(url)
+
+    def heartbeat(self, *, samples: list[dict], jobs: list[dict], cached_datasets: list[str] | None = None) -> dict:
+        """-> {drain: bool, stop: [{job_id, attempt, reason}]}. ``cached_datasets``: only when they changed."""
+        body = {"samples": samples, "jobs": jobs}
+        if cached_datasets is not None:
+            body["cached_datasets"] = list(cached_datasets)
+        return self._report(HEARTBEAT, body)
 
     def confirm(self, job_id: str, attempt: int) -> dict:
         """Fencing: may this node start this attempt? -> the spec; StaleAttempt if not."""

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 # The version of the agent API's message shapes, "MAJOR.MINOR", sent at registration. The portal
 # refuses an agent whose major differs (its messages would be misread); a minor adds optional
 # fields only. An agent that sends no version predates this field and speaks 1.x.
-PROTOCOL_VERSION = "1.2"  # 1.1: a terminal event may say lease_expired; 1.2: POST events takes several at once
+PROTOCOL_VERSION = "1.3"  # 1.1: a terminal event may say lease_expired; 1.2: POST events takes several at once
+# 1.3: register and heartbeat may carry cached_datasets (the digests in the node's dataset cache)
 
 
 def protocol_major(version: str) -> int:
@@ -92,12 +93,15 @@ class Message:
 
 GPU_INVENTORY = Message(None, ("index", "uuid", "model", "memory_mb"), ("pci_bus_id", "topology"))
 REGISTER = Message("register", ("name", "cpus", "memory_mb", "sandbox", "gpus"),
-                   ("capabilities", "gpus_unusable", "protocol_version"))
+                   ("capabilities", "gpus_unusable", "protocol_version", "cached_datasets"))
 PROBE = Message("probe", ("nonce",))
 SAMPLE = Message(None, ("gpu_uuid",), ("ts", "utilization", "memory_used_mb", "memory_total_mb", "temperature_c",
                                         "power_w", "power_limit_w", "ecc_errors", "xid_errors", "processes"))
 HEARTBEAT_JOB = Message(None, ("job_id", "attempt", "state"))
-HEARTBEAT = Message("heartbeat", (), ("samples", "jobs"))
+# cached_datasets: the sha256 digests (64 hex) the node's dataset cache holds (agents/datasets.py); sent at
+# registration and whenever they change, absent otherwise (the portal keeps the last list).
+HEARTBEAT = Message("heartbeat", (), ("samples", "jobs", "cached_datasets"))
+CACHED_DATASETS_MAX = 10000
 CONFIRM = Message("jobs/{job_id}/confirm", ("attempt",))
 SCRUB_FAILURE = Message(None, ("gpu_index", "message"))
 EVENT = Message("jobs/{job_id}/events", ("attempt", "state"),

@@ -380,6 +380,13 @@ CELERY_TIMEZONE = "UTC"
 # Project volumes (docs/storage.md): a directory tree at the same path on the portal and every node.
 VOLUMES_ROOT = Path(env_str("VOLUMES_ROOT", str(VAR_DIR / "volumes")))
 VOLUME_UPLOAD_MAX_MB = env_int("VOLUME_UPLOAD_MAX_MB", 1024, minimum=1)
+# Datasets (docs/storage.md): hosts the portal and the nodes may fetch sources from (shell patterns on the
+# URL's or endpoint's host; empty: any), the largest upload, objects per version, and how long a node's
+# presigned URL for a bucket's object stays valid.
+DATASET_SOURCE_HOSTS = env_list("DATASET_SOURCE_HOSTS", [])
+DATASET_UPLOAD_MAX_MB = env_int("DATASET_UPLOAD_MAX_MB", 10240, minimum=1)
+DATASET_MAX_FILES = env_int("DATASET_MAX_FILES", 10000, minimum=1)
+DATASET_URL_TTL_S = env_int("DATASET_URL_TTL_S", 6 * 3600, minimum=60)
 # The uids the docker sandbox runs projects' jobs under (uid = gid = first + project id); the portal
 # gives a volume's folders and uploads to that uid so the project's jobs can write them.
 JOB_UIDS = env_str("GPUPORTAL_JOB_UIDS", "2000000-2999999")

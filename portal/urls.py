@@ -25,6 +25,7 @@ urlpatterns = [
     path("", include("portal.accounts.urls")),
     path("", include("portal.pages.urls")),
     path("projects/<slug:slug>/volumes/", include(("portal.storage.urls", "volumes"))),
+    path("projects/<slug:slug>/datasets/", include(("portal.storage.urls_datasets", "datasets"))),
     path("jobs/", include("portal.jobs.urls")),
     # The job page's GPU charts: metrics sit above jobs, so the route is composed here.
     path("jobs/<int:pk>/metrics/", JobMetricsView.as_view(), name="job-metrics"),

@@ -119,3 +119,15 @@ def _drop_buffered_samples():
     from portal.metrics.services import BUFFER
 
     BUFFER.drain()
+
+
+@pytest.fixture
+def http_files(tmp_path):
+    """A real HTTP server on loopback serving a fresh folder (tests/httpfiles.py); stopped afterwards."""
+    from tests.httpfiles import FileServer
+
+    folder = tmp_path / "served"
+    folder.mkdir()
+    server = FileServer(folder)
+    yield server
+    server.stop()

@@ -78,6 +78,10 @@ class LaunchSpec:
     # Outputs (agents/artifacts.py): a writable /outputs whose files the agent uploads to the portal when
     # the attempt ends. False (an older portal's launch): no /outputs.
     outputs: bool = False
+    # Datasets (agents/datasets.py): the portal's [{"name", "version", "digest", "size", "archive", "files"}],
+    # and, once the agent has them in its cache, {name: host folder}, mounted read-only at /datasets/<name>.
+    datasets: list[dict] = field(default_factory=list)
+    dataset_paths: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.command or not all(isinstance(a, str) for a in self.command):

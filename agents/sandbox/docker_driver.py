@@ -39,6 +39,7 @@ import docker.types
 import requests
 
 from agents import supervisor
+from agents.datasets import MOUNT_ROOT as DATASETS_MOUNT
 from agents.sandbox import (
     EXITED, LABEL_ATTEMPT, LABEL_GPUS, LABEL_INSTALLATION, LABEL_JOB, LABEL_NODE, LABEL_TIME_LIMIT, OOM, RUNNING,
     LaunchSpec, SandboxError, SandboxHandle, job_env, node_rank, sandbox_name, uid_range,
@@ -259,6 +260,8 @@ class DockerDriver:
             raise SandboxError(f"volumes: {exc}") from None
         if checkpoint_dir:
             env["GPUPORTAL_CHECKPOINT_DIR"] = checkpoint_dir
+        # Datasets from the node's cache (agents/datasets.py), read-only: shared by every job that names them.
+        binds.extend((host, f"{DATASETS_MOUNT}/{name}", True) for name, host in sorted(spec.dataset_paths.items()))
         if spec.outputs:
             binds.append((self._make_outputs_dir(spec, uid), OUTPUTS_MOUNT, False))
             env["GPUPORTAL_OUTPUTS_DIR"] = OUTPUTS_MOUNT

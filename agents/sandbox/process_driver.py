@@ -100,6 +100,8 @@ class ProcessDriver:
                 env["GPUPORTAL_VOLUME_" + container.rsplit("/", 1)[1].upper().replace("-", "_")] = host
         if checkpoint_dir:
             env["GPUPORTAL_CHECKPOINT_DIR"] = checkpoint_dir
+        for name, host in spec.dataset_paths.items():  # the cache's folder (read-only by its modes)
+            env["GPUPORTAL_DATASET_" + name.upper().replace("-", "_").replace(".", "_")] = host
         if spec.outputs:  # no /outputs to mount: the job is told its host folder
             (root / "outputs").mkdir()
             env["GPUPORTAL_OUTPUTS_DIR"] = str(root / "outputs")

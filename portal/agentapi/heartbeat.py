@@ -33,6 +33,7 @@ class HeartbeatView(AgentView):
             "Samples not stored: [{position, gpu_uuid, errors}]; the rest of the batch was."))}))
     def post(self, request):
         fast = heartbeat_fast(request.data)
+        cached = None  # the fast path takes bodies without cached_datasets (sent only when they change)
         if fast is not None:
             samples, jobs = fast
             positions, refused = range(len(samples)), []
@@ -44,8 +45,9 @@ class HeartbeatView(AgentView):
                 raise serializers.ValidationError(data.errors)
             samples, positions, refused = samples_check(data.validated_data["samples"])
             jobs = data.validated_data["jobs"]
+            cached = data.validated_data.get("cached_datasets")
         try:
-            answer = agent_heartbeat(node=self.node, samples=samples, jobs=jobs)
+            answer = agent_heartbeat(node=self.node, samples=samples, jobs=jobs, cached_datasets=cached)
         except NodeTokenRevoked:
             raise AuthenticationFailed("Invalid node token.") from None
         # The service numbers its refusals within what it was given: back to the agent's batch.
@@ -53,9 +55,13 @@ class HeartbeatView(AgentView):
         return Response({**answer, "refused": sorted(refused, key=lambda r: r["position"])})
 
 
-def agent_heartbeat(*, node: Node, samples: list[dict], jobs: list[dict]) -> dict:
-    """Record the heartbeat and answer with what the agent must do: drain, stop stale jobs."""
+def agent_heartbeat(*, node: Node, samples: list[dict], jobs: list[dict],
+                    cached_datasets: list[str] | None = None) -> dict:
+    """Record the heartbeat and answer with what the agent must do: drain, stop stale jobs.
+    ``cached_datasets``: the digests its dataset cache holds now, when they changed (None: as before)."""
     node_heartbeat(node=node)
+    if cached_datasets is not None:
+        Node.objects.filter(pk=node.pk).update(cached_datasets=sorted(set(cached_datasets)))
     refused = []
     if samples:
         # Only this node's GPUs: a node token must not write another node's live tile or health.

@@ -3,7 +3,7 @@ from django.urls import path
 
 from portal.interactive.agent_api import SessionReportView
 from portal.nodes import agent_api as nodes
-from portal.storage.agent_api import ArtifactUploadView
+from portal.storage.agent_api import ArtifactUploadView, DatasetFileView
 
 from . import heartbeat, jobs
 
@@ -17,5 +17,6 @@ urlpatterns = [
     path("jobs/<str:job_id>/events", jobs.EventView.as_view(), name="events"),
     path("jobs/<str:job_id>/logs", jobs.LogView.as_view(), name="logs"),
     path("jobs/<str:job_id>/artifacts", ArtifactUploadView.as_view(), name="artifacts"),
+    path("datasets/<str:digest>/file", DatasetFileView.as_view(), name="dataset-file"),
     path("jobs/<str:job_id>/sessions", SessionReportView.as_view(), name="sessions"),
 ]

@@ -361,6 +361,9 @@ def submit(
     env: Annotated[list[str] | None, typer.Option(
         "--env", "-e", metavar="NAME=VALUE", help="An environment variable (repeatable).")] = None,
     template: Annotated[str | None, typer.Option(help="Start from the project's job template.")] = None,
+    dataset: Annotated[list[str] | None, typer.Option(
+        "--dataset", "-d", metavar="NAME[@VERSION]", help="Read a dataset at /datasets/NAME (repeatable; without "
+                                                           "@VERSION its latest ready version).")] = None,
     idempotency_key: Annotated[str | None, typer.Option(help="Retry-safe: a second submit with the same key "
                                                              "returns the first job.")] = None,
     watch: WatchOpt = False,
@@ -374,6 +377,8 @@ def submit(
     spec = build_spec(file, flags, {"gpus": _num(gpus), "nodes": nodes, "gpus_per_node": gpus_per_node,
                                     "gpu_type": gpu_type, "cpus": _num(cpus),
                                     "memory_mb": memory_mb}, env or [], depends_on or [], command or [])
+    if dataset:
+        spec["datasets"] = list(dataset)
     client = _client()
     job, created = client.submit(spec, idempotency_key=idempotency_key)
     _finish_submit(client, job, verb="Submitted", created=created, watch=watch, interval=interval, timeout=timeout,
@@ -773,6 +778,117 @@ def _download(target: Path, fetch) -> int:
     finally:
         partial.unlink(missing_ok=True)
     return size
+
+
+datasets_app = typer.Typer(help="Datasets: named, versioned, read-only inputs jobs read at /datasets/<name>, "
+                                "cached on each node (docs/storage.md).", no_args_is_help=True)
+app.add_typer(datasets_app, name="datasets")
+DatasetArg = Annotated[int, typer.Argument(metavar="DATASET_ID", help="The dataset's id (gpuctl datasets list).")]
+UrlOpt = Annotated[str | None, typer.Option("--url", help="An http(s) URL of one file (a .tar, .tar.gz... is "
+                                                         "unpacked on the node).")]
+S3BucketOpt = Annotated[str | None, typer.Option("--s3-bucket", help="An S3-compatible bucket.")]
+S3PrefixOpt = Annotated[str, typer.Option("--s3-prefix", help="Every object below this key prefix.")]
+S3EndpointOpt = Annotated[str, typer.Option("--s3-endpoint", help="The S3-compatible endpoint (default AWS).")]
+S3KeyOpt = Annotated[str, typer.Option("--s3-access-key", help="The bucket's access key (the secret comes from "
+                                                                "GPUCTL_S3_SECRET_KEY).")]
+
+
+def datasets_command(name: str):
+    return lambda fn: datasets_app.command(name)(_handle_errors(fn))
+
+
+def _dataset_source(url, bucket, prefix, endpoint, access_key) -> dict | None:
+    if url and bucket:
+        raise SpecError("Give --url or --s3-bucket, not both.")
+    if url:
+        return {"kind": "http", "url": url}
+    if bucket:
+        source = {"kind": "s3", "bucket": bucket, "prefix": prefix}
+        if endpoint:
+            source["endpoint_url"] = endpoint
+        if access_key:
+            source.update(access_key=access_key, secret_key=os.environ.get("GPUCTL_S3_SECRET_KEY", ""))
+        return source
+    return None
+
+
+def _version_rows(dataset: dict) -> list[list]:
+    return [[v["version"], v["state"], "" if v["size"] is None else v["size"], (v["digest"] or "")[:12],
+             v["location"], v["message"]] for v in dataset["versions"]]
+
+
+@datasets_command("create")
+def datasets_create(
+    project: Annotated[str, typer.Argument(help="The project.")],
+    name: Annotated[str, typer.Argument(help="The dataset's name (lower-case letters, digits, '.', '_', '-').")],
+    url: UrlOpt = None, s3_bucket: S3BucketOpt = None, s3_prefix: S3PrefixOpt = "", s3_endpoint: S3EndpointOpt = "",
+    s3_access_key: S3KeyOpt = "",
+    description: Annotated[str, typer.Option(help="What it holds.")] = "",
+    output: OutputOpt = Format.table,
+):
+    """Create a dataset, with version 1 from a URL or a bucket prefix when given (members)."""
+    body = {"project": project, "name": name, "description": description}
+    source = _dataset_source(url, s3_bucket, s3_prefix, s3_endpoint, s3_access_key)
+    if source:
+        body["source"] = source
+    dataset = _client().dataset_create(body)
+    if output is Format.json:
+        return emit_json(dataset)
+    say(f"Created dataset {dataset['id']} ({project}/{name})" + (
+        "; version 1 is read by the portal (gpuctl datasets show)" if source else "") +
+        f". Jobs name it with \"datasets\": [\"{name}\"] and read it at {dataset['mount_path']}.")
+
+
+@datasets_command("list")
+def datasets_list(
+    project: Annotated[str | None, typer.Option("--project", "-p", help="Only this project's.")] = None,
+    output: OutputOpt = Format.table,
+):
+    """The datasets of your projects."""
+    rows = _client().datasets(project)
+    if output is Format.json:
+        return emit_json(rows)
+    say(table([[d["id"], d["project"], d["name"], "" if d["latest"] is None else d["latest"], len(d["versions"]),
+                d["mount_path"]] for d in rows], ["ID", "PROJECT", "NAME", "LATEST", "VERSIONS", "MOUNT"])
+        if rows else "No datasets.")
+
+
+@datasets_command("show")
+def datasets_show(dataset_id: DatasetArg, output: OutputOpt = Format.table):
+    """A dataset and its versions (state, size, digest, source)."""
+    dataset = _client().dataset(dataset_id)
+    if output is Format.json:
+        return emit_json(dataset)
+    say(f"{dataset['project']}/{dataset['name']}  at {dataset['mount_path']}  {dataset['description']}".rstrip())
+    say(table(_version_rows(dataset), ["VERSION", "STATE", "SIZE", "DIGEST", "SOURCE", "MESSAGE"])
+        if dataset["versions"] else "No versions yet.")
+
+
+@datasets_command("add-version")
+def datasets_add_version(dataset_id: DatasetArg, url: UrlOpt = None, s3_bucket: S3BucketOpt = None,
+                         s3_prefix: S3PrefixOpt = "", s3_endpoint: S3EndpointOpt = "", s3_access_key: S3KeyOpt = "",
+                         output: OutputOpt = Format.table):
+    """Add the next version from a URL or a bucket prefix (versions never change)."""
+    source = _dataset_source(url, s3_bucket, s3_prefix, s3_endpoint, s3_access_key)
+    if source is None:
+        raise SpecError("Give --url or --s3-bucket (or upload a file with gpuctl datasets upload).")
+    version = _client().dataset_version(dataset_id, source)
+    return emit_json(version) if output is Format.json else say(
+        f"Version {version['version']} is {version['state']}: the portal reads its files, size and digest.")
+
+
+@datasets_command("upload")
+def datasets_upload(dataset_id: DatasetArg, source: Annotated[Path, typer.Argument(help="A local file (a .tar, "
+                                                                                       ".tar.gz... is unpacked).")],
+                    output: OutputOpt = Format.table):
+    """Add the next version from a local file."""
+    try:
+        with open(source, "rb") as handle:
+            version = _client().dataset_upload(dataset_id, source.name, handle)
+    except OSError as exc:
+        raise SpecError(f"{source}: {exc.strerror}") from None
+    return emit_json(version) if output is Format.json else say(
+        f"Version {version['version']}: {version['size']} bytes, digest {version['digest'][:12]}.")
 
 
 artifacts_app = typer.Typer(help="Job artifacts: what a job left in /outputs, uploaded when it ended (docs/storage.md).",

@@ -244,6 +244,24 @@ class Client:
         """Write the file into ``out`` (a binary file); returns the bytes written."""
         return self._raw("GET", f"volumes/{volume_id}/download/", path, out=out)
 
+    # Datasets (docs/storage.md): named, versioned, read-only inputs at /datasets/<name>.
+
+    def datasets(self, project: str | None = None) -> list[dict]:
+        return self.get("datasets/", project__slug=project, page_size=500)["results"]
+
+    def dataset(self, dataset_id: int) -> dict:
+        return self.get(f"datasets/{dataset_id}/", what=f"dataset {dataset_id}")
+
+    def dataset_create(self, body: dict) -> dict:
+        return self.post("datasets/", body)
+
+    def dataset_version(self, dataset_id: int, source: dict) -> dict:
+        return self.post(f"datasets/{dataset_id}/versions/", {"source": source}, what=f"dataset {dataset_id}")
+
+    def dataset_upload(self, dataset_id: int, filename: str, stream) -> dict:
+        return self._raw("PUT", f"datasets/{dataset_id}/upload/", None, data=stream, what=f"dataset {dataset_id}",
+                         query={"filename": filename})
+
     def artifacts(self, job_id: int, attempt: int | None = None) -> list[dict]:
         return self.get(f"jobs/{job_id}/artifacts/", what=f"job {job_id}",
                         **({"attempt": attempt} if attempt is not None else {}))
@@ -252,10 +270,12 @@ class Client:
         """Write the artifact into ``out`` (a binary file); returns the bytes written."""
         return self._raw("GET", f"jobs/{job_id}/artifacts/{artifact_id}/", None, out=out, what=f"job {job_id}")
 
-    def _raw(self, method: str, path: str, file_path: str | None, *, data=None, out=None, what: str = ""):
+    def _raw(self, method: str, path: str, file_path: str | None, *, data=None, out=None, what: str = "",
+             query: dict | None = None):
         url = f"{self.base_url}/api/v1/{path}"
+        params = {"path": file_path} if file_path is not None else query
         try:
-            resp = self.session.request(method, url, params={"path": file_path} if file_path is not None else None,
+            resp = self.session.request(method, url, params=params,
                                         data=data, stream=out is not None,
                                         headers={"Content-Type": "application/octet-stream"} if data else None,
                                         timeout=(10, self.timeout), allow_redirects=False)

@@ -65,13 +65,15 @@ class JobSerializer(serializers.ModelSerializer):
                                      help_text="What the node could not enforce (e.g. a GPU share without CUDA MPS).")
     volumes = serializers.ListField(child=serializers.DictField(), read_only=True,
                                     help_text="The project's volumes mounted at /data/<name>: {name, read_only}.")
+    datasets = serializers.ListField(child=serializers.DictField(), read_only=True, help_text=(
+        "The datasets it reads at /datasets/<name>, as resolved at submit: {name, version, digest, size, source}."))
     checkpoint = JobCheckpointSerializer(read_only=True, allow_null=True,
                                          help_text="{signal, grace_s} when the job checkpoints, else null.")
 
     class Meta:
         model = Job
         fields = ["id", "project", "user", "name", "image", "command", "env", "resources", "time_limit", "priority",
-                  "preemptible", "do_not_disrupt", "checkpoint", "sandbox", "network", "volumes", "array", "is_array_parent", "array_parent", "array_index",
+                  "preemptible", "do_not_disrupt", "checkpoint", "sandbox", "network", "volumes", "datasets", "array", "is_array_parent", "array_parent", "array_index",
                   "array_limit", "depends_on", "template", "resubmit_of", "state", "held", "slurm_code", "slurm_id", "attempt", "reason",
                   "queue_position", "node", "placement_topology", "exit_code", "submitted_at", "started_at", "ended_at", "elapsed", "tasks",
                   "idle_since", "warnings"]

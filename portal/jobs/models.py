@@ -60,6 +60,9 @@ class Job(models.Model):
     env = models.JSONField(default=dict, blank=True)
     # The project's volumes mounted at /data/<name>: [{"name": "data", "read_only": false}] (portal.storage).
     volumes = models.JSONField(default=list, blank=True)
+    # The datasets it reads at /datasets/<name>, resolved at submit (portal.storage.datasets):
+    # [{"name": "imagenet", "version": 3, "digest": "<sha256 hex>", "size": <bytes>, "source": "s3://..."}].
+    datasets = models.JSONField(default=list, blank=True)
     gpus = models.DecimalField(max_digits=6, decimal_places=3, default=0)
     # All of a job's GPUs are on one node unless it asks for more: then `gpus / nodes` on each
     # of exactly `nodes` nodes, started as one gang with the rendezvous variables set.

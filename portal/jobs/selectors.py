@@ -147,6 +147,10 @@ def launch_specs(pairs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
     from portal.interactive.selectors import launch_sessions
 
     sessions = launch_sessions(list(jobs))
+    # Datasets name the files the node fetches into its cache (presigned URLs: made at launch time).
+    from portal.storage.selectors import launch_datasets
+
+    datasets = launch_datasets(list(jobs.values()))
     out = {}
     for node_name, job_id in pairs:
         job = jobs.get(job_id)
@@ -175,6 +179,7 @@ def launch_specs(pairs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
             "outputs": True,  # /outputs, uploaded as the attempt's artifacts when it ends (docs/storage.md)
             "checkpoint_signal": job.checkpoint_signal or None, "checkpoint_grace_s": job.checkpoint_grace_s,
             **volume_mounts(job),
+            "datasets": datasets.get(job.pk, []),  # read-only at /datasets/<name> (agents/datasets.py)
             # Published ports (docs/sessions.md), on the first node only: a gang cannot publish any.
             "sessions": sessions.get(job.pk, []) if node_name == nodes[0] else [],
         }

@@ -131,6 +131,7 @@ def job_fields(actor: Actor, project: Project, v: dict, template: JobTemplate | 
         gpu_memory_mb=res["gpu_memory_mb"], cpus=res["cpus"], memory_mb=res["memory_mb"],
         time_limit_s=v["time_limit"], priority=v["priority"], preemptible=v["preemptible"],
         sandbox=v["sandbox"], network=v["network"], template=template, volumes=v["volumes"],
+        datasets=v.get("datasets") or [],
         checkpoint_signal=(v["checkpoint"] or {}).get("signal", ""),
         checkpoint_grace_s=(v["checkpoint"] or {}).get("grace_s"),
         do_not_disrupt=v.get("do_not_disrupt", False),
@@ -391,6 +392,7 @@ def job_resubmit(*, actor: Actor, job: Job) -> Job:
         "do_not_disrupt": job.do_not_disrupt,
         "sandbox": job.sandbox, "network": job.network, "array": job.array, "volumes": job.volumes,
         "checkpoint": job.checkpoint,
+        "datasets": [f"{d['name']}@{d['version']}" for d in job.datasets or []],  # the same versions again
     }
     if job.array_parent_id:
         raise InvalidInput("Resubmit the array job, not one of its tasks.", code="array_task")

@@ -259,6 +259,10 @@ class JobSpecSerializer(StrictSerializer):
                                        max_length=100)
     volumes = serializers.ListField(child=VolumeMountSerializer(), required=False, default=list, max_length=16,
                                     help_text="The project's volumes to mount at /data/<name>.")
+    datasets = serializers.ListField(
+        child=serializers.CharField(max_length=80), required=False, default=list, max_length=16,
+        help_text="The project's datasets to read at /datasets/<name>: 'name@version', or 'name' for its latest "
+                  "ready version; resolved at submit to {name, version, digest, size, source}.")
     checkpoint = CheckpointSerializer(required=False, allow_null=True, default=None,
                                       help_text="The job checkpoints: stopped for preemption, migration, a node "
                                                 "drain or a GPU fault it gets `signal` and `grace_s` to save, and "
@@ -381,6 +385,12 @@ class JobSpecSerializer(StrictSerializer):
         if data.get("network") and not quota.network_allowed:
             errors["network"] = ["This project does not allow network access for jobs."]
         errors.update(_volume_errors(project, data.get("volumes") or [], data.get("sandbox")))
+        if data.get("datasets") and isinstance(data["datasets"][0], str):
+            # Storage sits above jobs in the layers; the spec still resolves the names (as for volumes).
+            from portal.storage.selectors import resolve_job_datasets
+
+            data["datasets"], dataset_errors = resolve_job_datasets(project, data["datasets"], data.get("sandbox"))
+            errors.update(dataset_errors)
         if data.get("ports"):
             if data.get("array"):
                 errors["ports"] = ["An array's tasks cannot publish sessions; submit one job per session."]

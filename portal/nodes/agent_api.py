@@ -47,6 +47,13 @@ GPU_UUID = r"^(?!gone-)[A-Za-z0-9][A-Za-z0-9._:/-]{0,63}$"
 CAPABILITY = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
 
 
+def cached_datasets_field():
+    """The digests in the node's dataset cache (agents/datasets.py), as Node.cached_datasets keeps them."""
+    return serializers.ListField(child=serializers.RegexField(r"^[0-9a-f]{64}$", max_length=64), required=False,
+                                 allow_null=True, default=None, max_length=protocol.CACHED_DATASETS_MAX,
+                                 help_text="sha256 digests of the dataset versions the node's cache holds.")
+
+
 def speaks(message: protocol.Message):
     """The serializer of one of agents.protocol's messages: it must declare exactly the message's
     keys, the required ones required, or the portal does not start (the contract is written once)."""
@@ -92,6 +99,7 @@ class RegisterSerializer(StrictSerializer):
     gpus_unusable = serializers.CharField(max_length=150, required=False, allow_blank=True, default="")
     # The agent's agents.protocol.PROTOCOL_VERSION; an agent older than the field sends none and speaks 1.x.
     protocol_version = serializers.CharField(max_length=16, required=False, allow_blank=True, default="")
+    cached_datasets = cached_datasets_field()
 
     def validate_protocol_version(self, value):
         if not value:
@@ -260,6 +268,7 @@ def samples_check(samples: list[dict]) -> tuple[list[dict], list[int], list[dict
 class HeartbeatSerializer(StrictSerializer):
     samples = SampleListField(max_length=256, default=list)
     jobs = JobKeySerializer(many=True, default=list, max_length=4096)
+    cached_datasets = cached_datasets_field()  # sent when it changed; absent: as before
 
 
 # The heartbeat's fast path (docs/design.md section 10): a body of plain, well-formed values, as

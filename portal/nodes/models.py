@@ -23,6 +23,10 @@ class Node(models.Model):
     capabilities = models.JSONField(default=dict, blank=True)
     # The agent protocol its agent spoke at its last registration ("": an agent older than the field).
     protocol_version = models.CharField(max_length=16, blank=True, default="")
+    # The dataset versions its agent's cache holds, complete and verified: sha256 digests (64 hex), as the
+    # agent last reported them at registration or in a heartbeat (agents/datasets.py). The scheduler
+    # prefers nodes that already hold a job's datasets (Job.datasets).
+    cached_datasets = models.JSONField(default=list, blank=True)
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     # sha256 of the node's agent token (gpn_...); the secret is shown once by add_node.

@@ -168,7 +168,8 @@ GPU_UNUSABLE_PREFIX = "Unusable for "  # health_reason of GPUs the node's sandbo
 
 
 def agent_register(*, node: Node, name: str, cpus: int, memory_mb: int, sandbox: str, gpus: list[dict],
-                   capabilities: dict | None = None, gpus_unusable: str = "", protocol_version: str = "") -> Node:
+                   capabilities: dict | None = None, gpus_unusable: str = "", protocol_version: str = "",
+                   cached_datasets: list[str] | None = None) -> Node:
     """The agent's real inventory replaces what the operator declared; a down node comes back.
     ``protocol_version``: the agent protocol it speaks (agents/protocol.py; "" for an agent older
     than the field), kept on the node.
@@ -208,6 +209,8 @@ def agent_register(*, node: Node, name: str, cpus: int, memory_mb: int, sandbox:
         _gpus_usable_apply(node=node, sandbox=sandbox, problem=gpus_unusable)
         updates = {"cpus": cpus, "memory_mb": memory_mb, "sandbox": sandbox[:16], "last_heartbeat_at": timezone.now(),
                    "capabilities": capabilities or {}, "protocol_version": protocol_version}
+        if cached_datasets is not None:  # the digests in its dataset cache (agents/datasets.py)
+            updates["cached_datasets"] = sorted(set(cached_datasets))
         if node.state == NodeState.DOWN:
             updates.update(state=NodeState.READY, state_reason="")
         # No new jobs until this agent proves it receives node.<name> (a restart may bring a wrong --broker).

@@ -31,3 +31,15 @@ class ArtifactUploadView(AgentView):
         stream = request._request  # the raw body, read in chunks: never parsed nor held in memory
         return Response(artifact_put(node=self.node, job_id=job_id, stream=stream, length=length,
                                      **query.validated_data), status=status.HTTP_201_CREATED)
+
+
+class DatasetFileView(AgentView):
+    """An uploaded dataset version's file, for a node that holds a job naming it (else 404): the
+    launch spec gives it as "agent:datasets/<digest>/file" (agents/datasets.py)."""
+
+    @extend_schema(responses={(200, "application/octet-stream"): OpenApiTypes.BINARY})
+    def get(self, request, digest):
+        from .datasets import upload_for_node
+        from .files import download_response
+
+        return download_response(*upload_for_node(node=self.node, digest=digest))

@@ -1,5 +1,5 @@
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field
 from rest_framework import mixins, serializers, status
 from rest_framework.decorators import action
 from rest_framework.response import Response
@@ -11,7 +11,8 @@ from portal.tenancy.models import slug_validator
 
 from .artifacts import artifact_response, artifacts_of
 from .files import download_response
-from .models import RegistryCredential, Volume
+from .datasets import dataset_create, dataset_delete, dataset_upload, dataset_version_add
+from .models import Dataset, DatasetVersion, RegistryCredential, Volume
 from .selectors import volume_file_open, volume_list_dir
 from .services import (registry_credential_delete, registry_credential_set, volume_create, volume_delete,
                        volume_file_put)
@@ -194,3 +195,131 @@ class RegistryCredentialViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin
     def destroy(self, request, pk=None):
         registry_credential_delete(actor=self.actor, credential=self.get_object())
         return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class DatasetVersionSerializer(serializers.ModelSerializer):
+    source = serializers.CharField(read_only=True, help_text="s3, http or upload.")
+    location = serializers.CharField(source="source_text", read_only=True,
+                                     help_text="s3://bucket/prefix, the URL, or upload:<file name>.")
+    file_count = serializers.SerializerMethodField()
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+
+    class Meta:
+        model = DatasetVersion
+        fields = ["version", "state", "message", "source", "location", "archive", "digest", "size", "file_count",
+                  "created_by", "created_at"]
+        read_only_fields = fields
+
+    def get_file_count(self, version) -> int:
+        return len(version.files or [])
+
+
+class DatasetSourceSerializer(serializers.Serializer):
+    """Where a version comes from (checked by portal/storage/datasets.check_source)."""
+
+    kind = serializers.ChoiceField(choices=["s3", "http"])
+    url = serializers.CharField(required=False, help_text="http: the file's http(s) URL (a tar archive is unpacked).")
+    bucket = serializers.CharField(required=False, help_text="s3: the bucket.")
+    prefix = serializers.CharField(required=False, help_text="s3: every object below this key prefix.")
+    endpoint_url = serializers.CharField(required=False, help_text="s3: the S3-compatible endpoint (default AWS).")
+    region = serializers.CharField(required=False)
+    access_key = serializers.CharField(required=False)
+    secret_key = serializers.CharField(required=False, write_only=True, help_text="Write-only, stored encrypted.")
+
+
+@extend_schema_field(DatasetSourceSerializer)
+class SourceField(serializers.JSONField):
+    """A source object, checked as a whole by the service (field errors name source.<key>)."""
+
+
+class DatasetSerializer(ProjectChoiceSerializer):
+    name = serializers.CharField(max_length=63, help_text="Lower-case letters, digits, '.', '_' and '-'.")
+    description = StrictCharField(max_length=500, required=False, allow_blank=True, default="")
+    source = SourceField(required=False, write_only=True, help_text=(
+        "Version 1's source: {kind: http, url} or {kind: s3, bucket, prefix, endpoint_url, region, access_key, "
+        "secret_key}. Without one, add versions later (POST .../versions/ or PUT .../upload/)."))
+    latest = serializers.SerializerMethodField(help_text="The newest ready version's number, which 'name' means in "
+                                                         "a job spec (null: none ready).")
+    mount_path = serializers.SerializerMethodField(help_text="Where jobs naming it see it.")
+    versions = serializers.SerializerMethodField()
+    created_by = serializers.SlugRelatedField(slug_field="username", read_only=True)
+
+    class Meta:
+        model = Dataset
+        fields = ["id", "project", "name", "description", "source", "latest", "mount_path", "versions",
+                  "created_by", "created_at"]
+        read_only_fields = ["id", "created_by", "created_at"]
+        validators = []  # the service names the field of a taken name
+
+    def get_latest(self, dataset) -> int | None:
+        return next((v.version for v in dataset.versions.all() if v.state == "ready"), None)
+
+    def get_mount_path(self, dataset) -> str:
+        return f"/datasets/{dataset.name}"
+
+    @extend_schema_field(DatasetVersionSerializer(many=True))
+    def get_versions(self, dataset):
+        return DatasetVersionSerializer(dataset.versions.all(), many=True).data
+
+
+class DatasetVersionCreateSerializer(StrictSerializer):
+    source = SourceField(help_text="As for a new dataset's source.")
+
+
+class FilenameQuerySerializer(StrictSerializer):
+    filename = StrictCharField(max_length=255, trim_whitespace=False,
+                               help_text="The file's name on the node (a .tar, .tar.gz, .tgz... is unpacked).")
+
+
+class DatasetViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenantViewSet):
+    """A project's datasets: named, versioned, read-only inputs. Members create them and add versions
+    (each immutable; its digest and size once its source is read), owners and admins delete them,
+    everyone in the project reads them. Jobs name them in `datasets` and read them at /datasets/<name>."""
+
+    scoped_model = Dataset
+    serializer_class = DatasetSerializer
+    filterset_fields = {"project__slug": ["exact"]}
+    scope_for_action = {"create": "submit", "versions": "submit", "upload": "submit"}
+
+    def get_queryset(self):
+        from django.db.models import Prefetch
+
+        return super().get_queryset().select_related("project", "created_by").prefetch_related(
+            Prefetch("versions", queryset=DatasetVersion.objects.select_related("created_by").order_by("-version")))
+
+    def create(self, request):
+        data = DatasetSerializer(data=request.data, context=self.get_serializer_context())
+        data.is_valid(raise_exception=True)
+        v = data.validated_data
+        dataset = dataset_create(actor=self.actor, project=v["project"], name=v["name"],
+                                 description=v.get("description", ""), source=v.get("source"))
+        return Response(DatasetSerializer(self.get_queryset().get(pk=dataset.pk)).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=None, responses={204: None})
+    def destroy(self, request, pk=None):
+        dataset_delete(actor=self.actor, dataset=self.get_object())
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @extend_schema(request=DatasetVersionCreateSerializer, responses={201: DatasetVersionSerializer})
+    @action(detail=True, methods=["post"])
+    def versions(self, request, pk=None):
+        """Add the next version from a bucket or a URL: pending until the portal has read its files."""
+        dataset = self.get_object()
+        data = DatasetVersionCreateSerializer(data=request.data)
+        data.is_valid(raise_exception=True)
+        version = dataset_version_add(actor=self.actor, dataset=dataset, source=data.validated_data["source"])
+        return Response(DatasetVersionSerializer(version).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(parameters=[OpenApiParameter("filename", str, OpenApiParameter.QUERY, required=True)],
+                   request={"application/octet-stream": OpenApiTypes.BINARY},
+                   responses={201: DatasetVersionSerializer})
+    @action(detail=True, methods=["put"])
+    def upload(self, request, pk=None):
+        """Add the next version from the request body (one file; 413 over DATASET_UPLOAD_MAX_MB): ready at once."""
+        dataset = self.get_object()
+        query = FilenameQuerySerializer(data=request.query_params.dict())
+        query.is_valid(raise_exception=True)
+        length = parse_int(request.META.get("CONTENT_LENGTH"))
+        version = dataset_upload(actor=self.actor, dataset=dataset, filename=query.validated_data["filename"],
+                                 stream=request._request, length=length)
+        return Response(DatasetVersionSerializer(version).data, status=status.HTTP_201_CREATED)

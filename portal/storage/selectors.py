@@ -6,6 +6,8 @@ from portal.core.errors import InvalidInput, NotFound
 
 from . import files
 from .models import Volume
+# What jobs ask of datasets (the job spec and the launch spec reach them here).
+from .datasets import launch_datasets, prefetch_entries, resolve_job_datasets  # noqa: F401
 
 MAX_ENTRIES = 1000
 

@@ -1,9 +1,10 @@
 from rest_framework.routers import SimpleRouter
 
-from .api import JobArtifactViewSet, RegistryCredentialViewSet, VolumeViewSet
+from .api import DatasetViewSet, JobArtifactViewSet, RegistryCredentialViewSet, VolumeViewSet
 
 router = SimpleRouter()
 router.register("volumes", VolumeViewSet, basename="volume")
+router.register("datasets", DatasetViewSet, basename="dataset")
 router.register("registry-credentials", RegistryCredentialViewSet, basename="registry-credential")
 router.register(r"jobs/(?P<job_pk>[0-9]+)/artifacts", JobArtifactViewSet, basename="job-artifact")
 

@@ -135,3 +135,17 @@ class VolumeDownloadView(PageMixin, View):
                 raise Http404(exc.message) from None
             return refused(request, exc, back=volume_url(volume))
         return download_response(handle, size, name)
+
+
+class DatasetListView(PageMixin, View):
+    """A project's datasets and their versions (read-only here; gpuctl datasets or the API add them)."""
+
+    def get(self, request, slug):
+        from django.db.models import Prefetch
+
+        from .models import Dataset, DatasetVersion
+
+        project = _project(request, slug)
+        datasets = Dataset.objects.for_user(request.user, "view").filter(project=project).prefetch_related(
+            Prefetch("versions", queryset=DatasetVersion.objects.order_by("-version")))
+        return render(request, "storage/datasets.html", {"project": project, "datasets": datasets})

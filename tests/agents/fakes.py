@@ -44,10 +44,11 @@ class FakePortal:
         self.registered = body
         return {"node": 7, "heartbeat_interval_s": 5, "lease_s": 30, "protocol_version": PROTOCOL_VERSION}
 
-    def heartbeat(self, *, samples, jobs):
+    def heartbeat(self, *, samples, jobs, cached_datasets=None):
         self._call()
         self.lease_renewed_at = self.clock()
-        self.heartbeats.append({"samples": samples, "jobs": jobs})
+        self.heartbeats.append({"samples": samples, "jobs": jobs, **(
+            {"cached_datasets": cached_datasets} if cached_datasets is not None else {})})
         stop, self.stop_list = self.stop_list, []
         return {"drain": False, "stop": stop}
 

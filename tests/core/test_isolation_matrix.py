@@ -154,6 +154,21 @@ MATRIX = {
         e("GET", "/api/v1/registry-credentials/{vision_registry_credential}/", VISION_READ),
         e("DELETE", "/api/v1/registry-credentials/{vision_registry_credential}/", roles(401, 204, 403, 403, 404, 204)),
     ],
+    # Datasets: everyone in the project reads them, members add them and their versions, owners and
+    # admins delete them; staff read and delete but add only where they are members.
+    "api:dataset-list": [
+        e("GET", "/api/v1/datasets/", ALL_200),
+        e("POST", "/api/v1/datasets/", roles(401, 201, 201, 403, 400, 403), body={"project": "vision", "name": "d2"},
+          scope="submit"),
+    ],
+    "api:dataset-detail": [
+        e("GET", "/api/v1/datasets/{vision_dataset}/", VISION_READ),
+        e("DELETE", "/api/v1/datasets/{vision_dataset}/", roles(401, 204, 403, 403, 404, 204)),
+    ],
+    "api:dataset-versions": [e("POST", "/api/v1/datasets/{vision_dataset}/versions/", roles(401, 201, 201, 403, 404, 403),
+                               body={"source": {"kind": "http", "url": "http://127.0.0.1:9/set.tar"}}, scope="submit")],
+    "api:dataset-upload": [e("PUT", "/api/v1/datasets/{vision_dataset}/upload/?filename=x.json",
+                             roles(401, 201, 201, 403, 404, 403), body={"x": 1}, scope="submit")],
     "api:jobtemplate-list": [
         e("GET", "/api/v1/job-templates/", ALL_200),
         e("POST", "/api/v1/job-templates/", roles(401, 201, 403, 403, 400, 201),
@@ -175,6 +190,7 @@ MATRIX = {
         ("register", "register"), ("heartbeat", "heartbeat"), ("confirm", "jobs/{vision_job}/confirm"),
         ("events", "jobs/{vision_job}/events"), ("logs", "jobs/{vision_job}/logs"), ("probe", "probe"),
         ("events-batch", "events")]},
+    "agent:dataset-file": [e("GET", "/api/agent/v1/datasets/" + "0" * 64 + "/file", NOBODY)],
     "agent:artifacts": [e("PUT", "/api/agent/v1/jobs/{vision_job}/artifacts?attempt=1&path=x", NOBODY, body={"x": 1})],
     "agent:sessions": [e("POST", "/api/agent/v1/jobs/{vision_job}/sessions", NOBODY,
                          body={"attempt": 1, "name": "lab", "state": "ended"})],
@@ -214,6 +230,7 @@ MATRIX = {
     # message) to members and a viewer's or staff's (403).
     "volumes:list": [page("GET", "/projects/vision/volumes/", PAGE_VISION),
                      page("POST", "/projects/vision/volumes/", roles(302, 400, 400, 400, 404, 400))],
+    "datasets:list": [page("GET", "/projects/vision/datasets/", PAGE_VISION)],
     "volumes:browse": [page("GET", "/projects/vision/volumes/{vision_volume}/", PAGE_VISION)],
     "volumes:download": [page("GET", "/projects/vision/volumes/{vision_volume}/download/?path=f.txt", PAGE_VISION)],
     "volumes:upload": [page("POST", "/projects/vision/volumes/{vision_volume}/upload/",
@@ -313,6 +330,7 @@ def _tenant_objects(demo):
     from portal.core.context import Actor
     from portal.jobs.services import job_submit, template_save
     from portal.nodes.services import node_add
+    from portal.storage.datasets import dataset_create
     from portal.storage.services import registry_credential_set, volume_create, volume_file_put
 
     alice = Actor(user=demo.users["alice"])
@@ -327,7 +345,8 @@ def _tenant_objects(demo):
                                          username="ci", secret="s3cret")
     return {"vision_job": job.pk, "vision_template": template.pk, "acme_invoice": _acme_invoice(),
             "vision_volume": volume.pk, "vision_session": job.sessions.get().pk,
-            "vision_registry_credential": credential.pk}
+            "vision_registry_credential": credential.pk,
+            "vision_dataset": dataset_create(actor=alice, project=demo.vision, name="tiny").pk}
 
 
 def _acme_invoice() -> int:

@@ -52,6 +52,14 @@ def add_volumes(demo, n):
         volume_create(actor=Actor(user=demo.users["alice"]), project=demo.vision, name=_name("vol"))
 
 
+def add_datasets(demo, n):
+    from portal.storage.datasets import dataset_create
+
+    for _ in range(n):
+        dataset_create(actor=Actor(user=demo.users["alice"]), project=demo.vision, name=_name("ds"),
+                       source={"kind": "http", "url": "http://127.0.0.1:9/set.tar"})
+
+
 def add_members(demo, n):
     User = get_user_model()
     for _ in range(n):
@@ -168,6 +176,7 @@ CASES = {
     "api nodes": ("admin", "/api/v1/nodes/", add_nodes),
     "api cluster": ("admin", "/api/v1/cluster/", add_nodes),
     "api volumes": ("alice", "/api/v1/volumes/", add_volumes),
+    "api datasets": ("alice", "/api/v1/datasets/", add_datasets),
     "api members": ("alice", "/api/v1/projects/vision/members/", add_members),
     "api projects": ("alice", "/api/v1/projects/", add_projects),
     "api organizations": ("admin", "/api/v1/organizations/", add_organizations),
@@ -187,6 +196,7 @@ CASES = {
     "page project templates": ("alice", "/projects/vision/", add_templates),
     "page console autoscaling": ("admin", "/console/autoscaling/", add_pools),
     "page volumes": ("alice", "/projects/vision/volumes/", add_volumes),
+    "page datasets": ("alice", "/projects/vision/datasets/", add_datasets),
 }
 
 
