@@ -13,6 +13,11 @@ portal.asgi under uvicorn (the proxy). It prints:
 3. a 100 MB download: straight from the app, and through gateway and portal (MB/s);
 4. memory of --websockets idle WebSockets held open through the portal (RSS growth of this
    process, which holds the proxy and the gateway and the clients' side).
+
+With --sandbox docker the job runs in the docker sandbox (network none) from the JupyterLab image the
+tests build (tests/interactive/jupyter_image.py), its HTTP app on the container's loopback, reached
+through the gateway's relay into the container's network namespace; the host has no direct way to
+it, so there is no "direct" figure.
 """
 import argparse
 import asyncio
@@ -92,6 +97,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--websockets", type=int, default=200)
+    ap.add_argument("--sandbox", choices=["process", "docker"], default="process")
     args = ap.parse_args()
 
     import uvicorn
@@ -118,11 +124,27 @@ def main():
         (site / "small.txt").write_text("ok\n")
         with open(site / "big.bin", "wb") as f:
             f.truncate(100 * 1024 * 1024)
-        web_port = free_port()
-        web = subprocess.Popen([sys.executable, "-m", "http.server", str(web_port), "--bind", "127.0.0.1"],
-                               cwd=site, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         gateway = Gateway(listen="127.0.0.1:0").start()
-        driver = SessionDriver(ProcessDriver(node="bench", state_dir=tmp), gateway)
+        docker = args.sandbox == "docker"
+        if docker:  # the app serves the same files from the container's /work, on its own loopback
+            import docker as docker_sdk
+
+            from agents.sandbox.docker_driver import DockerDriver
+            from tests.interactive import jupyter_image
+
+            engine = docker_sdk.from_env()
+            image, web_port, web = jupyter_image.ensure(engine), 8000, None
+            command = ["sh", "-c", "mkdir /work/site && cd /work/site && echo ok > small.txt && "
+                       "head -c 104857600 /dev/zero > big.bin && "
+                       f"(python3 -m http.server {web_port} --bind 127.0.0.1 >/dev/null 2>&1 &) && "
+                       "cd /work && exec python3 -m jupyterlab"]
+            driver = SessionDriver(DockerDriver(node="bench-sessions", client=engine, simulated_gpus=True,
+                                                state_dir=tmp), gateway)
+        else:
+            web_port, image, command = free_port(), "local", [sys.executable, "-m", "jupyterlab"]
+            web = subprocess.Popen([sys.executable, "-m", "http.server", str(web_port), "--bind", "127.0.0.1"],
+                                   cwd=site, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            driver = SessionDriver(ProcessDriver(node="bench", state_dir=tmp), gateway)
         driver.lease_s = 3600.0
         lab, web_path = f"/sessions/{JOB}/lab/", f"/sessions/{JOB}/web/"
         job = Job.objects.create(pk=JOB, project=Project.objects.get(slug="vision"), user=alice, name="bench",
@@ -152,7 +174,7 @@ def main():
             # 1. Launch to usable.
             t0 = time.perf_counter()
             handle = driver.launch(LaunchSpec(
-                job_id=str(JOB), attempt=1, image="local", command=[sys.executable, "-m", "jupyterlab"],
+                job_id=str(JOB), attempt=1, image=image, command=command, memory_mb=2048, cpus=2.0,
                 sessions=[{"name": "lab", "kind": "jupyter", "port": None, "secret": key, "base_url": lab},
                           {"name": "web", "kind": "http", "port": web_port, "secret": key, "base_url": web_path}]))
             while True:
@@ -166,16 +188,19 @@ def main():
 
             # 2. Latency of a small GET.
             secret = {"X-Gpuportal-Session-Secret": key}
-            direct = timed_gets(f"http://127.0.0.1:{web_port}/small.txt", args.requests, {})
+            while requests.head(gateway.url + web_path + "big.bin", headers=secret).status_code != 200:
+                time.sleep(0.1)  # the docker job's app starts after its 100 MB file is written
+            direct = [] if docker else [("direct", timed_gets(f"http://127.0.0.1:{web_port}/small.txt",
+                                                              args.requests, {}))]
             via_gw = timed_gets(gateway.url + web_path + "small.txt", args.requests, secret)
             via_portal = timed_gets(portal + web_path + "small.txt", args.requests, cookie)
-            for label, values in (("direct", direct), ("gateway", via_gw), ("portal+gateway", via_portal)):
+            for label, values in (*direct, ("gateway", via_gw), ("portal+gateway", via_portal)):
                 print(f"small GET {label:>15}: median {statistics.median(values):6.2f} ms  "
                       f"p95 {pct(values, 0.95):6.2f} ms  ({args.requests} requests)")
 
             # 3. 100 MB download.
-            for label, url, headers in (("direct", f"http://127.0.0.1:{web_port}/big.bin", {}),
-                                        ("gateway", gateway.url + web_path + "big.bin", secret),
+            direct = [] if docker else [("direct", f"http://127.0.0.1:{web_port}/big.bin", {})]
+            for label, url, headers in (*direct, ("gateway", gateway.url + web_path + "big.bin", secret),
                                         ("portal+gateway", portal + web_path + "big.bin", cookie)):
                 print(f"100 MB download {label:>15}: {download(url, headers):7.1f} MB/s")
 
@@ -205,8 +230,9 @@ def main():
                 driver.remove(handle)
             server.should_exit = True
             gateway.stop()
-            web.terminate()
-            web.wait(10)
+            if web is not None:
+                web.terminate()
+                web.wait(10)
 
 
 if __name__ == "__main__":
