@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Everything the test suite drives, installed and started if missing: PostgreSQL and Redis on
-# loopback, a Docker engine with the job image (.ci/docker.sh), libvirtd with QEMU and the guest
-# image (.ci/kvm.sh), Debian's Chromium (.ci/browser.sh). Called by `make test` after `make venv`
-# (so by CI too, through .ci/run). Idempotent and quick when all is up; installing needs root and
-# apt-get. Fails loudly, naming what could not be started.
+# loopback, a Docker engine with the job image (.ci/docker.sh), the image registry the tests start,
+# libvirtd with QEMU and the guest image (.ci/kvm.sh), Debian's Chromium (.ci/browser.sh). Called
+# by `make test` after `make venv` (so by CI too, through .ci/run). Idempotent and quick when all
+# is up; installing needs root and apt-get. Fails loudly, naming what could not be started.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -58,6 +58,13 @@ command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || apt_install nginx
 command -v openssl >/dev/null || apt_install openssl
 command -v systemd-analyze >/dev/null || die "systemd-analyze is still missing after installing systemd"
 [ -x /usr/sbin/nginx ] || die "nginx is still missing after installing nginx"
+
+say "image registry"
+# Private images (tests/registry.py starts one per test module on a free loopback port, with htpasswd
+# logins): Debian's docker-registry and apache2-utils' htpasswd. dockerd takes plain HTTP from
+# 127.0.0.0/8 (its default insecure range), so no TLS.
+command -v docker-registry >/dev/null || apt_install docker-registry
+command -v htpasswd >/dev/null || apt_install apache2-utils
 
 # Real sandboxes and the browser the suite drives: each script is idempotent and fails loudly.
 for extra in .ci/docker.sh .ci/kvm.sh .ci/browser.sh; do

@@ -74,6 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="a connection the portal's host refuses (its web processes restarting) renews the lease "
                          "like the portal's outage answer, so jobs run on through a restart of the portal; off "
                          "where a firewall may reject (not drop) this node's packets (docs/reliability.md)")
+    ap.add_argument("--image-cache-gb", type=float, default=env("GPUPORTAL_IMAGE_CACHE_GB") or "0",
+                    help="docker: the most GB of job images this node keeps; past it the least recently used "
+                         "images it pulled, and no container uses, are removed (0: no limit)")
     ap.add_argument("--stop-grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     ap.add_argument("--concurrency", type=int, default=4, help="Celery worker threads")
     ap.add_argument("--log-level", default="INFO")
@@ -140,7 +143,8 @@ def main(argv=None) -> int:
             extra = {"gang_network_driver": args.gang_network_driver,
                      "gang_network_internal": args.gang_network_internal,
                      "simulated_gpus": probe.kind == "sim", "egress_allow": args.egress_allow,
-                     "installation": args.installation, "state_dir": args.state_dir, "supervise": True}
+                     "installation": args.installation, "state_dir": args.state_dir, "supervise": True,
+                     "image_cache_gb": args.image_cache_gb}
         driver = make_driver(args.sandbox, node=args.name, **extra)
     except (ValueError, SandboxError) as exc:
         print(f"agent: {exc}", file=sys.stderr)

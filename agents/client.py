@@ -43,6 +43,7 @@ import requests
 from agents import __version__
 from agents.protocol import (BATCH_EVENT, CONFIRM, EVENT, EVENT_MESSAGE_MAX, EVENT_STATES, EVENTS, HEARTBEAT, LOG,
                              NODE_PROBLEM_MAX, PROBE, PROTOCOL_VERSION, REGISTER, Message)
+from agents.protocol import PROGRESS, PROGRESS_MESSAGE_MAX, REGISTRY_AUTH
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +239,19 @@ class PortalClient:
         return self._report(LOG, {"attempt": attempt, "offset": offset,
                                   "data_base64": base64.b64encode(data).decode("ascii")}, job_id)
 
+
+    def registry_auth(self, job_id: str, attempt: int) -> dict:
+        """The project's login to the registry of this attempt's image, for one pull: -> {registry,
+        username, password} (both "" when the project has none there; ``problem`` when it cannot be
+        used). Asked only while the attempt is assigned to this node and not yet running; StaleAttempt
+        otherwise. The answer is never logged nor kept: use it for the pull and drop it."""
+        return self._report(REGISTRY_AUTH, {"attempt": attempt}, job_id)
+
+    def progress(self, job_id: str, attempt: int, stage: str, message: str) -> dict:
+        """What a launch is doing before the job runs ("pulling image x:1: 43%"): the job's reason
+        until it runs. StaleAttempt when the portal moved on (stop preparing it)."""
+        return self._report(PROGRESS, {"attempt": attempt, "stage": stage,
+                                       "message": message[:PROGRESS_MESSAGE_MAX]}, job_id)
 
     def artifact(self, job_id: str, attempt: int, path: str, f, size: int) -> dict:
         """Upload one file of an attempt's outputs (``path`` relative to /outputs) from the binary file

@@ -64,6 +64,35 @@ EVENT_STATES = ("starting", "running", "succeeded", "failed", "timeout", "oom", 
 TERMINAL_EVENT_STATES = frozenset({"succeeded", "failed", "timeout", "oom", "cancelled"})
 
 
+# What a launch reports while it prepares (POST .../progress): the job's reason code until it runs.
+PROGRESS_STAGES = ("pulling", "staging")  # staging: fetching its datasets into the node's cache
+PROGRESS_MESSAGE_MAX = 300  # the job's reason_message
+
+
+# -- images ----------------------------------------------------------------------------------------
+
+DOCKER_HUB = "docker.io"
+# The names Docker Hub goes by in a login (a project stores any of them).
+DOCKER_HUB_ALIASES = ("docker.io", "index.docker.io", "registry-1.docker.io")
+
+
+def image_registry(image: str) -> str:
+    """The registry (host[:port]) an image reference pulls from, as Docker reads it: the part before
+    the first "/" when it has a "." or a ":" or is "localhost", else Docker Hub."""
+    first, sep, _ = str(image).partition("/")
+    if sep and ("." in first or ":" in first or first == "localhost"):
+        return first
+    return DOCKER_HUB
+
+
+def image_tag(image: str) -> str:
+    """The tag of an image reference ("latest" when it names none); "" for a digest reference."""
+    if "@" in image:
+        return ""
+    last = image.rsplit("/", 1)[-1]
+    return last.partition(":")[2] or "latest"
+
+
 # -- message shapes --------------------------------------------------------------------------------
 
 
@@ -116,6 +145,12 @@ EVENTS_MAX = 200  # events in one request; a node with more ending at once sends
 LOG = Message("jobs/{job_id}/logs", ("attempt", "offset"), ("data", "data_base64"))  # exactly one of the two
 MESSAGES = (GPU_INVENTORY, REGISTER, PROBE, SAMPLE, HEARTBEAT_JOB, HEARTBEAT, CONFIRM, SCRUB_FAILURE, EVENT, BATCH_EVENT,
             EVENTS, LOG)
+# Private images (an agent asks only when it must pull; a portal without them answers 404): the project's
+# login to the registry of the attempt's image, and what a launch is doing before it runs (the job's reason).
+REGISTRY_AUTH = Message("jobs/{job_id}/registry-auth", ("attempt",))
+PROGRESS = Message("jobs/{job_id}/progress", ("attempt", "stage", "message"))
+MESSAGES += (REGISTRY_AUTH, PROGRESS)
+
 
 # Longest texts of a job event: a longer report would be refused, leaving the job running there.
 EVENT_MESSAGE_MAX = 2000

@@ -257,6 +257,9 @@ class Agent:
             return "stale"
         except PortalUnreachable:
             pass  # confirmed a moment ago; the running report or heartbeat will tell
+        pulled = self._prepare_image(ls)
+        if pulled is not None:
+            return pulled
         problem = self._gpus_ready(ls)
         if problem == STOPPED:
             return self._launch_stopped(job_id, attempt)
@@ -308,6 +311,48 @@ class Agent:
         except PortalUnreachable:
             log.warning("job %s attempt %s: could not report running; the heartbeat will", job_id, attempt)
         return "started"
+
+    def _prepare_image(self, ls: LaunchSpec) -> str | None:
+        """Have the driver make the job's image present (docker: pulled with the project's registry
+        login, asked from the portal only when a pull is needed, its progress the job's reason)
+        before the launch waits for GPUs. None: go on; else the launch's result."""
+        prepare = getattr(self.driver, "prepare_image", None)
+        if prepare is None:
+            return None
+        key = (ls.job_id, ls.attempt)
+
+        def stopped() -> bool:
+            with self._lock:
+                return key in self._pending_stop
+
+        def progress(text: str) -> None:
+            try:
+                self.client.progress(ls.job_id, ls.attempt, "pulling", text)
+            except StaleAttempt:
+                raise
+            except PortalError as exc:  # only the reason is late; the pull goes on
+                log.info("job %s attempt %s: could not report the pull's progress: %s", ls.job_id, ls.attempt, exc)
+
+        def credentials() -> dict:
+            try:
+                return self.client.registry_auth(ls.job_id, ls.attempt)
+            except (StaleAttempt, PortalUnreachable):
+                raise  # stale: start nothing; unreachable: the launch task retries
+            except PortalError as exc:  # a portal without private images (404), say
+                raise SandboxError(f"image {ls.image}: the portal gave no registry login for it ({exc})") from None
+
+        try:
+            how = prepare(ls, credentials=credentials, progress=progress, stopped=stopped)
+        except StaleAttempt:
+            log.info("job %s attempt %s: stale while its image was prepared; starting nothing", ls.job_id, ls.attempt)
+            return "stale"
+        except SandboxError as exc:
+            if stopped():
+                return self._launch_stopped(ls.job_id, ls.attempt)
+            return self._launch_failed(ls.job_id, ls.attempt, str(exc))
+        if how == "pulled":
+            log.info("job %s attempt %s: image %s pulled", ls.job_id, ls.attempt, ls.image)
+        return None
 
     def _lease_renewed(self) -> float:
         renewed = getattr(self.client, "lease_renewed_at", None)

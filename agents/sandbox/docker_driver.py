@@ -46,6 +46,7 @@ from agents.sandbox import (
 )
 from agents.sandbox.docker_logs import ContainerLog
 from agents.sandbox.egress import EgressError, Firewall, parse_allow
+from agents.sandbox.images import ImageCache
 from agents.sandbox.kvm_domain import driver_dir, private_dir
 from agents.sandbox.volumes import VolumePathError, plan_mounts
 from agents.supervisor.lease import FENCED, forget_fenced, was_fenced
@@ -92,7 +93,7 @@ class DockerDriver:
                  gang_network_internal: bool = False, simulated_gpus: bool = False,
                  egress_allow: str | list[str] | None = None, log_max_size: str = "10m", log_max_files: int = 3,
                  installation: str | None = None, job_uids: str | None = None, volumes_root: str | None = None,
-                 state_dir: str | None = None, supervise: bool = False):
+                 state_dir: str | None = None, supervise: bool = False, image_cache_gb: float | None = None):
         self.node = node
         # supervise (the agent sets it): each container gets a supervisor process that outlives the agent
         # and kills it when the node's lease file, in the agent's state folder, runs out (agents/supervisor/);
@@ -139,6 +140,12 @@ class DockerDriver:
         except (docker.errors.DockerException, requests.RequestException) as exc:
             raise SandboxError(f"the Docker engine is not answering: {exc}") from exc
         self._gpu_support: bool | None = None
+        # Job images this node pulled (agents/sandbox/images.py): the pull policy, the logins, the size limit.
+        if image_cache_gb is None:
+            image_cache_gb = float(os.environ.get("GPUPORTAL_IMAGE_CACHE_GB") or 0)
+        self.images = ImageCache(self.client, node=node,
+                                 state_path=lambda: driver_dir("docker", node, state_dir) / "images.json",
+                                 limit_bytes=int(image_cache_gb * 1e9) if image_cache_gb else None)
         if simulated_gpus:
             log.info("docker sandbox: simulated GPUs: GPU jobs run without the NVIDIA runtime and see "
                      "the GPU environment only")
@@ -174,6 +181,13 @@ class DockerDriver:
 
     # -- Driver interface -----------------------------------------------------
 
+    def prepare_image(self, spec: LaunchSpec, *, credentials, progress=None, stopped=None) -> str:
+        """Make the job's image present before its launch, pulling it with the project's login when
+        the pull policy says so (agents/sandbox/images.py). -> "present" or "pulled"; SandboxError
+        with the job's reason when it cannot be had."""
+        return self.images.ensure(spec.image, project_id=spec.project_id, credentials=credentials,
+                                  progress=progress, stopped=stopped)
+
     def launch(self, spec: LaunchSpec) -> SandboxHandle:
         try:
             return self._launch(spec)
@@ -183,6 +197,8 @@ class DockerDriver:
             if spec.outputs:  # nothing started: its outputs folder must not linger
                 shutil.rmtree(self._outputs_path(spec.job_id, spec.attempt, node_rank(spec)), ignore_errors=True)
             raise
+        finally:
+            self.images.unpin(spec.image)  # its container holds it now (or it never will)
 
     def _launch(self, spec: LaunchSpec) -> SandboxHandle:
         if spec.gpu_uuids and not self.simulated_gpus and not self.gpu_support():

@@ -5,7 +5,7 @@ from portal.interactive.agent_api import SessionReportView
 from portal.nodes import agent_api as nodes
 from portal.storage.agent_api import ArtifactUploadView, DatasetFileView
 
-from . import heartbeat, jobs
+from . import heartbeat, images, jobs
 
 app_name = "agent"
 urlpatterns = [
@@ -19,4 +19,6 @@ urlpatterns = [
     path("jobs/<str:job_id>/artifacts", ArtifactUploadView.as_view(), name="artifacts"),
     path("datasets/<str:digest>/file", DatasetFileView.as_view(), name="dataset-file"),
     path("jobs/<str:job_id>/sessions", SessionReportView.as_view(), name="sessions"),
+    path("jobs/<str:job_id>/registry-auth", images.RegistryAuthView.as_view(), name="registry-auth"),
+    path("jobs/<str:job_id>/progress", images.ProgressView.as_view(), name="progress"),
 ]

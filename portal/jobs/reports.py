@@ -41,18 +41,33 @@ def _load(job_id, attempt: int, node) -> Job:
     return job
 
 
+def held_job(*, node, job_id, attempt: int, states=HOLDING) -> Job:
+    """The job whose ``attempt`` ``node`` holds in one of ``states``, or Conflict (409, stale)."""
+    job = _load(job_id, attempt, node)
+    if job.state not in states or node.name not in job_nodes(job):
+        raise Conflict(f"Job {job_id} attempt {attempt} is {job.state} and not placed on {node.name}.", code="stale")
+    return job
+
+
 def job_confirm(*, node, job_id, attempt: int) -> dict:
     """The agent asks before starting anything. Returns the launch spec, or raises Conflict (409)."""
     from .selectors import launch_spec
 
-    job = _load(job_id, attempt, node)
-    if job.state not in HOLDING or node.name not in job_nodes(job):
-        raise Conflict(f"Job {job_id} attempt {attempt} is {job.state} and not placed on {node.name}.", code="stale")
+    job = held_job(node=node, job_id=job_id, attempt=attempt)
     from .states import transition
 
     transition(job.pk, to=JobState.STARTING, from_states={JobState.ASSIGNED}, attempt=attempt,
                message=f"Confirmed by {node.name}")
     return launch_spec(job.pk, node.name)
+
+
+def job_progress(*, node, job_id, attempt: int, stage: str, message: str) -> str:
+    """What the node does for an attempt before it runs (agents.protocol.PROGRESS_STAGES: pulling its
+    image), shown as the job's reason. Conflict (409) when the node no longer holds it starting."""
+    job = held_job(node=node, job_id=job_id, attempt=attempt, states={JobState.ASSIGNED, JobState.STARTING})
+    Job.objects.filter(pk=job.pk, attempt=attempt, state__in=[JobState.ASSIGNED, JobState.STARTING]).update(
+        reason_code=stage, reason_message=message[:300])
+    return "applied"
 
 
 def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None = None, message: str = "",
@@ -92,8 +107,9 @@ def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None 
     if state == JobState.RUNNING:
         if job.state == JobState.RUNNING:
             return "duplicate"
+        # The launch's progress ("pulling image ...") was its reason while it started: no longer.
         transition(job.pk, to=JobState.RUNNING, from_states={JobState.ASSIGNED, JobState.STARTING}, attempt=attempt,
-                   message=message or f"Running on {node.name}")
+                   message=message or f"Running on {node.name}", reason_code="", reason_message="")
         return "applied"
     if state == JobState.FAILED and node_problem and job.state in (JobState.ASSIGNED, JobState.STARTING):
         # It never ran: the node failed it (GPUs it could not free or scrub), not the job itself.

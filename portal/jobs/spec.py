@@ -25,7 +25,12 @@ MAX_NODES = 256
 # Fractions a shared GPU is cut into; anything else would fragment it.
 SHARED_GPU_FRACTIONS = (Decimal("0.125"), Decimal("0.25"), Decimal("0.5"))
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
-IMAGE = re.compile(r"^[a-z0-9][a-z0-9._/-]{0,200}(:[A-Za-z0-9._-]{1,128})?(@sha256:[0-9a-f]{64})?$")
+# [registry[:port]/]path[:tag][@sha256:digest]: a private registry is often on a port of its own.
+IMAGE = re.compile(r"^([a-z0-9][a-z0-9.-]{0,252}:[0-9]{1,5}/)?[a-z0-9][a-z0-9._/-]{0,200}(:[A-Za-z0-9._-]{1,128})?"
+                   r"(@sha256:[0-9a-f]{64})?$")
+ARRAY = re.compile(r"^(?P<items>\d{1,7}(-\d{1,7})?(,\d{1,7}(-\d{1,7})?)*)(%(?P<limit>\d{1,6}))?$")
+DURATION = re.compile(r"^(?:(?P<d>\d+)-)?(?:(?P<h>\d+):)?(?P<m>\d+):(?P<s>\d+)$")
+UNIT_DURATION = re.compile(r"^(?P<n>\d+)(?P<u>[smhd])$")
 ARRAY = re.compile(r"^(?P<items>\d{1,7}(-\d{1,7})?(,\d{1,7}(-\d{1,7})?)*)(%(?P<limit>\d{1,6}))?$")
 DURATION = re.compile(r"^(?:(?P<d>\d+)-)?(?:(?P<h>\d+):)?(?P<m>\d+):(?P<s>\d+)$")
 UNIT_DURATION = re.compile(r"^(?P<n>\d+)(?P<u>[smhd])$")

@@ -189,7 +189,8 @@ MATRIX = {
     **{f"agent:{name}": [e("POST", f"/api/agent/v1/{path}", NOBODY, body={"attempt": 1})] for name, path in [
         ("register", "register"), ("heartbeat", "heartbeat"), ("confirm", "jobs/{vision_job}/confirm"),
         ("events", "jobs/{vision_job}/events"), ("logs", "jobs/{vision_job}/logs"), ("probe", "probe"),
-        ("events-batch", "events")]},
+        ("events-batch", "events"), ("registry-auth", "jobs/{vision_job}/registry-auth"),
+        ("progress", "jobs/{vision_job}/progress")]},
     "agent:dataset-file": [e("GET", "/api/agent/v1/datasets/" + "0" * 64 + "/file", NOBODY)],
     "agent:artifacts": [e("PUT", "/api/agent/v1/jobs/{vision_job}/artifacts?attempt=1&path=x", NOBODY, body={"x": 1})],
     "agent:sessions": [e("POST", "/api/agent/v1/jobs/{vision_job}/sessions", NOBODY,

@@ -13,6 +13,7 @@ from agents.client import PortalClient
 from portal.core.context import Actor
 from portal.jobs.models import Job, JobLogChunk
 from portal.jobs.services import job_submit
+from portal.agentapi import images as agent_images
 from portal.agentapi import jobs as agent_jobs
 from portal.nodes import agent_api
 from portal.nodes.models import Node
@@ -25,7 +26,7 @@ IMAGE = "gpuportal/busybox:latest"
 
 
 def agent_serializers() -> dict:
-    return {cls.message: cls for module in (agent_api, agent_jobs) for cls in vars(module).values()
+    return {cls.message: cls for module in (agent_api, agent_jobs, agent_images) for cls in vars(module).values()
             if isinstance(cls, type) and issubclass(cls, serializers.Serializer) and hasattr(cls, "message")}
 
 
