@@ -26,10 +26,19 @@ from django.db.models import F, Max, Window
 from django.db.models.functions import RowNumber
 from django.utils import timezone
 
+from portal.core import locks
 from portal.core.context import Actor
 from portal.core.errors import ServiceError
 from portal.core.services import audit_record
+from portal.jobs.models import HOLDING, Allocation, Job
+from portal.jobs.selectors import gpu_hours_used_this_month
+from portal.jobs.services import job_move
 from portal.nodes.models import Node, NodeState
+from portal.nodes.services import node_add, parse_gpu_spec
+from portal.tenancy.models import Quota
+from scheduler import core
+from scheduler.adapter import build_snapshot
+from scheduler.core.autoscale import PoolNode as CoreNode, PoolSpec, autoscale
 
 from .models import NodePool, PoolNode, PoolNodeState, ScaleEvent
 from .providers import NodeRequest, ProviderError, provider_for
@@ -40,7 +49,6 @@ NOTES_KEY = "autoscale:notes"
 LIVE = [PoolNodeState.BOOTING, PoolNodeState.READY, PoolNodeState.RELEASING]
 RELEASED_REASON = "released by the autoscaler"
 MAX_BACKOFF_S = 3600
-TICK_LOCK = 0x67707532  # "gpu2": held by the running autoscaler tick
 
 
 def _event(pool: NodePool, kind: str, reason: str, *, nodes=(), delta=0, demand=0.0, now=None) -> ScaleEvent:
@@ -90,8 +98,6 @@ def _delete(pool_node: PoolNode, *, final_state: str, reason: str, now) -> bool:
 
 
 def _node_busy(node_id: int) -> bool:
-    from portal.jobs.models import HOLDING, Allocation, Job
-
     return (Job.objects.filter(state__in=HOLDING, node_id=node_id).exists()
             or Allocation.objects.filter(gpu__node_id=node_id, released_at__isnull=True).exists())
 
@@ -165,8 +171,6 @@ def pool_specs(pools, now) -> list:
 
 
 def _spec(pool: NodePool, now, boot_s: float):
-    from scheduler.core.autoscale import PoolSpec
-
     available = pool.unavailable_until is None or pool.unavailable_until <= now
     note = "" if available else (f"pool {pool.name} is unavailable until "
                                  f"{pool.unavailable_until:%H:%M:%S} UTC ({pool.unavailable_reason})")
@@ -181,8 +185,6 @@ def _spec(pool: NodePool, now, boot_s: float):
 
 
 def _model_memory_mb(model: str) -> int:
-    from portal.nodes.services import parse_gpu_spec
-
     try:
         return parse_gpu_spec(f"1x{model}")[2]
     except ServiceError:
@@ -191,12 +193,9 @@ def _model_memory_mb(model: str) -> int:
 
 def _pool_nodes(now) -> list:
     """The live pool nodes as the core sees them, with each ready node's idle time."""
-    from portal.jobs.models import Allocation, Job
-    from scheduler.core.autoscale import PoolNode as CoreNode
-
     rows = list(PoolNode.objects.filter(state__in=LIVE, pool__enabled=True).select_related("pool", "node"))
     ready_ids = [pn.node_id for pn in rows if pn.state == PoolNodeState.READY and pn.node_id]
-    busy = set(Job.objects.filter(node_id__in=ready_ids, state__in=_holding()).values_list("node_id", flat=True))
+    busy = set(Job.objects.filter(node_id__in=ready_ids, state__in=HOLDING).values_list("node_id", flat=True))
     busy |= set(Allocation.objects.filter(gpu__node_id__in=ready_ids, released_at__isnull=True)
                 .values_list("gpu__node_id", flat=True))
     last_alloc = dict(Allocation.objects.filter(gpu__node_id__in=ready_ids).values("gpu__node_id")
@@ -215,17 +214,8 @@ def _pool_nodes(now) -> list:
     return out
 
 
-def _holding():
-    from portal.jobs.models import HOLDING
-
-    return HOLDING
-
-
 def _budgets(project_slugs, now) -> dict[str, float | None]:
     """Remaining GPU-hours this month per project with a budget."""
-    from portal.jobs.selectors import gpu_hours_used_this_month
-    from portal.tenancy.models import Quota
-
     quotas = list(Quota.objects.filter(project__slug__in=project_slugs, gpu_hours_budget__isnull=False)
                   .values_list("project_id", "project__slug", "gpu_hours_budget"))
     used = gpu_hours_used_this_month([q[0] for q in quotas], now)
@@ -234,8 +224,6 @@ def _budgets(project_slugs, now) -> dict[str, float | None]:
 
 def scale_up(pool: NodePool, count: int, jobs: list[list[str]], *, reason: str, demand: float, now) -> list[str]:
     """Create `count` nodes in the pool: their rows and tokens, then the machines. Returns the names created."""
-    from portal.nodes.services import node_add
-
     requests, secrets_by_name = [], {}
     with transaction.atomic():
         pool = NodePool.objects.select_for_update().get(pk=pool.pk)
@@ -287,8 +275,6 @@ def release(name: str, *, reason: str, now) -> bool:
     """Drain an idle pool node and have the provider delete it. Never one holding a job: the check
     and the drain happen under the scheduling pass's lock, so a pass either placed its job before
     (the node is busy, kept) or sees it drained (it places nothing there)."""
-    from portal.core import locks
-
     with transaction.atomic():
         locks.xact_lock(locks.SCHEDULE_PASS)
         pn = PoolNode.objects.select_for_update().filter(name=name, state=PoolNodeState.READY).select_related(
@@ -308,9 +294,7 @@ def release(name: str, *, reason: str, now) -> bool:
 
 def _movable() -> set[str]:
     """Running jobs the autoscaler may move to consolidate: they checkpoint, and are not do-not-disrupt."""
-    from portal.jobs.models import Job
-
-    return {str(j) for j in Job.objects.filter(state__in=_holding(), do_not_disrupt=False)
+    return {str(j) for j in Job.objects.filter(state__in=HOLDING, do_not_disrupt=False)
             .exclude(checkpoint_signal="").values_list("pk", flat=True)}
 
 
@@ -319,10 +303,6 @@ def consolidate(name: str, job_ids: list[str], *, now) -> bool:
     scheduling lock, after checking it holds exactly these jobs, each still movable), then move
     each job (it saves its checkpoint and resumes on another node of the pool). The node is deleted
     by a later tick once empty, as any release."""
-    from portal.core import locks
-    from portal.jobs.models import Job
-    from portal.jobs.services import job_move
-
     wanted = {int(j) for j in job_ids}
     with transaction.atomic():
         locks.xact_lock(locks.SCHEDULE_PASS)
@@ -330,7 +310,7 @@ def consolidate(name: str, job_ids: list[str], *, now) -> bool:
             "pool").first()
         if pn is None or pn.node_id is None:
             return False
-        holding = Job.objects.filter(state__in=_holding(), node_id=pn.node_id)
+        holding = Job.objects.filter(state__in=HOLDING, node_id=pn.node_id)
         held = set(holding.values_list("pk", flat=True))
         movable = set(holding.filter(do_not_disrupt=False).exclude(checkpoint_signal="").values_list("pk", flat=True))
         if held != wanted or movable != wanted:
@@ -357,30 +337,13 @@ def tick(now=None) -> dict:
     pools = {p.name: p for p in NodePool.objects.filter(enabled=True)}
     if not pools:
         return {"pools": 0}
-    if not _tick_lock(True):
-        return {"skipped": "another autoscaler tick is running"}
-    try:
+    with locks.session_lock(locks.AUTOSCALE_TICK) as taken:
+        if not taken:
+            return {"skipped": "another autoscaler tick is running"}
         return _tick(now, pools)
-    finally:
-        _tick_lock(False)
-
-
-def _tick_lock(take: bool) -> bool:
-    """One tick at a time (beat may send the next before a slow one ends): a session advisory lock."""
-    from django.db import connection
-
-    if connection.vendor != "postgresql":
-        return True
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_try_advisory_lock(%s)" if take else "SELECT pg_advisory_unlock(%s)", [TICK_LOCK])
-        return bool(cursor.fetchone()[0])
 
 
 def _tick(now, pools) -> dict:
-    from scheduler import core
-    from scheduler.adapter import build_snapshot
-    from scheduler.core.autoscale import autoscale
-
     out = reconcile(now)
     snapshot, _ = build_snapshot(now)
     plan = core.schedule(snapshot)  # read-only: what a pass would do now, with its reservations

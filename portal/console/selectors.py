@@ -9,8 +9,11 @@ from django.utils import timezone
 from django.utils.html import escape
 from django.utils.safestring import mark_safe
 
+from portal.billing.models import UsageDay
+from portal.jobs.models import Allocation, Job, JobState
 from portal.metrics.models import GpuRollup, Resolution
 from portal.metrics.selectors import TimeRange, fleet_range, gpu_util_range
+from portal.nodes.models import GPU, GPUHealth
 
 
 def fleet_series(*, time_range: TimeRange, now=None) -> list[dict]:
@@ -26,8 +29,6 @@ HEAT_WINDOW = TimeRange("5m", "5 minutes", timedelta(minutes=5), Resolution.MINU
 
 def gpu_heat(*, now=None) -> dict:
     """Per-GPU mean utilization over HEAT_WINDOW: {rows: [(node, [util|None per GPU index])], columns}."""
-    from portal.nodes.models import GPU
-
     util = gpu_util_range(time_range=HEAT_WINDOW, now=now)
     nodes: dict[str, list] = defaultdict(list)
     for pk, node, index in GPU.objects.order_by("node__name", "index").values_list("pk", "node__name", "index"):
@@ -82,8 +83,6 @@ def idle_table(rows) -> str:
 
 
 def unhealthy_gpus() -> list[dict]:
-    from portal.nodes.models import GPU, GPUHealth
-
     return list(GPU.objects.filter(health=GPUHealth.UNHEALTHY).order_by("node__name", "index")
                 .values("node__name", "index", "uuid", "model", "health_reason")[:500])
 
@@ -92,8 +91,6 @@ def idle_allocated_gpus(*, now=None) -> list[dict]:
     """GPUs held by an allocation for the whole idle window whose utilization never rose above
     GPU_IDLE_UTIL_PCT in it (from minute rollups). job__idle_since: when the idle detector
     flagged the job (metrics.services.jobs_flag_idle), None while not (yet) flagged."""
-    from portal.jobs.models import Allocation
-
     now = now or timezone.now()
     start = now - timedelta(minutes=settings.GPU_IDLE_MINUTES)
     held = {a["gpu_id"]: a for a in Allocation.objects.filter(released_at__isnull=True, started_at__lte=start)
@@ -113,8 +110,6 @@ def idle_allocated_gpus(*, now=None) -> list[dict]:
 
 def queue_now() -> list[dict]:
     """Queued jobs by the reason they wait, most common first."""
-    from portal.jobs.models import Job, JobState
-
     return list(Job.objects.filter(state=JobState.QUEUED, is_array_parent=False).values("reason_code")
                 .annotate(n=Count("id")).order_by("-n", "reason_code"))
 
@@ -123,8 +118,6 @@ def revenue_this_month(*, now=None) -> dict:
     """Usage and amounts of the current month by organization and by project, from the per-day
     sums metering keeps (billing.UsageDay): a page load reads ~31 rows per project, not the
     ledger's row per allocation and hour. As fresh as the last metering run (60 s)."""
-    from portal.billing.models import UsageDay
-
     now = now or timezone.now()
     start = now.astimezone(dt_timezone.utc).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
     month = UsageDay.objects.filter(day__gte=start.date())

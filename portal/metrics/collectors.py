@@ -6,6 +6,10 @@ from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
+from portal.jobs.models import Allocation, Job, JobState
+from portal.nodes.models import GPU, GPUHealth, Node, NodeState
+from scheduler.core import REASON_FRAGMENTED
+
 # Queue wait buckets (seconds): from "started at once" to "waited a day".
 WAIT_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 3 * 3600, 6 * 3600, 12 * 3600, 86400)
 
@@ -17,9 +21,6 @@ class PortalCollector:
         yield from self._nodes()
 
     def _gpus(self):
-        from portal.jobs.models import Allocation
-        from portal.nodes.models import GPU, GPUHealth
-
         rows = list(GPU.objects.values_list("uuid", "node__name", "model", "memory_mb", "health"))
         samples = cache.get_many([f"gpu-sample:{r[0]}" for r in rows]) if rows else {}
         allocated = dict(Allocation.objects.filter(released_at__isnull=True).values("gpu__uuid")
@@ -64,9 +65,6 @@ class PortalCollector:
         yield count
 
     def _jobs(self):
-        from portal.jobs.models import Job, JobState
-        from scheduler.core import REASON_FRAGMENTED
-
         rows = (Job.objects.filter(is_array_parent=False).values("state")
                 .annotate(n=Count("id"), frag=Count("id", filter=Q(reason_code=REASON_FRAGMENTED)))
                 .values_list("state", "n", "frag").order_by())
@@ -96,8 +94,6 @@ class PortalCollector:
                                     buckets=buckets, sum_value=total)
 
     def _nodes(self):
-        from portal.nodes.models import Node, NodeState
-
         counts = dict(Node.objects.values("state").annotate(n=Count("id")).values_list("state", "n").order_by())
         nodes = GaugeMetricFamily("gpuportal_nodes", "Nodes by state", labels=["state"])
         for state in NodeState.values:

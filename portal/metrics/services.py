@@ -14,9 +14,11 @@ from portal.core.errors import Conflict
 from portal.core.numbers import parse_ints
 from portal.core.queue import request_schedule_pass
 from portal.core.services import audit_record
-from portal.jobs.models import ACTIVE, Job, JobEvent, JobState
+from portal.jobs.models import ACTIVE, Allocation, Job, JobEvent, JobState
 from portal.jobs.notifications import notify_on_commit
 from portal.jobs.services import job_cancel
+from portal.nodes.models import GPU, GPUHealth, NodeState
+from portal.nodes.services import gpu_unhealthy_handle
 
 from .models import FleetRollup, GpuRollup, GpuSample, Resolution
 from .selectors import idle_job_ids
@@ -80,7 +82,6 @@ def sample_rows(gpu_ids: dict[str, int], samples: list[dict], now: datetime) -> 
 
 def samples_write(rows: list[tuple]) -> int:
     """One batch of sample rows: COPY on PostgreSQL (an order of magnitude faster than INSERT).
-
     The commit does not wait for the WAL flush (synchronous_commit off, this transaction only):
     a crash may lose the last few hundred milliseconds of samples, never corrupt anything, and
     samples are informational (billing meters allocations). It roughly triples small batches.
@@ -149,7 +150,6 @@ def _node_gpus(node_id: int, uuids=()) -> dict[str, tuple]:
     node) reloads it at once."""
     import time
 
-    from portal.nodes.models import GPU
 
     hit = _GPU_MAPS.get(node_id)
     if hit is not None and hit[0] > time.monotonic() and all(u in hit[1] for u in uuids):
@@ -204,8 +204,6 @@ def gpu_health_apply(*, node, samples: list[dict], gpus: dict[str, tuple]) -> in
     cooled 5 °C under the limit. Xid and ECC verdicts stay until an operator clears them (an
     Xid usually means the GPU needs a reset). Only changes are written; a change asks for a pass,
     and a GPU turning unhealthy has its jobs requeued or warned (nodes.services.gpu_unhealthy_handle)."""
-    from portal.nodes.models import GPU, GPUHealth
-
     changed = 0
     for s in samples:
         uuid = str(s.get("gpu_uuid"))
@@ -229,8 +227,6 @@ def gpu_health_apply(*, node, samples: list[dict], gpus: dict[str, tuple]) -> in
                 audit_record(actor=Actor(user=None, label=f"node:{node.name}"), action=f"gpu.{new[0]}", obj=gpu,
                              reason=new[1] or reason)
                 if new[0] == GPUHealth.UNHEALTHY:
-                    from portal.nodes.services import gpu_unhealthy_handle
-
                     gpu_unhealthy_handle(gpu=gpu, reason=new[1])  # requeue or warn its jobs, maybe drain
                 changed += 1
                 gpus[uuid] = (pk, new[0], new[1])
@@ -246,7 +242,6 @@ def _floor(dt: datetime, seconds: int) -> datetime:
 
 def rollup_minutes(*, now: datetime | None = None, lookback_minutes: int = 5) -> int:
     """Roll the last complete minutes of raw samples into GPU and fleet minute rollups.
-
     Re-rolls a few minutes back on every run, so late samples and missed runs are caught; the
     rows are upserted, so re-running is harmless.
     """
@@ -302,8 +297,6 @@ def _fleet(buckets: list[datetime], resolution: int, now: datetime) -> None:
     """Fleet figures per bucket: allocated GPUs from Allocation overlap, used GPUs from rollups."""
     from django.db.models import Q
 
-    from portal.jobs.models import Allocation, Job, JobState
-    from portal.nodes.models import GPU, NodeState
 
     if not buckets:
         return
@@ -348,7 +341,6 @@ def metrics_prune(*, now: datetime | None = None) -> dict:
 
 def jobs_flag_idle(*, now=None) -> dict:
     """Flag running jobs whose GPUs all sat idle (the `metrics.flag_idle_jobs` beat task, every minute).
-
     1. Find them from the minute rollups (selectors.idle_job_ids).
     2. Flag the new ones: idle_since is set by a conditional UPDATE, so a job is flagged once
        however often this runs; active jobs whose GPUs work again are unflagged.
