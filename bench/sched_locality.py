@@ -11,7 +11,7 @@ stages it over the node's link (`--node-bandwidth`) into the node's LRU cache (`
 before it runs, holding its GPUs (scheduler/sim/datasets.py). Rows: locality off (the scheduler
 sees neither datasets nor caches: placement exactly as without datasets, only the transfers are
 modelled), the locality bonus alone (wait 0), the bonus with a capped wait (`--waits`), and the
-bonus and a wait with prefetch to reserved nodes. Columns: mean and median JCT, mean wait, mean
+bonus and a wait with prefetch to reserved nodes due within `--prefetch-horizon`. Columns: mean and median JCT, mean wait, mean
 staging per start, the share of starts that found their data on their nodes, TB moved over the
 nodes' links (prefetch included), TB of it prefetched and of that what a job starting on the node
 then read. Multifactor with EASY backfill and
@@ -64,6 +64,8 @@ def main() -> None:
     ap.add_argument("--node-cache", type=float, default=DataSpec.cache_gb, metavar="GB")
     ap.add_argument("--waits", type=float, nargs="+", default=[60.0, 600.0], metavar="S",
                     help="capped waits to try (the first also with prefetch)")
+    ap.add_argument("--prefetch-horizon", type=float, default=600.0, metavar="S",
+                    help="the prefetch row: reservations due within S s prefetch (production's default is 0: off)")
     ap.add_argument("--seeds", type=int, default=3, help="dataset assignments averaged per row")
     ap.add_argument("--workers", type=int, default=2)
     a = ap.parse_args()
@@ -72,6 +74,7 @@ def main() -> None:
     table = rows(a.waits)
     specs = [ReplaySpec(trace=a.trace, quota=a.quota, start_day=a.start_day, days=a.days, gpus=gpus,
                         fairness=False, explain=False, locality_wait_s=kw["wait"],
+                        prefetch_horizon_s=a.prefetch_horizon if kw["prefetch"] else 0.0,
                         data=replace(base, seed=seed, locality=kw["locality"], prefetch=kw["prefetch"]))
              for gpus in a.gpus for _, kw in table for seed in range(a.seeds)]
     t0 = time.perf_counter()

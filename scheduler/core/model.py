@@ -260,9 +260,10 @@ class Config:
     # holding more of its bytes are preferred among those free now), never a wait.
     locality_wait_s: float = 60.0
     # A reservation starting within this many seconds (at the latest) asks its nodes to prefetch
-    # the datasets of its job they lack (Plan.prefetch); one further off may well move or start
-    # elsewhere first, and its transfer would take the link from jobs starting now.
-    prefetch_horizon_s: float = 600.0
+    # the datasets of its job they lack (Plan.prefetch). 0: never. Off by default: on the Philly
+    # week most prefetched bytes were never read there, since a reservation often moves or its job
+    # starts elsewhere first (docs/scheduler.md, "Dataset locality").
+    prefetch_horizon_s: float = 0.0
 
 
 @dataclass

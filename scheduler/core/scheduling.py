@@ -369,7 +369,8 @@ class _Pass:
         self.helds.append(h)
         self.easy_held += 1
         self.plan.reservations.append(h.res)
-        if job.datasets and t - self.now <= self.cfg.prefetch_horizon_s:  # its nodes fetch what they lack
+        horizon = self.cfg.prefetch_horizon_s
+        if job.datasets and horizon > 0 and t - self.now <= horizon:  # its nodes fetch what they lack
             for node in dict.fromkeys(self.state.gpu[i].node for i in ids):
                 fetch = self.plan.prefetch.setdefault(node, [])
                 fetch += [d for d in self.lacking(node, job) if d not in fetch]

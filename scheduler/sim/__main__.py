@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--locality-wait", type=float, default=ReplaySpec.locality_wait_s, metavar="S",
                     help="a job waits up to S s after it entered the queue for a busy node holding its data")
     ap.add_argument("--no-prefetch", action="store_true", help="reserved nodes do not fetch ahead")
+    ap.add_argument("--prefetch-horizon", type=float, default=ReplaySpec.prefetch_horizon_s, metavar="S",
+                    help="a reservation due within S s asks its nodes to prefetch (0, the default: never)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     a = ap.parse_args(argv)
     spec = ReplaySpec(trace=a.trace, start_day=a.start_day, days=a.days, gpus=a.gpus,
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
                       data=DataSpec(count=a.datasets, zipf_s=a.zipf, seed=a.dataset_seed, min_gb=a.dataset_gb[0],
                                     max_gb=a.dataset_gb[1], bandwidth_gbps=a.node_bandwidth, cache_gb=a.node_cache,
                                     locality=not a.no_locality, prefetch=not a.no_prefetch) if a.datasets else None,
-                      locality_wait_s=a.locality_wait)
+                      locality_wait_s=a.locality_wait, prefetch_horizon_s=a.prefetch_horizon)
     out = replay(spec)
     if a.json:
         print(json.dumps(out, indent=None, sort_keys=True))

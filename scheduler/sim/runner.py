@@ -43,6 +43,7 @@ class ReplaySpec:
     # popularity and nodes stage and cache them; `locality_wait_s` is the core's capped wait.
     data: DataSpec | None = None
     locality_wait_s: float = Config.locality_wait_s
+    prefetch_horizon_s: float = Config.prefetch_horizon_s
 
 
 def _config(spec: ReplaySpec) -> Config:
@@ -50,7 +51,8 @@ def _config(spec: ReplaySpec) -> Config:
     # thrown away). Explaining never changes a decision, so --no-explain only saves time.
     return Config(policy=spec.policy, backfill=spec.backfill, preemption=spec.preemption, quotas=spec.quotas,
                   placement=spec.placement, explain=spec.explain, las_thresholds_gpu_s=tuple(spec.las_thresholds_gpu_s),
-                  las_starvation_factor=spec.las_starvation_factor, locality_wait_s=spec.locality_wait_s)
+                  las_starvation_factor=spec.las_starvation_factor, locality_wait_s=spec.locality_wait_s,
+                  prefetch_horizon_s=spec.prefetch_horizon_s)
 
 
 def _checkpoints(spec: ReplaySpec) -> dict:

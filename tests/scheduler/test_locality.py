@@ -127,13 +127,14 @@ def test_a_reservation_soon_enough_asks_its_node_to_prefetch_what_it_lacks():
     # n0's job must end 5 minutes from now at the latest, n1's in an hour.
     run = [fill("n0", 8, limit=3900), running(job("r1", 8, project="x", time_limit=7200),
                                               [f"n1-{i}" for i in range(8)])]
-    plan = schedule(snapshot(c, q, run))
+    plan = schedule(snapshot(c, q, run, prefetch_horizon_s=300))
     assert [(r.job_id, r.start_time, r.gpu_ids[0]) for r in plan.reservations] == [("j", NOW + 300, "n0-0")]
     assert plan.prefetch == {"n0": [IMAGENET, COCO]}
     # Beyond the horizon the reservation may move or the job start elsewhere first: no fetch yet.
     assert schedule(snapshot(c, q, run, prefetch_horizon_s=299)).prefetch == {}
+    assert schedule(snapshot(c, q, run)).prefetch == {}  # off by default
     c[0].datasets = {IMAGENET.digest, COCO.digest}  # the node holds it all already: nothing to fetch
-    assert schedule(snapshot(c, q, run)).prefetch == {}
+    assert schedule(snapshot(c, q, run, prefetch_horizon_s=300)).prefetch == {}
 
 
 def test_a_fractional_job_prefers_a_shared_gpu_on_a_holder():
@@ -190,7 +191,7 @@ def test_with_datasets_explain_never_changes_the_plan_and_waits_are_capped(snap,
     for j in snap.queued:
         j.datasets = tuple(Dataset(d, rnd.randint(1, 10) * GB, f"d{i}") for i, d in enumerate(DIGESTS)
                            if rnd.random() < 0.5)
-    snap.config = replace(snap.config, locality_wait_s=wait_s)
+    snap.config = replace(snap.config, locality_wait_s=wait_s, prefetch_horizon_s=1e9)
     on, off = both_modes(snap)
     assert full_decisions(on) == full_decisions(off)
     jobs = {j.id: j for j in snap.queued}
