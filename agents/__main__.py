@@ -65,6 +65,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--volumes-root", default=env("GPUPORTAL_VOLUMES_ROOT") or "",
                     help="the project volumes' tree, at the same path as the portal's VOLUMES_ROOT (a shared "
                          "filesystem on several nodes); jobs naming volumes are refused on a node without it")
+    ap.add_argument("--dataset-cache-mb", type=int, default=int(env("GPUPORTAL_DATASET_CACHE_MB") or 51200),
+                    help="size limit of this node's dataset cache in <state-dir>/datasets (docs/storage.md); "
+                         "0: no cache, jobs naming datasets are refused here")
+    ap.add_argument("--dataset-pin", action="append", metavar="DIGEST",
+                    default=[d for d in (env("GPUPORTAL_DATASET_PIN") or "").split(",") if d.strip()],
+                    help="a dataset version's digest the cache never evicts (repeat, or comma-separate in "
+                         "GPUPORTAL_DATASET_PIN)")
     ap.add_argument("--session-listen", default=env("GPUPORTAL_SESSION_LISTEN") or "",
                     help="HOST:PORT of the session gateway the portal's proxy calls for interactive sessions "
                          "(docs/sessions.md); empty: this node publishes no sessions")
@@ -159,8 +166,20 @@ def main(argv=None) -> int:
             print(f"agent: --session-listen {args.session_listen}: {exc}", file=sys.stderr)
             return 2
         driver = SessionDriver(driver, gateway)
+    datasets = None
+    if args.dataset_cache_mb > 0:
+        from agents.datasets import DatasetCache
+        from agents.sandbox.kvm_domain import agent_state_dir
+
+        try:
+            datasets = DatasetCache(str(agent_state_dir(args.state_dir) / "datasets"),
+                                    args.dataset_cache_mb * 1024 * 1024, opener=client.open_dataset,
+                                    pinned=tuple(d.strip() for d in args.dataset_pin if d.strip()))
+        except OSError as exc:
+            print(f"agent: the dataset cache: {exc}", file=sys.stderr)
+            return 2
     agent = Agent(name=args.name, client=client, driver=driver, probe=probe, stop_grace_s=args.stop_grace,
-                  scrub_gpus=args.gpu_scrub == "on")
+                  scrub_gpus=args.gpu_scrub == "on", datasets=datasets)
 
     stop = threading.Event()
     register_until_answered(agent, stop)

@@ -7,6 +7,7 @@ portal sends by name, e.g.::
     app.send_task("agent.launch", args=[job_id, attempt, spec], queue=f"node.{node}")
     app.send_task("agent.stop", args=[job_id, attempt, reason, grace_s(, signal)], queue=f"node.{node}")
     app.send_task("agent.probe", args=[nonce], queue=f"node.{node}")
+    app.send_task("agent.prefetch", args=[datasets], queue=f"node.{node}")
 
 Tasks are thin: they hand over to the process's ``Agent`` (``bind_agent``).
 """
@@ -61,6 +62,12 @@ def launch(job_id: str, attempt: int, spec: dict) -> str:
 def probe(nonce: str) -> str:
     """Sent once at registration: answering it proves this agent receives its queue."""
     return _the_agent().answer_probe(nonce)
+
+
+@app.task(name="agent.prefetch")
+def prefetch(datasets: list) -> str:
+    """Fetch datasets into this node's cache ahead of a job reserved here (launch-spec entries)."""
+    return _the_agent().prefetch(datasets)
 
 
 @app.task(name="agent.stop")

@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 
 from agents import artifacts
+from agents.datasets import DatasetError
 from agents.client import PortalError, PortalUnreachable, StaleAttempt
 from agents.protocol import DEFAULT_SANDBOX, EVENTS_MAX, NODE_SANDBOXES, sandbox_hosts
 from agents.sandbox import OOM, RUNNING, LaunchSpec, SandboxError, SandboxHandle
@@ -98,8 +99,11 @@ class Tracked:
 class Agent:
     def __init__(self, *, name: str, client, driver, probe, stop_grace_s: float = 10.0,
                  log_chunk_bytes: int = 256 * 1024, background: bool = True, scrub_gpus: bool = True,
-                 clock=time.monotonic, wall=time.time):
+                 clock=time.monotonic, wall=time.time, datasets=None):
         self.name = name
+        # The node's dataset cache (agents/datasets.DatasetCache); None: jobs naming datasets are refused.
+        self.datasets = datasets
+        self._datasets_sent: list[str] | None = None  # what the portal last took as this node's cached digests
         self.client = client
         self.driver = driver
         self.probe = probe
@@ -159,9 +163,11 @@ class Agent:
         if problem:
             log.warning("this node's GPUs cannot serve %s jobs: %s; registering them as unusable (CPU jobs still run)",
                         self.driver.name, problem)
+        cached = self.datasets.digests() if self.datasets is not None else []
         resp = self.client.register(name=self.name, cpus=os.cpu_count() or 1, memory_mb=_memory_mb(),
                                     sandbox=self.driver.name, gpus=gpus, capabilities=capabilities(self.probe),
-                                    gpus_unusable=problem or "")
+                                    gpus_unusable=problem or "", cached_datasets=cached)
+        self._datasets_sent = cached
         self.node_id = resp.get("node")
         self.batch_events = _speaks(resp.get("protocol_version"), (1, 2))
         self.heartbeat_interval_s = float(resp.get("heartbeat_interval_s") or self.heartbeat_interval_s)
@@ -200,6 +206,9 @@ class Agent:
                 self._dirty.update(handle.gpu_indexes)
             self._set_busy(handle.gpu_indexes, True)
             adopted.append((job_id, attempt))
+        if self.datasets is not None:  # references of launches that left no sandbox behind are gone
+            with self._lock:
+                self.datasets.keep_only({f"{j}:{a}" for j, a in self._jobs})
         if adopted:
             log.info("reconcile: adopted %d sandbox(es) from a previous run: %s", len(adopted), adopted)
         return adopted
@@ -257,6 +266,65 @@ class Agent:
             return "stale"
         except PortalUnreachable:
             pass  # confirmed a moment ago; the running report or heartbeat will tell
+        if ls.datasets:
+            problem = self._stage_datasets(ls)
+            if problem == STOPPED:
+                return self._launch_stopped(job_id, attempt)
+            if problem:
+                return self._launch_failed(job_id, attempt, problem)
+        try:
+            return self._launch_staged(job_id, attempt, ls, held)
+        finally:
+            with self._lock:
+                started = (job_id, attempt) in self._jobs
+            if ls.dataset_paths and not started and self.datasets is not None:
+                self.datasets.release(f"{job_id}:{attempt}")
+
+    def _stage_datasets(self, ls: LaunchSpec):
+        """The launch's datasets in the node's cache (fetched once per node, checksums verified), their
+        folders in ``ls.dataset_paths``; progress goes to the portal as the job's reason. Returns None,
+        STOPPED (a stop came meanwhile) or why not, for the job's owner."""
+        if self.datasets is None:
+            return "this job names datasets but the node has no dataset cache (agent option --dataset-cache-mb)"
+        key = (ls.job_id, ls.attempt)
+
+        def progress(text: str) -> None:
+            try:
+                self.client.progress(ls.job_id, ls.attempt, "staging", text)
+            except StaleAttempt:
+                with self._lock:  # the portal moved on: stop fetching for it
+                    self._pending_stop.setdefault(key, ("stale attempt", self.stop_grace_s, None))
+            except PortalError:
+                pass  # only the job's reason; the launch goes on
+
+        def cancelled() -> bool:
+            with self._lock:
+                return key in self._pending_stop
+
+        try:
+            ls.dataset_paths = self.datasets.acquire(f"{ls.job_id}:{ls.attempt}", ls.datasets, progress=progress,
+                                                     cancelled=cancelled)
+        except DatasetError as exc:
+            return STOPPED if cancelled() else str(exc)
+        return None
+
+    def prefetch(self, datasets: list[dict]) -> str:
+        """Fetch datasets (launch-spec entries) into the cache before a job that needs them is placed here
+        (the scheduler reserved this node for it): ``fetched``, ``cached`` or why not. Nothing holds them
+        afterwards: the job's launch does."""
+        if self.datasets is None or not datasets:
+            return "no dataset cache" if self.datasets is None else "cached"
+        before = set(self.datasets.digests())
+        try:
+            self.datasets.acquire("prefetch", datasets)
+        except DatasetError as exc:
+            log.warning("prefetch: %s", exc)
+            return str(exc)
+        finally:
+            self.datasets.release("prefetch")
+        return "cached" if {d.get("digest") for d in datasets} <= before else "fetched"
+
+    def _launch_staged(self, job_id: str, attempt: int, ls: LaunchSpec, held: float) -> str:
         pulled = self._prepare_image(ls)
         if pulled is not None:
             return pulled
@@ -643,6 +711,8 @@ class Agent:
         self.driver.remove(t.handle)
         with self._lock:
             self._jobs.pop(t.key, None)
+        if self.datasets is not None:  # its datasets may be evicted again
+            self.datasets.release(f"{t.job_id}:{t.attempt}")
         return True
 
     def _end_report(self, t: Tracked) -> dict | None:
@@ -876,8 +946,11 @@ class Agent:
             # portal neither re-places them nor takes them for lost (its reconciliation).
             jobs += [{"job_id": j, "attempt": a, "state": "starting"} for j, a in sorted(self._launching)
                      if (j, a) not in self._jobs]
+        # The cached digests go up when they changed since the portal last took them (Node.cached_datasets).
+        cached = self.datasets.digests() if self.datasets is not None else None
+        changed = cached is not None and cached != self._datasets_sent
         try:
-            resp = self.client.heartbeat(samples=samples, jobs=jobs)
+            resp = self.client.heartbeat(samples=samples, jobs=jobs, **({"cached_datasets": cached} if changed else {}))
         except PortalError as exc:
             for s in samples:
                 if s["xid_errors"]:
@@ -887,6 +960,8 @@ class Agent:
             self.check_lease()
             return None
         self.write_lease()
+        if changed:
+            self._datasets_sent = cached
         if self.fenced:
             log.warning("portal reachable again after the lease ran out; resuming")
             self.fenced = False

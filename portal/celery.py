@@ -25,7 +25,8 @@ app.conf.task_routes = {
     "interactive.*": {"queue": "scheduler"},
     "autoscale.*": {"queue": "scheduler"},
 }
-app.autodiscover_tasks(["portal.core", "portal.accounts", "portal.tenancy", "portal.nodes", "portal.jobs"])
+app.autodiscover_tasks(["portal.core", "portal.accounts", "portal.tenancy", "portal.nodes", "portal.jobs",
+                        "portal.storage"])
 app.autodiscover_tasks(["scheduler"], related_name="tasks")
 app.autodiscover_tasks(["portal.interactive"])
 app.autodiscover_tasks(["portal.billing", "portal.metrics", "portal.autoscale"])

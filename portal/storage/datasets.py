@@ -103,7 +103,8 @@ def check_source(source: dict) -> dict:
                 raise InvalidInput("Expected a string.", field=f"source.{key}")
         bucket = source.get("bucket") or ""
         if not BUCKET.match(bucket):
-            raise InvalidInput("A bucket name is 3 to 63 lower-case letters, digits, '.' and '-'.", field="source.bucket")
+            raise InvalidInput("A bucket name is 3 to 63 lower-case letters, digits, '.' and '-'.",
+                               field="source.bucket")
         prefix = source.get("prefix") or ""
         if len(prefix) > 1024 or prefix.startswith("/") or any(ord(c) < 32 or ord(c) == 127 for c in prefix) \
                 or ".." in prefix.split("/"):

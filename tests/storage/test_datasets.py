@@ -277,3 +277,23 @@ def test_the_projects_datasets_page_lists_versions(api, demo, http_files):
     assert version.digest[:10] in html and http_files.url in html
     assert api("charlie").get("/projects/vision/datasets/").status_code == 404
     assert 'href="/projects/vision/datasets/"' in api("alice").get("/projects/vision/").content.decode()
+
+
+def test_staging_progress_is_the_jobs_reason(api, demo, http_files):
+    """The agent reports staging as a stage of the launch (POST .../progress, stage "staging")."""
+    from portal.jobs.models import Job
+    from scheduler.adapter import run_pass
+
+    d = dataset_create(actor=Actor(user=demo.users["alice"]), project=demo.vision, name="big",
+                       source={"kind": "http", "url": http_files.put("b.bin", b"b")})
+    dataset_version_inspect(d.versions.get().pk)
+    node = agent_client(demo, "gpu-01", gpus="1xH100-80GB")
+    job = submit(demo, datasets=["big"], resources={"gpus": 1})
+    run_pass()
+    assert Job.objects.get(pk=job.pk).node.name == "gpu-01"
+    node.post(f"/api/agent/v1/jobs/{job.pk}/confirm", {"attempt": 1}, format="json")
+    r = node.post(f"/api/agent/v1/jobs/{job.pk}/progress",
+                  {"attempt": 1, "stage": "staging", "message": "staging dataset big@1: 43%"}, format="json")
+    assert r.status_code == 200, r.content
+    assert api("alice").get(f"/api/v1/jobs/{job.pk}/").json()["reason"] == {
+        "code": "staging", "message": "staging dataset big@1: 43%"}

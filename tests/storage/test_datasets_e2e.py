@@ -1,0 +1,80 @@
+"""Datasets end to end on the real parts: the portal (live server, PostgreSQL), the scheduler's Celery
+worker, a real agent process with the docker sandbox and its dataset cache, and a loopback HTTP server
+as the source. A job reads its dataset read-only at /datasets/<name>; the next job on the node finds it
+cached (no second download) and the node reports the digest; a source that changed fails the job saying
+so; a version larger than the node's cache fails it with the reason."""
+import sys
+
+import pytest
+
+from portal.nodes.models import Node
+from portal.storage.models import DatasetVersion
+from tests.e2e_agent.test_stack import Stack
+from tests.httpfiles import tar_archive
+from tests.procs import wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def stack(live_server, tmp_path, demo, settings):
+    settings.NODE_HEARTBEAT_INTERVAL_S = 1.0
+    settings.AGENT_LEASE_S = 4.0
+    settings.NODE_TIMEOUT_S = 6.0
+    settings.LAUNCH_RESEND_S = 5
+    s = Stack(live_server, tmp_path, demo)
+    s.env["GPUPORTAL_AGENT_STATE_DIR"] = str(tmp_path / "agent-state")
+    s.env["GPUPORTAL_DATASET_CACHE_MB"] = "1"
+    try:
+        s.start_all()
+        # The portal's worker for the default queue: it reads new dataset versions.
+        s.start("default", [sys.executable, "-m", "celery", "-A", "portal", "worker", "-Q", "default", "-P", "solo",
+                            "-n", f"default-{s.name}@%h", "--loglevel", "INFO"])
+        wait_for(lambda: "ready." in s.log("default"), 60, "the portal's default worker")
+        yield s
+    finally:
+        s.close()
+
+
+def _dataset(s, name, url) -> DatasetVersion:
+    """A dataset whose version 1 the portal's own worker reads (storage.dataset_inspect on the default queue)."""
+    r = s.client.post("/api/v1/datasets/", {"project": "vision", "name": name, "source": {"kind": "http", "url": url}},
+                      format="json")
+    assert r.status_code == 201, r.content
+    shown = wait_for(lambda: (d := s.client.get(f"/api/v1/datasets/{r.json()['id']}/").json())["versions"][0][
+        "state"] != "pending" and d, 60, f"the portal's worker to read {name}; its log:\n{s.log('default')[-3000:]}")
+    assert shown["versions"][0]["state"] == "ready", shown
+    return DatasetVersion.objects.get(dataset_id=r.json()["id"], version=1)
+
+
+READ = ("cat /datasets/tiny/train/a.txt; ls /datasets; (touch /datasets/tiny/x 2>/dev/null && echo writable) "
+        "|| echo read-only")
+
+
+def test_jobs_read_cached_datasets_and_bad_ones_fail_with_reasons(stack, http_files):
+    s = stack
+    tiny = _dataset(s, "tiny", http_files.put("tiny.tar.gz", tar_archive({"train/a.txt": b"hello dataset\n"})))
+    first = s.submit(command=["sh", "-c", READ], datasets=["tiny"])
+    s.wait_state(first, "succeeded")
+    logs = s.client.get(f"/api/v1/jobs/{first}/logs/").json()["data"]
+    assert logs == "hello dataset\ntiny\nread-only\n", logs
+    # The node reports what its cache holds; the portal keeps it for the scheduler.
+    wait_for(lambda: Node.objects.get(name=s.name).cached_datasets == [tiny.digest], 30, "the node's cached digests")
+
+    second = s.submit(command=["sh", "-c", READ], datasets=["tiny@1"])
+    s.wait_state(second, "succeeded")
+    assert http_files.requests["/tiny.tar.gz"] == 2  # the portal's read, then one node download for both jobs
+
+    # The source changed after the version was made: the job fails saying so; nothing is cached.
+    drift = _dataset(s, "drift", http_files.put("drift.bin", b"original bytes"))
+    http_files.put("drift.bin", b"tampered bytes")
+    job = s.wait_state(s.submit(command=["true"], datasets=["drift"]), "failed")
+    assert "checksum mismatch on drift.bin" in job["reason"]["message"], job
+    assert drift.digest not in Node.objects.get(name=s.name).cached_datasets
+
+    # Larger than this node's whole cache (1 MB): refused with the reason, and the agent carries on.
+    big = b"x" * (2 * 1024 * 1024)
+    _dataset(s, "big", http_files.put("big.bin", big))
+    job = s.wait_state(s.submit(command=["true"], datasets=["big"]), "failed")
+    assert "does not fit in this node's dataset cache (limit 1.0 MB)" in job["reason"]["message"], job
+    s.wait_state(s.submit(command=["true"], datasets=["tiny"]), "succeeded")
