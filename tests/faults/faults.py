@@ -263,6 +263,14 @@ def run_case(c: Cluster, fault: str, jobs: int = 10, seed: int = 1, drain_timeou
         ended = FAULTS[fault](c, target)
         alive = [n for n in c.nodes if n != target or fault not in AGENT_KEPT_DOWN]
         wait_for(c.api_ok, 90, "the API to answer again")
+        for key, start in (("worker", c.start_worker), ("beat", c.start_beat)):
+            # A portal process that exited by itself is a finding; started again to go on, as systemd's
+            # Restart=on-failure does (deploy/systemd), so one case's crash does not break the next.
+            if key in c.procs and c.procs[key][0].poll() is not None:
+                tail = [ln for ln in c.log(key).splitlines() if "Error" in ln or "CRITICAL" in ln][-2:]
+                out.problems.append(f"the portal's {key} exited during the fault: {' | '.join(tail)[:400]}")
+                c.procs.pop(key)[1].close()
+                start()
         for name in alive:  # an agent that exited by itself is a finding; it is started again to go on
             if not c.agent_alive(name):
                 tail = [ln for ln in c.log(name).splitlines() if "CRITICAL" in ln or "ERROR" in ln][-2:]
