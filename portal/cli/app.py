@@ -456,6 +456,42 @@ def port_forward(
 
 
 @command()
+def share(
+    job_ref: JobRefArg,
+    name: Annotated[str, typer.Argument(help="The session's name (its port's name in the job's spec).")],
+    project: Annotated[bool | None, typer.Option("--project/--owner",
+                                                 help="Let every member of the job's project in, or only you "
+                                                      "(and the people named).")] = None,
+    users: Annotated[list[str] | None, typer.Option("--user", "-u", help="A person of the job's organization "
+                                                    "to let in by name (repeat it); replaces the list.")] = None,
+    no_users: Annotated[bool, typer.Option("--no-users", help="Take every name back.")] = False,
+    output: OutputOpt = Format.table,
+):
+    """Who may connect to a job's session besides you (docs/sessions.md): its project, people by name.
+    Without options, says who may."""
+    client = _client()
+    job_id = client.resolve(job_ref)
+    sessions = client.get("sessions/", what=f"job {job_id}", job=job_id).get("results", [])
+    session = next((s for s in sessions if s["name"] == name), None)
+    if session is None:
+        say(f"error: job {job_id} publishes no session {name!r}; its sessions: "
+            + (", ".join(s["name"] for s in sessions) or "none") + ".", err=True)
+        raise typer.Exit(1)
+    body: dict = {}
+    if project is not None:
+        body["share"] = "project" if project else "owner"
+    if users or no_users:
+        body["users"] = [] if no_users else list(users)
+    if body:
+        session = client.request("PATCH", f"sessions/{session['id']}/", body=body,
+                                 what=f"session {name} of job {job_id}")
+    if output is Format.json:
+        return emit_json(session)
+    who = ["the job's project" if session["share"] == "project" else "its owner"] + session.get("users", [])
+    say(f"Session {name} of job {job_id}: {', '.join(who)}.")
+
+
+@command()
 def show(
     job_ref: JobRefArg,
     watch: WatchOpt = False,
