@@ -12,8 +12,9 @@ from dataclasses import dataclass
 # The version of the agent API's message shapes, "MAJOR.MINOR", sent at registration. The portal
 # refuses an agent whose major differs (its messages would be misread); a minor adds optional
 # fields only. An agent that sends no version predates this field and speaks 1.x.
-PROTOCOL_VERSION = "1.3"  # 1.1: a terminal event may say lease_expired; 1.2: POST events takes several at once
+PROTOCOL_VERSION = "1.4"  # 1.1: a terminal event may say lease_expired; 1.2: POST events takes several at once
 # 1.3: register and heartbeat may carry cached_datasets (the digests in the node's dataset cache)
+# 1.4: the agent takes agent.launches, a node's launches of one scheduling pass in one message
 
 
 def protocol_major(version: str) -> int:
@@ -22,6 +23,21 @@ def protocol_major(version: str) -> int:
     if not (sep and major.isdigit() and minor.isdigit()):
         raise ValueError(f"{version!r} is not a MAJOR.MINOR version")
     return int(major)
+
+
+def speaks(version: str | None, least: tuple[int, int]) -> bool:
+    """Whether the other side's "MAJOR.MINOR" version is at least ``least``: False for None or ""
+    (a side older than the field) and for a version that is not one."""
+    major, sep, minor = str(version or "").partition(".")
+    return bool(sep and major.isdigit() and minor.isdigit()) and (int(major), int(minor)) >= least
+
+
+# -- commands down to the agent (Celery tasks on the node's queue) ---------------------------------
+
+# Since 1.4 a scheduling pass sends each node all its launches in one ``agent.launches`` message,
+# args [[job_id, attempt, spec], ...], each as ``agent.launch`` takes it; an agent before 1.4 gets
+# one ``agent.launch`` per job.
+LAUNCHES_SINCE = (1, 4)
 
 
 # -- sandboxes -------------------------------------------------------------------------------------

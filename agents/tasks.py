@@ -5,6 +5,7 @@ consumes only the queue ``node.<name>`` (set in agents/__main__.py). The
 portal sends by name, e.g.::
 
     app.send_task("agent.launch", args=[job_id, attempt, spec], queue=f"node.{node}")
+    app.send_task("agent.launches", args=[[[job_id, attempt, spec], ...]], queue=f"node.{node}")  # protocol 1.4
     app.send_task("agent.stop", args=[job_id, attempt, reason, grace_s(, signal)], queue=f"node.{node}")
     app.send_task("agent.probe", args=[nonce], queue=f"node.{node}")
     app.send_task("agent.prefetch", args=[datasets], queue=f"node.{node}")
@@ -15,6 +16,7 @@ Tasks are thin: they hand over to the process's ``Agent`` (``bind_agent``).
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from celery import Celery
 
@@ -55,6 +57,33 @@ def _the_agent():
           max_retries=8)
 def launch(job_id: str, attempt: int, spec: dict) -> str:
     return _the_agent().launch(job_id, attempt, spec)
+
+
+# Launches of one agent.launches message that run side by side (each confirms with the portal, then
+# starts its sandbox), as the worker's threads would run them sent one by one.
+LAUNCH_THREADS = 8
+
+
+@app.task(name="agent.launches", bind=True, max_retries=8)
+def launches(self, items: list) -> list[str]:
+    """A node's launches of one scheduling pass (protocol 1.4), each [job_id, attempt, spec] as
+    `launch` takes it. Those the portal could not confirm are retried alone, with backoff as
+    `launch`'s; a redelivered one that already runs here is a duplicate, a no-op."""
+    agent = _the_agent()
+    with ThreadPoolExecutor(max_workers=max(1, min(len(items), LAUNCH_THREADS))) as pool:
+        futures = [pool.submit(agent.launch, str(job_id), int(attempt), spec) for job_id, attempt, spec in items]
+    results, again = [], []
+    for item, future in zip(items, futures):
+        try:
+            results.append(future.result())
+        except PortalUnreachable:
+            again.append(item)
+        except Exception:  # one launch's failure is its own: the others stand
+            log.exception("launch of job %s attempt %s failed", item[0], item[1])
+            results.append("failed")
+    if again:
+        raise self.retry(args=[again], countdown=min(30, 2 ** (self.request.retries + 1)))
+    return results
 
 
 @app.task(name="agent.probe", autoretry_for=(PortalUnreachable,), retry_backoff=2, retry_backoff_max=30,

@@ -31,6 +31,7 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import F, FloatField, Func, Sum
 from django.utils import timezone
 
+from agents.protocol import LAUNCHES_SINCE, speaks
 from portal.core import locks
 from portal.core.crashpoints import crashpoint
 from portal.core.passes import pass_begins
@@ -596,4 +597,7 @@ def _publish(launches, stops) -> None:
     for node_name, job_id, attempt, grace, signal in stops:
         send_stop(node_name, job_id, attempt, "preempted", grace, signal)
     if launches:
-        send_launches(launches, launch_specs([(node, job_id) for node, job_id, _ in launches]))
+        names = {node for node, _, _ in launches}
+        batched = {name for name, version in Node.objects.filter(name__in=names).values_list("name", "protocol_version")
+                   if speaks(version, LAUNCHES_SINCE)}
+        send_launches(launches, launch_specs([(node, job_id) for node, job_id, _ in launches]), batched)

@@ -19,27 +19,38 @@ def send_launch(node_name: str, job_id: int, attempt: int, spec: dict | None) ->
     send_launches([(node_name, job_id, attempt)], {(node_name, job_id): spec})
 
 
-def send_launches(launches: list[tuple[str, int, int]], specs: dict[tuple[str, int], dict | None]) -> None:
-    """Publish `agent.launch` for (node, job, attempt) triples with their specs by (node, job),
-    as portal.jobs.selectors.launch_specs reads them (this module imports no portal app: jobs
-    and nodes publish through it, docs/design.md section 2)."""
+def send_launches(launches: list[tuple[str, int, int]], specs: dict[tuple[str, int], dict | None],
+                  batched: frozenset[str] | set[str] = frozenset()) -> None:
+    """Publish the launches of (node, job, attempt) triples with their specs by (node, job), as
+    portal.jobs.selectors.launch_specs reads them (this module imports no portal app: jobs and
+    nodes publish through it, docs/design.md section 2). A node in `batched` (its agent speaks
+    agents.protocol.LAUNCHES_SINCE) gets all of its launches in one `agent.launches` message;
+    any other one `agent.launch` each."""
     if not launches:
         return
+    per_node: dict[str, list] = {}
+    for node_name, job_id, attempt in launches:
+        spec = specs.get((node_name, job_id))
+        if spec is None or spec["attempt"] != attempt:
+            continue  # the job moved on before we published: nothing to launch
+        per_node.setdefault(node_name, []).append([str(job_id), attempt, spec])
     try:
         # One broker connection and one pipeline for the whole batch: a pass may start thousands of
         # jobs, and a round trip each cost milliseconds (kombu's Producer.batch; a broker without
         # pipelines publishes one by one). The queue is not declared (its agent declares it), and the
-        # task's args are shown as (job, attempt): rendering each spec was half the cost, and it
+        # task's args are shown as job ids and attempts: rendering each spec was half the cost, and it
         # holds the job's environment.
         with app.producer_or_acquire() as producer, producer.batch():
             token = _producer.set(producer)
             try:
-                for node_name, job_id, attempt in launches:
-                    spec = specs.get((node_name, job_id))
-                    if spec is None or spec["attempt"] != attempt:
-                        continue  # the job moved on before we published: nothing to launch
-                    _send("agent.launch", node_name, [str(job_id), attempt, spec], declare=[],
-                          argsrepr=f"['{job_id}', {attempt}, ...]")
+                for node_name, items in per_node.items():
+                    if node_name in batched:
+                        _send("agent.launches", node_name, [items], declare=[],
+                              argsrepr=repr([[job_id, attempt] for job_id, attempt, _ in items]))
+                        continue
+                    for job_id, attempt, spec in items:
+                        _send("agent.launch", node_name, [job_id, attempt, spec], declare=[],
+                              argsrepr=f"['{job_id}', {attempt}, ...]")
             finally:
                 _producer.reset(token)
     except Exception as exc:  # the broker is down: later passes re-send what was not confirmed

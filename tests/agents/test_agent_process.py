@@ -5,6 +5,7 @@ transport in a temp dir) and the real Docker engine."""
 import base64
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -17,25 +18,19 @@ from tests.procs import start_process, stop_process, wait_for
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def stack(tmp_path, docker_client, node_name):
+@contextmanager
+def agent_process(tmp_path, docker_client, node_name, broker: list[str], send=None):
+    """``python -m agents`` on a stub portal reading its queue from ``broker`` (its --broker options),
+    until the block ends; then its sandboxes go."""
     stub = PortalStub()
-    folder = tmp_path / "broker"
-    folder.mkdir()
     log = open(tmp_path / "agent.log", "w+")
-    producer = Celery("portal-side", broker="filesystem://")
-    producer.conf.broker_transport_options = {"data_folder_in": str(folder), "data_folder_out": str(folder)}
-
-    def send(name, *args):
-        producer.send_task(name, args=list(args), queue=f"node.{node_name}")
 
     def agent_log():
         log.seek(0)
         return log.read()
 
     proc = start_process(
-        [sys.executable, "-m", "agents", "--portal", stub.url, "--token", TOKEN,
-         "--broker", "filesystem://", "--broker-folder", str(folder), "--name", node_name,
+        [sys.executable, "-m", "agents", "--portal", stub.url, "--token", TOKEN, *broker, "--name", node_name,
          "--gpus", "sim:2xH100-80GB", "--sandbox", "docker", "--stop-grace", "1"],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -48,6 +43,21 @@ def stack(tmp_path, docker_client, node_name):
         log.close()
         for c in docker_client.containers.list(all=True, filters={"label": [f"gpuportal.node={node_name}"]}):
             c.remove(force=True)
+
+
+@pytest.fixture
+def stack(tmp_path, docker_client, node_name):
+    folder = tmp_path / "broker"
+    folder.mkdir()
+    producer = Celery("portal-side", broker="filesystem://")
+    producer.conf.broker_transport_options = {"data_folder_in": str(folder), "data_folder_out": str(folder)}
+
+    def send(name, *args):
+        producer.send_task(name, args=list(args), queue=f"node.{node_name}")
+
+    with agent_process(tmp_path, docker_client, node_name, ["--broker", "filesystem://", "--broker-folder", str(folder)],
+                       send) as s:
+        yield s
 
 
 def test_agent_runs_a_job_end_to_end(stack):
@@ -94,3 +104,40 @@ def test_agent_answers_the_portals_probe_from_its_queue(stack):
     assert stack.stub.calls("/probe") == [{"nonce": nonce}]
     # The agent logs the answer after the portal has taken it: wait for the line, don't race it.
     wait_for(lambda: "queue probe answered" in stack.log(), 10, f"the probe's log line; log:\n{stack.log()}")
+
+
+@pytest.fixture
+def redis_agent(tmp_path, docker_client, node_name):
+    """The agent process reading its queue on the portal's own Redis broker (CELERY_BROKER_URL)."""
+    from django.conf import settings
+
+    assert settings.CELERY_BROKER_URL.startswith("redis://"), "this test needs the Redis broker (make test sets it)"
+    with agent_process(tmp_path, docker_client, node_name, ["--broker", settings.CELERY_BROKER_URL]) as s:
+        yield s
+
+
+def test_the_portals_pipelined_launches_reach_the_agent_one_message_per_node_or_one_each(redis_agent, node_name):
+    """scheduler.dispatch publishes a pass's launches in one Redis pipeline without declaring the
+    queue: an agent of protocol 1.4 gets them in one agent.launches message, an older one (the
+    same agent here) one agent.launch each; a stale job in a batch starts nothing, the others run."""
+    from scheduler.dispatch import send_launches
+
+    s = redis_agent
+    s.stub.stale.add(("902", 1))
+
+    def spec(job_id):
+        return {"job_id": str(job_id), "attempt": 1, "image": JOB_IMAGE, "command": ["sh", "-c", "echo $GPUPORTAL_JOB_ID"],
+                "cpus": 0.5, "memory_mb": 64, "time_limit_s": 30}
+
+    def states(job_id):
+        return [e["state"] for e in s.stub.calls(f"/jobs/{job_id}/events")]
+
+    ids = [901, 902, 903]
+    send_launches([(node_name, j, 1) for j in ids], {(node_name, j): spec(j) for j in ids}, batched={node_name})
+    wait_for(lambda: "succeeded" in states(901) and "succeeded" in states(903), 60,
+             f"both launches of the batch to succeed; log:\n{s.log()}")
+    assert states(901) == states(903) == ["starting", "running", "succeeded"]
+    assert s.stub.calls("/jobs/902/events") == []  # confirm said 409: nothing started
+    send_launches([(node_name, 904, 1)], {(node_name, 904): spec(904)}, batched=set())  # protocol < 1.4
+    wait_for(lambda: "succeeded" in states(904), 60, f"the single launch to succeed; log:\n{s.log()}")
+    assert s.stub.calls("/jobs/902/events") == []

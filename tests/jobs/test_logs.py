@@ -223,7 +223,8 @@ def test_a_job_printing_nul_and_bad_utf8_ends_at_its_time_limit(live_agent, demo
         "resources": {"gpus": 0, "cpus": 0.5, "memory_mb": 64},
         "command": ["sh", "-c", r"printf 'a\000b\377\376\n'; while :; do printf 'x\000\200'; sleep 0.2; done"]})
     run_pass()
-    (_, node_name, (job_id, attempt, spec)), = [s for s in launches if s[0] == "agent.launch"]
+    # The agent registered speaking protocol 1.4: its launches come in one agent.launches message.
+    (_, node_name, ([(job_id, attempt, spec)],)), = [s for s in launches if s[0] == "agent.launches"]
     assert node_name == live_agent.name
     assert live_agent.launch(job_id, attempt, spec) == "started"
     deadline = time.monotonic() + 60
@@ -251,7 +252,7 @@ def test_a_job_printing_past_the_cap_is_stored_capped_and_the_agent_stops_readin
         "project": "vision", "name": "chatty", "image": IMAGE, "resources": {"gpus": 0, "cpus": 0.5, "memory_mb": 128},
         "command": ["sh", "-c", "i=0; while [ $i -lt 40 ]; do head -c 100000 /dev/zero | tr '\\0' y; i=$((i+1)); done"]})
     run_pass()
-    (_, _, (job_id, attempt, spec)), = [s for s in launches if s[0] == "agent.launch"]
+    (_, _, ([(job_id, attempt, spec)],)), = [s for s in launches if s[0] == "agent.launches"]
     live_agent.launch(job_id, attempt, spec)
     deadline = time.monotonic() + 90
     while Job.objects.get(pk=job.pk).state not in ("succeeded", "failed", "timeout", "cancelled"):
