@@ -66,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the project volumes' tree, at the same path as the portal's VOLUMES_ROOT (a shared "
                          "filesystem on several nodes); jobs naming volumes are refused on a node without it")
     ap.add_argument("--dataset-cache-mb", type=int, default=int(env("GPUPORTAL_DATASET_CACHE_MB") or 51200),
-                    help="size limit of this node's dataset cache in <state-dir>/datasets (docs/storage.md); "
+                    help="size limit of this node's dataset cache in <state-dir>/datasets-<name> (docs/storage.md); "
                          "0: no cache, jobs naming datasets are refused here")
     ap.add_argument("--dataset-pin", action="append", metavar="DIGEST",
                     default=[d for d in (env("GPUPORTAL_DATASET_PIN") or "").split(",") if d.strip()],
@@ -169,13 +169,13 @@ def main(argv=None) -> int:
     datasets = None
     if args.dataset_cache_mb > 0:
         from agents.datasets import DatasetCache
-        from agents.sandbox.kvm_domain import agent_state_dir
+        from agents.sandbox.kvm_domain import driver_dir
 
-        try:
-            datasets = DatasetCache(str(agent_state_dir(args.state_dir) / "datasets"),
+        try:  # <state>/datasets-<node>: agents of several nodes on one host never share a cache
+            datasets = DatasetCache(str(driver_dir("datasets", args.name, args.state_dir)),
                                     args.dataset_cache_mb * 1024 * 1024, opener=client.open_dataset,
                                     pinned=tuple(d.strip() for d in args.dataset_pin if d.strip()))
-        except OSError as exc:
+        except (OSError, SandboxError) as exc:
             print(f"agent: the dataset cache: {exc}", file=sys.stderr)
             return 2
     agent = Agent(name=args.name, client=client, driver=driver, probe=probe, stop_grace_s=args.stop_grace,

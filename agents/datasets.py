@@ -4,7 +4,7 @@ A dataset version is a list of files, each ``{"path", "size", "sha256"}`` (an S3
 the one archive of an HTTP(S) URL or an upload); its **digest** is the sha256 of that list written
 out in one canonical form (``manifest_digest``), so the portal and every node compute the same one.
 
-The cache lives below the agent's state folder (``<state>/datasets``)::
+The cache lives in the agent's state folder (``<state>/datasets-<node>``)::
 
     entries/<digest>/            a complete, verified version (files 0444, folders 0555), read-only
                                  in jobs at /datasets/<name>
