@@ -411,6 +411,13 @@ SCHEDULER_PASS_INTERVAL_S = env_float("SCHEDULER_PASS_INTERVAL_S", 0.2)
 # reuses its plan for up to this long; time alone (ages, minimum runtimes) waits at most this.
 SCHEDULER_REPLAN_S = env_int("SCHEDULER_REPLAN_S", 30, minimum=0)
 SCHEDULER_FAIRSHARE_HALF_LIFE_S = env_int("SCHEDULER_FAIRSHARE_HALF_LIFE_S", 7 * 86400, minimum=60)
+# Dataset locality (docs/scheduler.md): a job naming datasets that could start now only on nodes
+# without them, while a node holding them all is busy, waits for it up to this long after it entered
+# the queue (0: never waits, the bonus only); a reservation due within the horizon asks its node to
+# prefetch the datasets it lacks (agent.prefetch), each (node, dataset) at most once per horizon
+# (0, the default: no prefetch; the simulator found it moved far more than it saved).
+SCHEDULER_LOCALITY_WAIT_S = env_int("SCHEDULER_LOCALITY_WAIT_S", 60, minimum=0)
+SCHEDULER_PREFETCH_HORIZON_S = env_int("SCHEDULER_PREFETCH_HORIZON_S", 0, minimum=0)
 # Kept from each node's registered CPUs and memory for its own system (agent, engine, kernel): the
 # scheduler places jobs, GPU or CPU-only, only while their cpus and memory_mb fit in the rest.
 NODE_RESERVED_CPUS = env_float("NODE_RESERVED_CPUS", 0.0)

@@ -41,10 +41,11 @@ from portal.jobs.selectors import launch_specs, usage_for_pass
 from portal.jobs.states import transition
 from portal.jobs.usage import usage_fold
 from portal.nodes.models import GPU, GPUHealth, GPUMode, Node, NodeState
+from portal.storage.selectors import prefetch_entries
 from portal.tenancy.models import Organization, Project, Quota
 from scheduler import core
 
-from .dispatch import send_launches, send_stop
+from .dispatch import send_launches, send_prefetch, send_stop
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,15 @@ def config_from_settings() -> core.Config:
         fairshare_half_life_s=settings.SCHEDULER_FAIRSHARE_HALF_LIFE_S,
         node_reserved_cpus=settings.NODE_RESERVED_CPUS,
         node_reserved_memory_mb=settings.NODE_RESERVED_MEMORY_MB,
+        locality_wait_s=settings.SCHEDULER_LOCALITY_WAIT_S,
+        prefetch_horizon_s=settings.SCHEDULER_PREFETCH_HORIZON_S,
     )
+
+
+def _core_datasets(rows: list[dict]) -> tuple[core.Dataset, ...]:
+    """Job.datasets (resolved at submit: name, version, digest, size) as the core's datasets."""
+    return tuple(core.Dataset(d["digest"], int(d.get("size") or 0), f"{d['name']}@{d['version']}")
+                 for d in rows) if rows else ()
 
 
 def _cancel_failed_dependents() -> int:
@@ -103,12 +112,12 @@ def _attained_gpu_s() -> dict[int, float]:
 
 
 NODE_STATES = (NodeState.READY, NodeState.DRAINING)
-NODE_FIELDS = ("name", "pool", "state", "sandbox", "queue_verified_at", "cpus", "memory_mb")
+NODE_FIELDS = ("name", "pool", "state", "sandbox", "queue_verified_at", "cpus", "memory_mb", "cached_datasets")
 GPU_FIELDS = ("id", "node__name", "index", "model", "memory_mb", "health", "mode", "topology")
 # What the snapshot reads of a job besides its times, which come as epoch floats (Epoch).
 JOB_FIELDS = ("id", "project__slug", "project__organization__slug", "user__username", "gpus", "time_limit_s",
               "gpu_type", "gpu_memory_mb", "priority", "preemptible", "array_parent_id", "array_limit", "sandbox",
-              "nodes", "cpus", "memory_mb", "node__name", "checkpoint_signal", "checkpoint_grace_s")
+              "nodes", "cpus", "memory_mb", "node__name", "checkpoint_signal", "checkpoint_grace_s", "datasets")
 JOB_TIMES = {"submit_s": Epoch("submitted_at"), "changed_s": Epoch("state_changed_at")}
 ALLOCATION_FIELDS = ("job_id", "gpu_id", "fraction", "shared", "borrowed")
 
@@ -147,8 +156,9 @@ def build_snapshot(now=None):
     nodes: dict[str, core.Node] = {
         name: core.Node(name=name, pool=pool, gpus=[], sandbox=sandbox, cpus=float(cpus), memory_mb=memory,
                         # New jobs only where the agent has proved it receives its queue (Node.schedulable).
-                        schedulable=node_state == NodeState.READY and verified is not None)
-        for name, pool, node_state, sandbox, verified, cpus, memory in _nodes().values_list(*NODE_FIELDS)}
+                        schedulable=node_state == NodeState.READY and verified is not None,
+                        datasets=frozenset(cached or ()))  # its agent's cache (dataset locality)
+        for name, pool, node_state, sandbox, verified, cpus, memory, cached in _nodes().values_list(*NODE_FIELDS)}
     gpu_node: dict[str, str] = {}
     core_gpus: dict[str, core.GPU] = {}
     for gid, node_name, index, model, memory, health, mode, topo in _gpus().values_list(*GPU_FIELDS):
@@ -178,6 +188,7 @@ def build_snapshot(now=None):
             array_limit=row["array_limit"], deps_satisfied=deps_ok, sandbox=row["sandbox"], nodes=row["nodes"],
             attained_gpu_s=attained.get(job_id, 0.0), cpus=float(row["cpus"]), memory_mb=row["memory_mb"],
             checkpoint_grace_s=float(row["checkpoint_grace_s"] or 0) if row["checkpoint_signal"] else None,
+            datasets=_core_datasets(row["datasets"]),
         )
 
     holding = {row["id"]: row for row in _holding_jobs().values(*JOB_FIELDS, **JOB_TIMES)}
@@ -515,10 +526,11 @@ def run_pass(*, wait: bool = False) -> dict:
     launches: list[tuple[str, int, int]] = []
     stops: list[tuple[str, int, int, int, str | None]] = []
     published = {"s": 0.0}
+    prefetch: dict[str, list[core.Dataset]] = {}
 
     def publish():
         t = time.perf_counter()
-        _publish(launches, stops)
+        _publish(launches, stops, prefetch)
         published["s"] = time.perf_counter() - t
 
     with transaction.atomic():
@@ -550,6 +562,7 @@ def run_pass(*, wait: bool = False) -> dict:
         t_built = time.perf_counter()
         crashpoint("schedule.after_snapshot")
         plan = core.schedule(snapshot)
+        prefetch.update(plan.prefetch)
         t_planned = time.perf_counter()
         for pre in plan.preemptions:
             stops += _apply_preemption(pre, context) or []
@@ -592,7 +605,7 @@ def run_pass(*, wait: bool = False) -> dict:
     }
 
 
-def _publish(launches, stops) -> None:
+def _publish(launches, stops, prefetch=None) -> None:
     crashpoint("schedule.after_commit_before_publish")
     for node_name, job_id, attempt, grace, signal in stops:
         send_stop(node_name, job_id, attempt, "preempted", grace, signal)
@@ -601,3 +614,20 @@ def _publish(launches, stops) -> None:
         batched = {name for name, version in Node.objects.filter(name__in=names).values_list("name", "protocol_version")
                    if speaks(version, LAUNCHES_SINCE)}
         send_launches(launches, launch_specs([(node, job_id) for node, job_id, _ in launches]), batched)
+    if prefetch:
+        _send_prefetch(prefetch)
+
+
+def _send_prefetch(prefetch: dict[str, list[core.Dataset]]) -> int:
+    """`agent.prefetch` to nodes reserved for jobs whose datasets they lack (the plan's `prefetch`):
+    each (node, dataset) at most once per SCHEDULER_PREFETCH_HORIZON_S, since every pass asks again
+    while the reservation stands (a duplicate is harmless: the agent's cache fetches once).
+    Returns how many datasets were asked for."""
+    asked, ttl = 0, settings.SCHEDULER_PREFETCH_HORIZON_S
+    for node_name, datasets in prefetch.items():
+        new = [d.digest for d in datasets if cache.add(f"scheduler:prefetch:{node_name}:{d.digest}", 1, timeout=ttl)]
+        entries = prefetch_entries(new) if new else []
+        if entries:
+            send_prefetch(node_name, entries)
+            asked += len(entries)
+    return asked

@@ -65,6 +65,12 @@ def send_stop(node_name: str, job_id: int, attempt: int, reason: str, grace_s: i
     _send("agent.stop", node_name, [str(job_id), attempt, reason, grace] + ([signal] if signal else []))
 
 
+def send_prefetch(node_name: str, entries: list[dict]) -> None:
+    """`agent.prefetch`: fetch these datasets (launch-spec entries) into the node's cache ahead of a
+    job the plan reserved it for."""
+    _send("agent.prefetch", node_name, [entries])
+
+
 def send_probe(node_name: str, nonce: str) -> None:
     """`agent.probe` on the node's queue: the agent answers with the nonce through the agent API,
     which proves it receives its queue (the node takes jobs only then)."""
