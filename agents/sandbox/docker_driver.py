@@ -112,6 +112,9 @@ class DockerDriver:
         self.log_config = docker.types.LogConfig(type="json-file", config={
             "max-size": log_max_size, "max-file": str(log_max_files)})
         self._logs: dict[str, ContainerLog] = {}  # container id -> what was read of its log
+        # The container each poll inspected last, for the log reads that follow it in the agent's pass (they
+        # need only its id and labels): one inspect a running job a pass, however much of its log is read.
+        self._polled: dict = {}
         # Simulated GPUs (a laptop, CI, the demo): a GPU job runs without the NVIDIA runtime, with the
         # same environment, limits and isolation as on real GPUs, and its log says so first.
         self.simulated_gpus = simulated_gpus
@@ -595,6 +598,7 @@ class DockerDriver:
         c = self._get(handle)
         if c is None:
             return EXITED, None  # removed behind our back: no exit code to report
+        self._polled[c.id] = c
         st = c.attrs["State"]
         if st["Status"] in ("created", "running", "paused", "restarting"):
             return RUNNING, None
@@ -607,14 +611,17 @@ class DockerDriver:
 
     def read_logs(self, handle: SandboxHandle, offset: int) -> bytes:
         """Read incrementally: each call asks the engine only for what is new (docker_logs.py)."""
-        c = self._get(handle)
+        c = self._polled.get(handle.ref) or self._get(handle)
         if c is None:
             return b""
         cursor = self._logs.get(c.id)
         if cursor is None:
             notice = SIMULATED_NOTICE if c.labels.get(LABEL_SIMULATED) == "1" else b""
             cursor = self._logs.setdefault(c.id, ContainerLog(notice))
-        return cursor.read(c, offset)
+        try:
+            return cursor.read(c, offset)
+        except docker.errors.NotFound:
+            return b""  # removed behind our back since its poll, as when _get finds none
 
     def stop(self, handle: SandboxHandle, grace_s: float) -> None:
         """SIGTERM, wait up to ``grace_s`` for the job to exit, then SIGKILL."""
@@ -683,6 +690,7 @@ class DockerDriver:
             sup.kill()
             sup.wait()
         self._logs.pop(handle.ref, None)
+        self._polled.pop(handle.ref, None)
         outputs = self.outputs_dir(handle)
         if outputs:  # uploaded (or given up) by now: the agent removes a sandbox after its report
             shutil.rmtree(outputs, ignore_errors=True)

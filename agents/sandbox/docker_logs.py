@@ -59,12 +59,10 @@ class ContainerLog:
 
     def _fetch(self, container) -> bool:
         """Append the messages not read yet, up to READ_MAX_BYTES; False when there were none."""
-        kwargs = dict(stdout=True, stderr=True, stream=True, follow=False, timestamps=True)
-        if self.newest_ns is not None:
-            kwargs["since"] = max(1e-9, (self.newest_ns - MARGIN_NS) / 1e9)
+        since = max(1e-9, (self.newest_ns - MARGIN_NS) / 1e9) if self.newest_ns is not None else None
         seen = Counter(self.recent)  # already read: each is skipped once when met again
         budget, got = READ_MAX_BYTES - len(self.buf), 0
-        stream = container.logs(**kwargs)
+        stream = log_frames(container, since)
         try:
             for frame in stream:
                 stamp, _, payload = frame.partition(b" ")
@@ -90,6 +88,22 @@ class ContainerLog:
             floor = self.newest_ns - MARGIN_NS
             self.recent = Counter({k: n for k, n in self.recent.items() if k[0] >= floor})
         return got > 0
+
+
+def log_frames(container, since: float | None):
+    """The container's stamped log messages (stdout and stderr, since ``since`` when given) as a
+    stream: ``container.logs(stream=True, timestamps=True, since=...)`` without the inspect the
+    docker SDK makes before every read to learn whether the container has a TTY. A job's
+    container never has one (the driver creates none), and that inspect doubled the engine calls
+    of shipping a running job's log, every pass, for every job."""
+    import docker.types
+
+    api = container.client.api
+    params = {"stdout": 1, "stderr": 1, "timestamps": 1, "follow": 0, "tail": "all"}
+    if since is not None:
+        params["since"] = since
+    res = api._get(api._url("/containers/{0}/logs", container.id), params=params, stream=True)
+    return docker.types.CancellableStream(api._get_result_tty(True, res, False), res)
 
 
 def _timestamp_ns(stamp: bytes) -> int | None:

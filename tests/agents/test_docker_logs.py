@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from agents.sandbox import RUNNING
+from agents.sandbox import RUNNING, docker_logs
 from agents.sandbox.docker_logs import READ_MAX_BYTES, _timestamp_ns
 from tests.agents.conftest import make_spec
 
@@ -28,25 +28,22 @@ def read_all(driver, handle, offset=0):
 def engine_reads(docker_driver, monkeypatch):
     """Bytes the engine sent for each `docker logs` request the driver made."""
     calls = []
-    real_get = docker_driver._get
+    real_frames = docker_logs.log_frames
 
-    def spy_get(handle):
-        c = real_get(handle)
-        if c is not None:
-            real_logs = c.logs
+    def log_frames(container, since):
+        calls.append(0)
+        inner = real_frames(container, since)
 
-            def logs(**kw):
-                calls.append(0)
+        def frames():
+            try:
+                for frame in inner:
+                    calls[-1] += len(frame)
+                    yield frame
+            finally:
+                inner.close()
+        return frames()
 
-                def frames():
-                    for frame in real_logs(**kw):
-                        calls[-1] += len(frame)
-                        yield frame
-                return frames()
-            c.logs = logs
-        return c
-
-    monkeypatch.setattr(docker_driver, "_get", spy_get)
+    monkeypatch.setattr(docker_logs, "log_frames", log_frames)
     return calls
 
 
