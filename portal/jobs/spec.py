@@ -31,9 +31,6 @@ IMAGE = re.compile(r"^([a-z0-9][a-z0-9.-]{0,252}:[0-9]{1,5}/)?[a-z0-9][a-z0-9._/
 ARRAY = re.compile(r"^(?P<items>\d{1,7}(-\d{1,7})?(,\d{1,7}(-\d{1,7})?)*)(%(?P<limit>\d{1,6}))?$")
 DURATION = re.compile(r"^(?:(?P<d>\d+)-)?(?:(?P<h>\d+):)?(?P<m>\d+):(?P<s>\d+)$")
 UNIT_DURATION = re.compile(r"^(?P<n>\d+)(?P<u>[smhd])$")
-ARRAY = re.compile(r"^(?P<items>\d{1,7}(-\d{1,7})?(,\d{1,7}(-\d{1,7})?)*)(%(?P<limit>\d{1,6}))?$")
-DURATION = re.compile(r"^(?:(?P<d>\d+)-)?(?:(?P<h>\d+):)?(?P<m>\d+):(?P<s>\d+)$")
-UNIT_DURATION = re.compile(r"^(?P<n>\d+)(?P<u>[smhd])$")
 
 
 def single_line_value(value: str) -> None:
