@@ -229,7 +229,8 @@ class Config:
     max_reservations: int = 1  # EASY backfill: one reservation for the head job
     # las (Tiresias' discretized two-dimensional LAS): a job's queue is how many of these
     # attained GPU-service thresholds (GPU-seconds, ascending) it has passed; lower queues go
-    # first, FIFO within a queue, and a queued job may preempt running work of a higher queue.
+    # first, within a queue by fair share then submit time (`las_fair_share`), and a queued job may
+    # preempt running work of a higher queue.
     # A job waiting longer than las_starvation_factor x the time it has run (attained / GPUs)
     # is promoted to the first queue, so long jobs are not starved.
     las_thresholds_gpu_s: tuple[float, ...] = (3600.0,)
@@ -244,6 +245,9 @@ class Config:
     # this many seconds after one of its saves: preempted then, it loses little more than its grace.
     # The job that would preempt it waits for the next save (the plan's `next_pass_at` says when).
     las_checkpoint_window_s: float = 120.0
+    # Within a las queue, the project furthest below its fair share first (Slurm's fair-share factor
+    # from decayed usage, as multifactor's), then submit order. False: submit order, as in Tiresias.
+    las_fair_share: bool = True
     max_preempt_attempts: int = 64  # per pass; bounds the cost of a long guaranteed queue
     # Search depth, like Slurm's bf_max_job_test: after this many admitted jobs
     # failed to place, later jobs are only admission-checked and explained.

@@ -4,7 +4,8 @@
 job does to later ones, see scheduling.py); `las` is Tiresias' discretized
 two-dimensional least attained service: the job with the least GPU-service
 (GPUs x time run, over all its attempts) first, in queues split at configured
-thresholds, FIFO within a queue, with a starvation guard; `multifactor` is Slurm-like: a weighted sum of
+thresholds, within a queue the project furthest below its fair share first, then FIFO, with a
+starvation guard; `multifactor` is Slurm-like: a weighted sum of
 QoS, fair share, age and size factors, each normalized to 0..1 first so the
 weights alone say what matters.
 """
@@ -80,6 +81,11 @@ def _sorted(jobs: list[Job], policy: str, snap: Snapshot) -> list[Job]:
         return sorted(jobs, key=lambda j: (j.submit_time, j.id))
     if policy == "las":
         now = snap.now
+        if cfg.las_fair_share:
+            # Within a queue, the project furthest below its fair share first (Slurm's factor), then FIFO.
+            fs = fairshare_factors(snap.projects, snap.usage)
+            return sorted(jobs, key=lambda j: (las_queue_waiting(j, now, cfg), -fs.get(j.project, 1.0),
+                                               j.submit_time, j.id))
         return sorted(jobs, key=lambda j: (las_queue_waiting(j, now, cfg), j.submit_time, j.id))
     if policy != "multifactor":
         raise ValueError(f"policy: unknown value {policy!r}; use one of {', '.join(POLICIES)}")

@@ -13,9 +13,10 @@ the `checkpoint_grace_s` it was given to save, which is counted as lost GPU-time
 them at the preemption and the next launch waits for the old sandbox). Preemption takes effect at once (grace period 0)
 and another pass follows straight away so the preemptor starts. A job's
 attained GPU-service (GPUs x time run, over its attempts) and when it last
-entered the queue travel with it, for `las`; passes run only at submissions
-and ends, so a running job's crossing of a las threshold takes effect at the
-next of those.
+entered the queue travel with it, for `las`; passes run at submissions and
+ends, and under `las` also when a running job crosses a threshold, a waiting
+one reaches its promotion time and at the plan's `next_pass_at` (a save that a
+preemption waits for), as production's periodic pass would see them.
 
 Jobs may name datasets (`TraceJob.datasets`, given by `datasets.assign_datasets`); with a
 `DataModel` a job starting on nodes that lack them first stages them (bytes / the node's

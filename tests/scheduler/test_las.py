@@ -1,7 +1,7 @@
 """`las`: Tiresias' discretized two-dimensional least attained service."""
 from scheduler.core import schedule
 
-from .factories import NOW, job, nodes, running, snapshot, started
+from .factories import NOW, job, nodes, quota, running, snapshot, started
 
 H = 3600.0
 LAS = dict(policy="las", las_thresholds_gpu_s=(H,), las_starvation_factor=4.0)
@@ -109,3 +109,17 @@ def test_before_its_first_save_a_job_that_saves_on_its_own_is_not_a_las_victim()
     r.job.attained_gpu_s = 2 * H
     plan = schedule(snapshot(nodes(1), [job("new", 8, project="bob")], [r], **LAS))
     assert plan.preemptions == [] and plan.next_pass_at == NOW + 600
+
+
+def test_with_fair_share_within_a_queue_the_project_furthest_below_its_share_goes_first():
+    # Both in the first queue, one GPU free; x has used 10 GPU-hours, bob nothing. FIFO takes x's
+    # older job; with fair share bob's goes first. A lower queue still goes before fair share.
+    def plan(fair, bob_attained=0.0):
+        queued = [job("a", 1, project="x", submit=NOW - 50),
+                  job("b", 1, project="bob", submit=NOW - 10, attained_gpu_s=bob_attained, queued_since=NOW - 60)]
+        projects = {"x": quota("x", 1, 2), "bob": quota("bob", 1, 2)}
+        return schedule(snapshot(nodes(1, per=1), queued, projects=projects, usage={"x": 10 * H}, **LAS,
+                                 las_fair_share=fair))
+    assert list(started(plan(False))) == ["a"]
+    assert list(started(plan(True))) == ["b"]
+    assert list(started(plan(True, bob_attained=2 * H))) == ["a"]
