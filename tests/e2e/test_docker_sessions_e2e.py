@@ -134,6 +134,18 @@ def test_jupyterlab_in_a_docker_job_answers_its_owner_through_the_portal_and_run
     assert printed.strip() == f"GPUS=0,1 UID={docker_node.uid}"
 
 
+def test_chromium_opens_the_docker_jobs_jupyterlab_through_the_portal_and_runs_a_cell(job, chromium, portal_asgi,
+                                                                                      docker_node):
+    from tests.e2e.test_sessions_e2e import lab_cell
+
+    container = docker_node.client.containers.get(docker_node.handle.ref)
+    printed = lab_cell(chromium, portal_asgi, LAB, 'import os; print("GPUS=" + os.environ["CUDA_VISIBLE_DEVICES"], '
+                       '"UID=%d" % os.getuid(), "NET=" + ",".join(sorted(os.listdir("/sys/class/net"))))',
+                       "session-jupyterlab-docker", lambda: container.logs().decode(errors="replace")[-6000:])
+    # The job's GPUs, its project's uid, and a network namespace with nothing but loopback.
+    assert printed == f"GPUS=0,1 UID={docker_node.uid} NET=lo"
+
+
 def test_another_tenant_gets_404_on_a_docker_session_and_its_websocket(job, portal_asgi):
     from websockets.exceptions import InvalidStatus
     from websockets.sync.client import connect

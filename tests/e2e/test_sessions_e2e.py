@@ -125,28 +125,37 @@ def _cookie(context) -> str:
     return "; ".join(f"{c['name']}={c['value']}" for c in context.cookies())
 
 
-def test_jupyterlab_through_the_portal_runs_a_cell_with_the_jobs_gpu_environment(job, chromium, portal_asgi, node):
-    context, page = _login(chromium, portal_asgi, "alice")
+def lab_cell(chromium, base: str, lab: str, code: str, name: str, diagnose) -> str:
+    """As alice, open JupyterLab at ``lab`` through the portal, start a Python notebook, run one cell and
+    return its output. Keeps a screenshot (test-artifacts/e2e/<name>.png); on failure prints where it
+    stopped and ``diagnose()`` (the app's log)."""
+    context, page = _login(chromium, base, "alice")
     try:
-        page.goto(LAB + "lab")
+        page.goto(lab + "lab")
         page.locator(".jp-LauncherCard[title^='Python 3']").first.click()
         page.get_by_text("Python 3 (ipykernel) | Idle").wait_for()  # the kernel is up, over the proxied WebSocket
-        editor = page.locator(".jp-NotebookPanel .jp-Cell .cm-content").first
-        editor.click()
-        page.keyboard.insert_text('import os; print("GPUS=" + os.environ["CUDA_VISIBLE_DEVICES"] + " JOB=" + '
-                                  'os.environ["GPUPORTAL_JOB_ID"])')
+        page.locator(".jp-NotebookPanel .jp-Cell .cm-content").first.click()
+        page.keyboard.insert_text(code)
         page.keyboard.press("Shift+Enter")
         output = page.locator(".jp-OutputArea-output").first
         output.wait_for()
-        assert output.inner_text().strip() == f"GPUS=0,1 JOB={JOB}"
-        shot(page, "session-jupyterlab")
+        shot(page, name)
+        return output.inner_text().strip()
     except Exception:
-        print("failed at", shot(page, "session-jupyterlab-failed"))
-        from pathlib import Path
-        print("".join(p.read_text()[-6000:] for p in Path(node.driver.state_dir).glob("*/log")))
+        print("failed at", shot(page, name + "-failed"))
+        print(diagnose())
         raise
     finally:
         context.close()
+
+
+def test_jupyterlab_through_the_portal_runs_a_cell_with_the_jobs_gpu_environment(job, chromium, portal_asgi, node):
+    from pathlib import Path
+
+    printed = lab_cell(chromium, portal_asgi, LAB, 'import os; print("GPUS=" + os.environ["CUDA_VISIBLE_DEVICES"] + '
+                       '" JOB=" + os.environ["GPUPORTAL_JOB_ID"])', "session-jupyterlab",
+                       lambda: "".join(p.read_text()[-6000:] for p in Path(node.driver.state_dir).glob("*/log")))
+    assert printed == f"GPUS=0,1 JOB={JOB}"
 
 
 def test_dashboard_card_connects_to_the_web_terminal_which_runs_a_command(job, chromium, portal_asgi):

@@ -2,10 +2,12 @@
 
 No image registry is reachable from CI, so the image is made from what this machine already has:
 this venv's Python (its standard library, without the test suite), the distributions JupyterLab
-and ipykernel need as installed in the venv (found from their metadata, nothing else of the venv),
+and ipykernel need as installed in the venv (found from their metadata, nothing else of the venv;
+their data files too: JupyterLab's built application in share/jupyter/lab),
 the shared libraries all of that links against (found with ldd), and Debian's busybox-static for
 a shell. ``docker import`` turns the folder into an image. The tag is a hash of those inputs, so
-an image is built once per change of Python or of those distributions (about 30 s), and then reused.
+an image is built once per change of Python, of those distributions or of this file (15 to 60 s),
+and then reused; the previous one is removed.
 
     .venv/bin/python -m tests.interactive.jupyter_image     # prints the tag, building it if missing
 
@@ -75,18 +77,25 @@ def _copy_stdlib(root: Path) -> None:
 
 
 def _copy_distributions(root: Path) -> None:
+    """Each distribution's files: its modules into site-packages, its data files (JupyterLab's built
+    application in share/jupyter/lab, the servers' settings in etc/jupyter) under the image's prefix.
+    Not the venv's bin/ scripts (their shebangs name the venv): the image runs python -m."""
     site = root / PY.lstrip("/") / "lib" / Path(sysconfig.get_paths()["stdlib"]).name / "site-packages"
+    prefix = Path(sys.prefix).resolve()
     for dist in distributions():
-        base = Path(dist.locate_file(""))
+        base = Path(dist.locate_file("")).resolve()
         for f in dist.files or []:
-            src = Path(dist.locate_file(f))
-            try:
-                rel = src.resolve().relative_to(base.resolve())
-            except ValueError:
-                continue  # scripts in the venv's bin/ (their shebangs name the venv): the image runs python -m
-            if src.is_file():
-                (site / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(src, site / rel)
+            src = Path(dist.locate_file(f)).resolve()
+            if not src.is_file():
+                continue
+            if src.is_relative_to(base):
+                dst = site / src.relative_to(base)
+            elif src.is_relative_to(prefix) and src.relative_to(prefix).parts[0] in ("share", "etc"):
+                dst = root / PY.lstrip("/") / src.relative_to(prefix)
+            else:
+                continue
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst)
 
 
 def _copy_libraries(root: Path) -> None:
@@ -155,6 +164,12 @@ def ensure(client) -> str:
         client.images.get(name)
     except docker.errors.ImageNotFound:
         build(name, client)
+        for old in client.images.list(name=REPO):  # an earlier build's: not needed any more
+            if name not in old.tags:
+                try:
+                    client.images.remove(old.id)
+                except docker.errors.APIError:
+                    pass  # still used by a container, or removed by another run meanwhile
     return name
 
 
