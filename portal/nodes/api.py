@@ -27,7 +27,10 @@ class NodeSerializer(serializers.ModelSerializer):
     class Meta:
         model = Node
         fields = ["name", "state", "state_reason", "schedulable", "waiting_for", "pool", "labels", "cpus",
-                  "memory_mb", "sandbox", "last_heartbeat_at", "created_at", "gpus", "protocol_version"]
+                  "memory_mb", "sandbox", "last_heartbeat_at", "created_at", "gpus", "protocol_version",
+                  "cached_datasets"]
+        extra_kwargs = {"cached_datasets": {"help_text": "SHA-256 digests of the dataset versions its agent's cache "
+                                                         "holds (docs/storage.md, \"Datasets\")."}}
 
 
 class DrainSerializer(StrictSerializer):

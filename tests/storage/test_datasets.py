@@ -249,7 +249,7 @@ def test_a_dataset_named_by_an_active_job_is_not_deleted(api, demo, http_files):
         "error"]["message"]
 
 
-def test_nodes_report_their_cached_digests(demo):
+def test_nodes_report_their_cached_digests(demo, api):
     node = agent_client(demo, "gpu-01", gpus="1xH100-80GB")
     a, b = "a" * 64, "b" * 64
     reg = node.post("/api/agent/v1/register", {"name": "gpu-01", "cpus": 8, "memory_mb": 1024, "sandbox": "docker",
@@ -265,6 +265,9 @@ def test_nodes_report_their_cached_digests(demo):
     assert node.node.cached_datasets == [b]
     bad = node.post("/api/agent/v1/heartbeat", {"cached_datasets": ["../etc"]}, format="json")
     assert bad.status_code == 400 and "cached_datasets" in str(bad.json()["error"]["fields"])
+    # Operators see them on the node (staff only, as every node field).
+    shown = {n["name"]: n for n in api("admin").get("/api/v1/nodes/").json()["results"]}
+    assert shown["gpu-01"]["cached_datasets"] == [b]
 
 
 def test_the_projects_datasets_page_lists_versions(api, demo, http_files):
@@ -297,3 +300,23 @@ def test_staging_progress_is_the_jobs_reason(api, demo, http_files):
     assert r.status_code == 200, r.content
     assert api("alice").get(f"/api/v1/jobs/{job.pk}/").json()["reason"] == {
         "code": "staging", "message": "staging dataset big@1: 43%"}
+
+
+def test_a_batch_and_an_array_resolve_datasets_for_every_job(api, demo, http_files):
+    from portal.jobs.models import Job
+
+    d = dataset_create(actor=Actor(user=demo.users["alice"]), project=demo.vision, name="shared",
+                       source={"kind": "http", "url": http_files.put("s.bin", b"shared")})
+    version = dataset_version_inspect(d.versions.get().pk)
+    r = api("alice").post("/api/v1/jobs/batch/", {
+        "defaults": {"project": "vision", "image": "gpuportal/busybox:latest", "datasets": ["shared"]},
+        "jobs": [{"command": ["true"]}, {"command": ["false"], "datasets": ["shared@1"]}]}, format="json")
+    assert r.status_code == 201, r.content
+    array = submit(demo, datasets=["shared"], array="0-2")
+    jobs = list(Job.objects.filter(pk__in=r.json()["ids"])) + list(array.tasks.all())
+    assert len(jobs) == 5 and all(j.datasets == [{"name": "shared", "version": 1, "digest": version.digest,
+                                                  "size": 6, "source": http_files.url + "/s.bin"}] for j in jobs)
+    bad = api("alice").post("/api/v1/jobs/batch/", {
+        "defaults": {"project": "vision", "image": "gpuportal/busybox:latest"},
+        "jobs": [{"command": ["true"], "datasets": ["nope"]}]}, format="json")
+    assert bad.status_code == 400 and "datasets.0" in str(bad.json()["error"]["fields"]), bad.json()
