@@ -350,7 +350,7 @@ def _apply_whole_starts(starts, context, start_times):
     refuses the bulk insert (a double-booked GPU), the savepoint rolls back and every start
     is retried one by one, so only the offending job stays queued.
     """
-    from portal.jobs.states import assign_many
+    from portal.jobs.states import allocate_whole_gpus, assign_many
 
     shared = context.setdefault("shared_gpus", set(
         str(g) for g in GPU.objects.filter(mode=GPUMode.SHARED).values_list("pk", flat=True)))
@@ -366,10 +366,8 @@ def _apply_whole_starts(starts, context, start_times):
             moved = assign_many({j: node_ids[n] for j, n in first_node.items()},
                                 message_for=lambda j: "Assigned to " + ", ".join(
                                     dict.fromkeys(context["gpu_node"][g] for g in by_job[j].gpu_ids)))
-            Allocation.objects.bulk_create([
-                Allocation(job_id=job_id, attempt=attempt, gpu_id=int(g), fraction=Decimal(1),
-                           borrowed=by_job[job_id].borrowed, started_at=start_times[str(job_id)])
-                for job_id, attempt in moved.items() for g in by_job[job_id].gpu_ids], batch_size=2000)
+            allocate_whole_gpus([(job_id, attempt, int(g), by_job[job_id].borrowed, start_times[str(job_id)])
+                                for job_id, attempt in moved.items() for g in by_job[job_id].gpu_ids])
             by_topology = defaultdict(list)
             for job_id in moved:
                 by_topology[_placement_topology(by_job[job_id], context)].append(job_id)

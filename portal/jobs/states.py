@@ -47,33 +47,52 @@ def transition(job_id: int, *, to: str, from_states, attempt: int | None = None,
 def assign_many(assignments: dict[int, int], *, message_for) -> dict[int, int]:
     """`transition()` for many queued jobs at once (a pass that starts thousands).
 
-    assignments: job id -> node id. One conditional UPDATE ... WHERE state='queued' per
-    thousand jobs, RETURNING the ids that moved (a job cancelled meanwhile does not), then
-    one bulk insert of their events. Returns {job id: attempt} of the jobs that moved.
-    PostgreSQL only; callers fall back to transition() elsewhere.
+    assignments: job id -> node id. One conditional UPDATE ... WHERE state='queued' from two
+    arrays, RETURNING the ids that moved (a job cancelled meanwhile does not), then one insert
+    of their events from arrays: a few parameters whatever the count, no model per row.
+    Returns {job id: attempt} of the jobs that moved. PostgreSQL only; callers fall back to
+    transition() elsewhere.
     """
     from django.db import connection
 
+    if not assignments:
+        return {}
     now = timezone.now()
-    moved: dict[int, int] = {}
-    table = Job._meta.db_table
-    items = list(assignments.items())
-    with transaction.atomic():
-        for i in range(0, len(items), 1000):
-            batch = items[i:i + 1000]
-            values = ", ".join(["(%s::bigint, %s::bigint)"] * len(batch))
-            params = [x for pair in batch for x in pair]
-            with connection.cursor() as cursor:
-                cursor.execute(
-                    f"UPDATE {table} AS j SET state = %s, state_changed_at = %s, node_id = v.node, "
-                    f"reason_code = '', reason_message = '', queue_position = NULL "
-                    f"FROM (VALUES {values}) AS v(id, node) WHERE j.id = v.id AND j.state = %s "
-                    f"RETURNING j.id, j.attempt",
-                    [JobState.ASSIGNED, now, *params, JobState.QUEUED])
-                moved.update(cursor.fetchall())
-        JobEvent.objects.bulk_create([JobEvent(job_id=job_id, attempt=attempt, state=JobState.ASSIGNED,
-                                               message=message_for(job_id)[:300]) for job_id, attempt in moved.items()])
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {Job._meta.db_table} AS j SET state = %s, state_changed_at = %s, node_id = v.node, "
+            f"reason_code = '', reason_message = '', queue_position = NULL "
+            f"FROM unnest(%s::bigint[], %s::bigint[]) AS v(id, node) WHERE j.id = v.id AND j.state = %s "
+            f"RETURNING j.id, j.attempt",
+            [JobState.ASSIGNED, now, list(assignments), list(assignments.values()), JobState.QUEUED])
+        moved = dict(cursor.fetchall())
+        if moved:
+            cursor.execute(
+                f"INSERT INTO {JobEvent._meta.db_table} (job_id, attempt, state, terminal, message, at) "
+                f"SELECT v.job, v.attempt, %s, false, v.message, %s "
+                f"FROM unnest(%s::bigint[], %s::integer[], %s::text[]) AS v(job, attempt, message)",
+                [JobState.ASSIGNED, now, list(moved), list(moved.values()),
+                 [message_for(job_id)[:300] for job_id in moved]])
     return moved
+
+
+def allocate_whole_gpus(rows: list[tuple[int, int, int, bool, object]]) -> None:
+    """Insert whole-GPU allocations (job id, attempt, GPU id, borrowed, started_at) in one
+    statement from arrays (a pass that starts thousands). The partial unique index still refuses
+    a GPU allocated twice: IntegrityError, as bulk_create would raise. PostgreSQL only."""
+    from django.db import connection
+
+    if not rows:
+        return
+    jobs, attempts, gpus, borrowed, started = (list(c) for c in zip(*rows))
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {Allocation._meta.db_table} "
+            f"(job_id, attempt, gpu_id, fraction, shared, borrowed, started_at, released_at, tallied) "
+            f"SELECT v.job, v.attempt, v.gpu, 1, false, v.borrowed, v.started, NULL, false "
+            f"FROM unnest(%s::bigint[], %s::integer[], %s::bigint[], %s::boolean[], %s::timestamptz[]) "
+            f"AS v(job, attempt, gpu, borrowed, started)",
+            [jobs, attempts, gpus, borrowed, started])
 
 
 def refresh_array_parent(parent_id: int) -> None:

@@ -74,6 +74,30 @@ def test_database_refuses_a_second_open_allocation_on_a_whole_gpu(demo):
         Allocation.objects.create(job=b, attempt=1, gpu=gpu, started_at=timezone.now())
 
 
+
+def test_a_bulk_start_the_database_refuses_is_retried_one_by_one(demo, quiet, monkeypatch):
+    """A GPU taken between the snapshot and the apply (here: an allocation written right after
+    the snapshot) makes the bulk insert fail on the partial unique index: the pass then starts
+    the jobs one by one, and only the one placed on that GPU stays queued."""
+    from scheduler import adapter
+
+    node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="2xH100-80GB")
+    intruder, *jobs = _submit(demo, 3, 1)
+    Job.objects.filter(pk=intruder.pk).update(held=True)  # not in the snapshot: it takes a GPU meanwhile
+    real = adapter.build_snapshot
+
+    def snapshot_then_take_a_gpu(now=None):
+        snap, context = real(now)
+        Allocation.objects.create(job=intruder, attempt=1, gpu=GPU.objects.order_by("index").first(),
+                                  started_at=timezone.now())
+        return snap, context
+
+    monkeypatch.setattr(adapter, "build_snapshot", snapshot_then_take_a_gpu)
+    assert run_pass()["started"] == 1
+    assert sorted(Job.objects.filter(pk__in=[j.pk for j in jobs]).values_list("state", flat=True)) \
+        == ["assigned", "queued"]
+    assert Allocation.objects.filter(released_at__isnull=True).count() == 2  # the intruder's and one start
+
 @pytest.mark.parametrize("round_", range(4))
 def test_cancel_racing_a_start_ends_once(demo, quiet, round_):
     node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="2xH100-80GB")
