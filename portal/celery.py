@@ -46,6 +46,9 @@ app.conf.beat_schedule = {
     # Interactive sessions: warn the idle, stop those idle past the grace or past their lifetime.
     "cull-sessions": {"task": "interactive.cull_sessions", "schedule": 60.0, "options": {"queue": "scheduler"}},
     # Node pools: scale up for waiting work, release idle nodes (docs/autoscaling.md); a no-op without pools.
+    # Dataset versions whose reading task was lost or whose reader died (docs/storage.md, "Datasets").
+    "inspect-datasets": {"task": "storage.dataset_inspect_pending", "schedule": 300.0,
+                         "options": {"queue": "default"}},
     "autoscale": {"task": "autoscale.tick", "schedule": settings.AUTOSCALE_INTERVAL_S,
                   "options": {"queue": "scheduler"}},
 }

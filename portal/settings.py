@@ -387,6 +387,8 @@ DATASET_SOURCE_HOSTS = env_list("DATASET_SOURCE_HOSTS", [])
 DATASET_UPLOAD_MAX_MB = env_int("DATASET_UPLOAD_MAX_MB", 10240, minimum=1)
 DATASET_MAX_FILES = env_int("DATASET_MAX_FILES", 10000, minimum=1)
 DATASET_URL_TTL_S = env_int("DATASET_URL_TTL_S", 6 * 3600, minimum=60)
+# A version whose reading began this long ago and is still pending is read again (its worker died).
+DATASET_INSPECT_STALE_S = env_int("DATASET_INSPECT_STALE_S", 6 * 3600, minimum=60)
 # The uids the docker sandbox runs projects' jobs under (uid = gid = first + project id); the portal
 # gives a volume's folders and uploads to that uid so the project's jobs can write them.
 JOB_UIDS = env_str("GPUPORTAL_JOB_UIDS", "2000000-2999999")

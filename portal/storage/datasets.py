@@ -16,6 +16,7 @@ import logging
 import re
 import tempfile
 import urllib.parse
+from datetime import timedelta
 import urllib.request
 from fnmatch import fnmatchcase
 
@@ -299,10 +300,18 @@ def _http_files(version: DatasetVersion) -> list[dict]:
 
 def dataset_version_inspect(version_id: int) -> DatasetVersion | None:
     """Read a pending version's source: its files, size and digest; `failed` with the reason when it
-    cannot be read. Idempotent (a version no longer pending is left alone)."""
-    version = DatasetVersion.objects.filter(pk=version_id, state=DatasetVersionState.PENDING).first()
-    if version is None:
+    cannot be read. Idempotent: a version no longer pending, or one another worker began reading less
+    than DATASET_INSPECT_STALE_S ago, is left alone (None)."""
+    from django.db.models import Q
+    from django.utils import timezone
+
+    now = timezone.now()
+    stale = now - timedelta(seconds=settings.DATASET_INSPECT_STALE_S)
+    if not DatasetVersion.objects.filter(Q(inspect_started_at__isnull=True) | Q(inspect_started_at__lt=stale),
+                                         pk=version_id, state=DatasetVersionState.PENDING
+                                         ).update(inspect_started_at=now):
         return None
+    version = DatasetVersion.objects.get(pk=version_id)
     try:
         files = _s3_files(version) if version.source == "s3" else _http_files(version)
     except Exception as exc:  # the source's own errors (HTTP, S3, network, a bad key), said to its owner
@@ -317,6 +326,20 @@ def dataset_version_inspect(version_id: int) -> DatasetVersion | None:
         if version.state == DatasetVersionState.PENDING:
             _ready(version, files)
     return version
+
+
+def dataset_inspect_pending(older_than_s: float = 60.0) -> int:
+    """Read the pending versions nobody reads: made more than `older_than_s` ago and never begun (their
+    task was lost), or begun more than DATASET_INSPECT_STALE_S ago (their worker died). -> how many."""
+    from django.db.models import Q
+    from django.utils import timezone
+
+    now = timezone.now()
+    ids = list(DatasetVersion.objects.filter(
+        Q(inspect_started_at__isnull=True, created_at__lt=now - timedelta(seconds=older_than_s))
+        | Q(inspect_started_at__lt=now - timedelta(seconds=settings.DATASET_INSPECT_STALE_S)),
+        state=DatasetVersionState.PENDING).order_by("pk").values_list("pk", flat=True)[:100])
+    return sum(1 for pk in ids if dataset_version_inspect(pk) is not None)
 
 
 # -- for jobs -------------------------------------------------------------------------------------

@@ -122,6 +122,9 @@ class DatasetVersion(models.Model):
     archive = models.BooleanField(default=False)  # one tar file, unpacked on the node
     state = models.CharField(max_length=8, choices=DatasetVersionState.choices, default=DatasetVersionState.PENDING)
     message = models.CharField(max_length=500, blank=True)
+    # When a worker began reading its source (None: not yet): one reader at a time, and a pending version
+    # nobody reads (its task lost to a broker outage, its worker killed) is read again by the sweep.
+    inspect_started_at = models.DateTimeField(null=True, blank=True)
     digest = models.CharField(max_length=64, blank=True, db_index=True)
     size = models.BigIntegerField(null=True, blank=True)
     files = models.JSONField(default=list, blank=True)  # [{"path", "size", "sha256"}]

@@ -7,4 +7,12 @@ def dataset_inspect(version_id: int) -> str:
     from .datasets import dataset_version_inspect
 
     version = dataset_version_inspect(version_id)
-    return version.state if version is not None else "gone"
+    return version.state if version is not None else "not pending, or being read"
+
+
+@shared_task(name="storage.dataset_inspect_pending", ignore_result=True)
+def dataset_inspect_pending() -> int:
+    """Beat: read the pending dataset versions whose own task never ran or whose reader died."""
+    from .datasets import dataset_inspect_pending as sweep
+
+    return sweep()

@@ -320,3 +320,27 @@ def test_a_batch_and_an_array_resolve_datasets_for_every_job(api, demo, http_fil
         "defaults": {"project": "vision", "image": "gpuportal/busybox:latest"},
         "jobs": [{"command": ["true"], "datasets": ["nope"]}]}, format="json")
     assert bad.status_code == 400 and "datasets.0" in str(bad.json()["error"]["fields"]), bad.json()
+
+
+def test_pending_versions_nobody_reads_are_read_by_the_sweep(api, demo, http_files, settings):
+    """A version whose task was lost (a broker outage) is read by the beat's sweep; one a worker is
+    reading now is not read twice, unless that reader has been at it past DATASET_INSPECT_STALE_S."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from portal.storage.datasets import dataset_inspect_pending
+
+    d = dataset_create(actor=Actor(user=demo.users["alice"]), project=demo.vision, name="lost",
+                       source={"kind": "http", "url": http_files.put("l.bin", b"lost")})
+    version = d.versions.get()
+    assert dataset_inspect_pending() == 0  # just made: its own task may still come
+    DatasetVersion.objects.filter(pk=version.pk).update(created_at=timezone.now() - timedelta(minutes=5),
+                                                        inspect_started_at=timezone.now())
+    assert dataset_inspect_pending() == 0 and dataset_version_inspect(version.pk) is None  # being read
+    DatasetVersion.objects.filter(pk=version.pk).update(
+        inspect_started_at=timezone.now() - timedelta(seconds=settings.DATASET_INSPECT_STALE_S + 1))
+    assert dataset_inspect_pending() == 1  # its reader died: read again
+    version.refresh_from_db()
+    assert version.state == "ready" and version.size == 4 and http_files.requests["/l.bin"] == 1
+    assert dataset_inspect_pending() == 0
