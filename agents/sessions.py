@@ -471,6 +471,7 @@ class NetnsRelay:
         self.folder = tempfile.mkdtemp(prefix="gpr-")  # 0700: only the agent connects
         self.path = os.path.join(self.folder, "relay.sock")
         self.server = None
+        self.carrying: set = set()  # the connections' tasks, ended with the relay
 
     async def start(self) -> None:
         self.server = await asyncio.start_unix_server(self._carry, self.path)
@@ -478,6 +479,9 @@ class NetnsRelay:
     async def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        for task in list(self.carrying):
+            task.cancel()
+        await asyncio.gather(*self.carrying, return_exceptions=True)
         self.cleanup()
 
     def cleanup(self) -> None:
@@ -518,6 +522,14 @@ class NetnsRelay:
         return box["sock"]
 
     async def _carry(self, reader, writer) -> None:
+        task = asyncio.current_task()
+        self.carrying.add(task)
+        try:
+            await self._carry_one(reader, writer)
+        finally:
+            self.carrying.discard(task)
+
+    async def _carry_one(self, reader, writer) -> None:
         try:
             sock = await asyncio.to_thread(self.connect)
             up_reader, up_writer = await asyncio.open_connection(sock=sock)
@@ -535,9 +547,11 @@ class NetnsRelay:
             except (ConnectionError, OSError):
                 dst.close()
 
-        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer), return_exceptions=True)
-        for w in (writer, up_writer):
-            w.close()
+        try:
+            await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer), return_exceptions=True)
+        finally:  # also when the relay closes under a connection
+            for w in (writer, up_writer):
+                w.close()
 
 
 async def _write_all(fd: int, data: bytes) -> None:
