@@ -46,9 +46,12 @@ def agent_process(tmp_path, docker_client, node_name, broker: list[str], send=No
 
 
 @pytest.fixture
-def stack(tmp_path, docker_client, node_name):
+def stack(tmp_path, docker_client, node_name, monkeypatch):
     folder = tmp_path / "broker"
     folder.mkdir()
+    # Celery reads CELERY_BROKER_URL (make test sets it) before its own broker setting; the agent's
+    # --broker wins over it, so this producer must not follow it either.
+    monkeypatch.delenv("CELERY_BROKER_URL", raising=False)
     producer = Celery("portal-side", broker="filesystem://")
     producer.conf.broker_transport_options = {"data_folder_in": str(folder), "data_folder_out": str(folder)}
 
