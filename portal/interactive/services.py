@@ -101,14 +101,17 @@ def sessions_cull(now=None) -> dict[str, int]:
     from portal.jobs.models import JobState, TERMINAL
     from portal.jobs.services import job_cancel
 
+    from .notifications import idle_warning_send
+
     now = now or timezone.now()
-    counts = {"ended": 0, "warned": 0, "stopped": 0}
+    counts = {"ended": 0, "warned": 0, "stopped": 0, "mailed": 0}
     counts["ended"] = Session.objects.filter(state__in=LIVE_STATES, job__state__in=TERMINAL).update(
         state=SessionState.ENDED, ended_at=now, gateway_url="")
     live = (Session.objects.filter(state__in=(SessionState.RUNNING, SessionState.IDLE), job__state=JobState.RUNNING)
-            .select_related("job__project"))
+            .select_related("job__project", "job__user"))
     policies: dict[int, tuple[int, int]] = {}
     stop: dict[int, tuple[object, str]] = {}
+    warned: dict[int, tuple[int, list[Session]]] = {}  # job -> (idle time, the sessions warned now)
     grace = timedelta(seconds=settings.SESSION_IDLE_GRACE_S)
     for s in live:
         idle_s, life_s = policies.setdefault(s.job.project_id, policy_for(s.job.project))
@@ -122,11 +125,16 @@ def sessions_cull(now=None) -> dict[str, int]:
         if s.job.gpus > 0 and s.job.idle_since is None:
             continue  # its GPUs work (the idle detector reads NVML's utilization): a computation runs
         if s.state == SessionState.RUNNING:
-            Session.objects.filter(pk=s.pk, state=SessionState.RUNNING).update(state=SessionState.IDLE, warned_at=now)
-            counts["warned"] += 1
+            # Conditional: of concurrent culler ticks, one warns (and mails) each idle period.
+            if Session.objects.filter(pk=s.pk, state=SessionState.RUNNING).update(state=SessionState.IDLE,
+                                                                                  warned_at=now):
+                warned.setdefault(s.job_id, (idle_s, []))[1].append(s)
+                counts["warned"] += 1
             log.info("session %s/%s idle for %s s: warned", s.job_id, s.name, idle_s)
         elif s.warned_at is not None and now - s.warned_at >= grace:
             stop[s.job_id] = (s.job, f"Session {s.name} was idle for {idle_s} s; its GPUs were released.")
+    for idle_s, sessions in warned.values():
+        counts["mailed"] += idle_warning_send(sessions, idle_s=idle_s, warned_at=now)
     for job, reason in stop.values():
         try:
             job_cancel(actor=Actor(user=None, label="session-culler"), job=job, reason=reason)

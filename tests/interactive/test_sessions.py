@@ -252,10 +252,10 @@ def test_idle_sessions_are_warned_then_their_jobs_stopped(demo, settings):
     Session.objects.filter(job=job).update(state="running", running_at=now - timedelta(hours=2),
                                            last_activity_at=now - timedelta(seconds=601))
     # No traffic, but its GPU computes (the idle detector has not flagged it): not idle.
-    assert sessions_cull(now) == {"ended": 0, "warned": 0, "stopped": 0}
+    assert sessions_cull(now) == {"ended": 0, "warned": 0, "stopped": 0, "mailed": 0}
     job.idle_since = now - timedelta(minutes=30)
     job.save(update_fields=["idle_since"])
-    assert sessions_cull(now) == {"ended": 0, "warned": 2, "stopped": 0}
+    assert sessions_cull(now) == {"ended": 0, "warned": 2, "stopped": 0, "mailed": 1}
     assert set(Session.objects.filter(job=job).values_list("state", flat=True)) == {"idle"}
     assert sessions_cull(now + timedelta(seconds=299))["stopped"] == 0  # still within the warning's grace
     assert sessions_cull(now + timedelta(seconds=301))["stopped"] == 1
@@ -282,3 +282,60 @@ def test_traffic_brings_an_idle_session_back_and_the_lifetime_still_ends_it(demo
     assert sessions_cull(now + timedelta(minutes=31))["stopped"] == 1  # 61 minutes since it started
     job.refresh_from_db()
     assert "maximum lifetime" in job.reason_message
+
+
+def idle_lab(demo, clock, settings, *, idle_timeout_s=600):
+    settings.SESSION_IDLE_GRACE_S = 300
+    settings.PORTAL_URL = "https://portal.example"
+    job = lab_job(demo)
+    job.state = JobState.RUNNING
+    job.idle_since = clock() - timedelta(minutes=30)  # the idle detector flagged its GPU
+    job.save(update_fields=["state", "idle_since"])
+    SessionPolicy.objects.create(project=demo.vision, idle_timeout_s=idle_timeout_s, max_lifetime_s=0)
+    Session.objects.filter(job=job).update(state="running", running_at=clock() - timedelta(hours=2),
+                                           last_activity_at=clock() - timedelta(seconds=idle_timeout_s - 60))
+    return job
+
+
+def test_the_owner_is_mailed_once_per_idle_period_when_to_stop_and_how_to_keep_it(demo, clock, settings):
+    from django.core import mail
+
+    from portal.interactive.services import session_touch
+
+    job = idle_lab(demo, clock, settings)
+    assert sessions_cull()["mailed"] == 0 and mail.outbox == []  # 9 minutes without traffic: not yet
+    clock.advance(minutes=1, seconds=1)
+    warned_at = clock()
+    assert sessions_cull() == {"ended": 0, "warned": 2, "stopped": 0, "mailed": 1}  # both sessions, one mail
+    (sent,) = mail.outbox
+    stop_at = warned_at + timedelta(seconds=300)
+    assert sent.to == [demo.users["alice"].email]
+    assert f"stops at {stop_at:%H:%M} UTC" in sent.subject and f"job {job.pk}" in sent.subject
+    assert f"stopped at {stop_at:%Y-%m-%d %H:%M} UTC" in sent.body and "no traffic for 10 minutes" in sent.body
+    assert "To keep it, use it" in sent.body
+    assert f"https://portal.example/sessions/{job.pk}/lab/" in sent.body
+    assert f"https://portal.example/sessions/{job.pk}/sh/" in sent.body
+    for _ in range(3):  # later culling ticks within the grace: no second mail
+        clock.advance(minutes=1)
+        assert sessions_cull() == {"ended": 0, "warned": 0, "stopped": 0, "mailed": 0}
+    assert len(mail.outbox) == 1
+    # Traffic ends the idle period; a new one mails again.
+    lab = Session.objects.get(job=job, name="lab")
+    assert session_touch(lab.pk, None)
+    Session.objects.filter(job=job, name="sh").update(state="running", warned_at=None, last_activity_at=clock())
+    clock.advance(minutes=10, seconds=1)
+    assert sessions_cull()["mailed"] == 1 and len(mail.outbox) == 2
+    assert f"stops at {clock() + timedelta(seconds=300):%H:%M} UTC" in mail.outbox[1].subject
+
+
+def test_an_owner_who_opted_out_of_idle_mail_gets_the_warning_without_one(demo, clock, settings):
+    from django.core import mail
+
+    from portal.accounts.models import NotificationPreference
+
+    NotificationPreference.objects.update_or_create(user=demo.users["alice"], defaults={"job_idle": False})
+    job = idle_lab(demo, clock, settings)
+    clock.advance(minutes=2)
+    assert sessions_cull() == {"ended": 0, "warned": 2, "stopped": 0, "mailed": 0}
+    assert mail.outbox == []
+    assert set(Session.objects.filter(job=job).values_list("state", flat=True)) == {"idle"}
