@@ -28,7 +28,8 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.cache import cache
 from django.db import IntegrityError, connection, transaction
-from django.db.models import F, FloatField, Func, Sum
+from django.db.models import F, FloatField, Func, JSONField, Sum, Value
+from django.db.models.functions import NullIf
 from django.utils import timezone
 
 from agents.protocol import LAUNCHES_SINCE, speaks
@@ -114,11 +115,14 @@ def _attained_gpu_s() -> dict[int, float]:
 NODE_STATES = (NodeState.READY, NodeState.DRAINING)
 NODE_FIELDS = ("name", "pool", "state", "sandbox", "queue_verified_at", "cpus", "memory_mb", "cached_datasets")
 GPU_FIELDS = ("id", "node__name", "index", "model", "memory_mb", "health", "mode", "topology")
-# What the snapshot reads of a job besides its times, which come as epoch floats (Epoch).
+# What the snapshot reads of a job as it is stored; JOB_TIMES below adds the columns it reads computed.
 JOB_FIELDS = ("id", "project__slug", "project__organization__slug", "user__username", "gpus", "time_limit_s",
               "gpu_type", "gpu_memory_mb", "priority", "preemptible", "array_parent_id", "array_limit", "sandbox",
-              "nodes", "cpus", "memory_mb", "node__name", "checkpoint_signal", "checkpoint_grace_s", "datasets")
-JOB_TIMES = {"submit_s": Epoch("submitted_at"), "changed_s": Epoch("state_changed_at")}
+              "nodes", "cpus", "memory_mb", "node__name", "checkpoint_signal", "checkpoint_grace_s")
+# Read as computed columns: times as epoch floats (Epoch), and datasets as NULL where there are none
+# (most jobs), so only the jobs naming some have their JSON decoded.
+JOB_TIMES = {"submit_s": Epoch("submitted_at"), "changed_s": Epoch("state_changed_at"),
+             "datasets_or_none": NullIf("datasets", Value([], output_field=JSONField()))}
 ALLOCATION_FIELDS = ("job_id", "gpu_id", "fraction", "shared", "borrowed")
 
 
@@ -188,7 +192,7 @@ def build_snapshot(now=None):
             array_limit=row["array_limit"], deps_satisfied=deps_ok, sandbox=row["sandbox"], nodes=row["nodes"],
             attained_gpu_s=attained.get(job_id, 0.0), cpus=float(row["cpus"]), memory_mb=row["memory_mb"],
             checkpoint_grace_s=float(row["checkpoint_grace_s"] or 0) if row["checkpoint_signal"] else None,
-            datasets=_core_datasets(row["datasets"]),
+            datasets=_core_datasets(row["datasets_or_none"]),
         )
 
     holding = {row["id"]: row for row in _holding_jobs().values(*JOB_FIELDS, **JOB_TIMES)}
@@ -254,7 +258,7 @@ def inputs_digest(now, config: core.Config) -> str | None:
     positions are what a pass writes, not what it reads, so they are left out."""
     if connection.vendor != "postgresql":
         return None
-    job_columns = _columns(JOB_FIELDS) + ("submitted_at", "state_changed_at")
+    job_columns = _columns(JOB_FIELDS) + ("submitted_at", "state_changed_at", "datasets")
     sources = [
         _nodes().values_list(*NODE_FIELDS),
         _gpus().values_list(*_columns(GPU_FIELDS)),
