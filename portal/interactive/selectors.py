@@ -97,8 +97,11 @@ def session_cards(user, limit: int = 12) -> list[Session]:
     from django.utils import timezone
 
     now = timezone.now()
-    cards = list(sessions_for_user(user, live_only=True)[:limit])
+    cards = list(sessions_for_user(user, live_only=True).select_related("job__user")
+                 .prefetch_related("shared_users")[:limit])
     for s in cards:
+        s.shared_names = sorted(u.username for u in s.shared_users.all())
+        s.shared_with_me = s.job.user_id != user.pk
         s.shown_state = display_state(s)
         last = s.last_activity_at or s.running_at or s.created_at
         s.idle_minutes = max(0, int((now - last).total_seconds() // 60))

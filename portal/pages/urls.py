@@ -1,6 +1,6 @@
 from django.urls import include, path
 
-from . import views
+from . import sessions, views
 from .views import HomeView
 
 # Project pages, namespaced: projects:detail, projects:member-add, ...
@@ -16,4 +16,6 @@ project_pages = [
 urlpatterns = [
     path("", HomeView.as_view(), name="home"),
     path("projects/", include((project_pages, "projects"))),
+    # Not under /sessions/: the ASGI proxy takes that prefix (portal/asgi.py).
+    path("session-sharing/<int:pk>/", sessions.SessionShareView.as_view(), name="session-share"),
 ]

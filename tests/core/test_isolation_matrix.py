@@ -197,6 +197,10 @@ MATRIX = {
                          body={"attempt": 1, "name": "lab", "state": "ended"})],
     # A session is its owner's (alice's) until she shares it: members, staff and outsiders see none.
     "api:session-list": [e("GET", "/api/v1/sessions/", ALL_200)],
+    # The sharing form is the job owner's: members (even those it is shared with), staff and outsiders get 404.
+    # An empty post is the form again with its field messages (200).
+    "session-share": [page("GET", "/session-sharing/{vision_session}/", roles(302, 200, 404, 404, 404, 404)),
+                      page("POST", "/session-sharing/{vision_session}/", roles(302, 200, 404, 404, 404, 404))],
     "api:session-detail": [
         e("GET", "/api/v1/sessions/{vision_session}/", roles(401, 200, 404, 404, 404, 404)),
         e("PATCH", "/api/v1/sessions/{vision_session}/", roles(401, 200, 404, 404, 404, 404), scope="submit",
