@@ -102,10 +102,15 @@ class ReaperState(models.Model):
     A reaper that could not run for a while (database, broker or every portal process down)
     has not heard heartbeats either, and that silence is the portal's, not the nodes': its
     next run gives every node a fresh lease from `leases_fresh_since` before it reaps anyone.
+    A portal that hears heartbeats late (overloaded) records its lag in `ingest_lag_s`.
     """
 
     last_run_at = models.DateTimeField()
     leases_fresh_since = models.DateTimeField()
+    # The portal's heartbeat ingest lag (seconds) and when it was last measured above the heartbeat
+    # interval: while it is (and for NODE_TIMEOUT_S after), every node's deadline is that much later.
+    ingest_lag_s = models.FloatField(default=0.0)
+    ingest_lag_at = models.DateTimeField(null=True, blank=True)
 
     def __str__(self) -> str:
         return f"reaper ran {self.last_run_at:%Y-%m-%d %H:%M:%S}"

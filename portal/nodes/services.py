@@ -419,13 +419,19 @@ def node_drain_for_fault(*, node: Node, problem: str) -> bool:
 
 
 def nodes_reap() -> dict:
-    """Mark nodes silent past NODE_TIMEOUT_S down and end or requeue their jobs.
+    """Mark nodes silent past their deadline down and end or requeue their jobs.
 
-    The portal's own outages are not node failures (docs/configuration.md, "Node leases"):
+    The deadline is NODE_TIMEOUT_S after a node's last heartbeat. The portal's own trouble is not
+    a node failure (docs/reliability.md, section 8):
     1. If the reaper itself could not run for a while (database, broker, workers or beat out,
        every portal process restarted), no heartbeat was heard either: every node gets a fresh
        lease from now before anyone is reaped.
-    2. If most nodes went silent at once, the portal side (database, broker, network) is the
+    2. If the portal hears heartbeats late (overloaded: requests queue before a worker takes
+       them), every node is heard late alike: the typical node's silence tells by how much
+       (`ingest_lag`), and every deadline moves that much later while the lag lasts and for
+       NODE_TIMEOUT_S after it, so a dead node is still found, only later, and a live one is not
+       taken for dead.
+    3. If most nodes went silent at once, the portal side (database, broker, network) is the
        likelier culprit: mark nothing, say so, and count leases afresh once it is over (the
        Kubernetes all-zones rule), so the nodes that come back last are not reaped for it.
     """
@@ -435,11 +441,13 @@ def nodes_reap() -> dict:
     if fresh_since > cutoff:
         return {"down": 0, "fresh_lease_until": fresh_since + timedelta(seconds=settings.NODE_TIMEOUT_S)}
     live = Node.objects.filter(state__in=[NodeState.READY, NodeState.DRAINING, NodeState.DRAINED])
+    heard = list(live.exclude(last_heartbeat_at__isnull=True).values_list("last_heartbeat_at", flat=True))
+    lag = _reaper_ingest_lag(now, ingest_lag(now, heard))
     total = live.count()
     silent = list(live.filter(Q(last_heartbeat_at__lt=cutoff) | Q(last_heartbeat_at__isnull=True,
                                                                     created_at__lt=cutoff)))
     if not silent:
-        return {"down": 0}
+        return {"down": 0, **({"ingest_lag_s": round(lag, 1)} if lag else {})}
     # Nodes this reaper marked down lately count as silent too: a portal overloaded for a while
     # loses nodes a few at a time, each batch under the threshold, but not all of them.
     recent = Node.objects.filter(state=NodeState.DOWN, state_reason=REAPED_REASON,
@@ -450,6 +458,16 @@ def nodes_reap() -> dict:
             "side, not marking them down", len(silent) + recent, total + recent, recent)
         ReaperState.objects.filter(pk=1).update(leases_fresh_since=now)
         return {"down": 0, "suspected_portal_failure": len(silent) + recent}
+    if lag:
+        late_cutoff = cutoff - timedelta(seconds=lag)
+        held = sum(1 for node in silent if (node.last_heartbeat_at or node.created_at) >= late_cutoff)
+        silent = [node for node in silent if (node.last_heartbeat_at or node.created_at) < late_cutoff]
+        if held:
+            logging.getLogger(__name__).warning(
+                "%d node(s) silent for over %gs not marked down: the portal hears heartbeats %.0fs late, "
+                "so their deadline is %.0fs", held, settings.NODE_TIMEOUT_S, lag, settings.NODE_TIMEOUT_S + lag)
+        if not silent:
+            return {"down": 0, "ingest_lag_s": round(lag, 1), "held": held}
     requeued = failed = 0
     for node in silent:
         with transaction.atomic():
@@ -466,6 +484,58 @@ def nodes_reap() -> dict:
                 failed += outcome == "node_fail"
     request_schedule_pass()
     return {"down": len(silent), "requeued": requeued, "node_fail": failed}
+
+
+def ingest_lag(now, heard: list) -> float:
+    """How late the portal hears heartbeats (seconds), from when the nodes were last heard.
+
+    An agent sends its next heartbeat NODE_HEARTBEAT_INTERVAL_S after the portal answered the
+    last one, so in a fleet heard on time the time since each node's last heartbeat spreads
+    evenly over one interval: its median is half an interval. A portal answering every request
+    d seconds late stretches every node's period to interval + d, and the median to half that:
+    d = 2 * median - interval. The lower median of at least three nodes is that of the live
+    ones while fewer than half are dead (more is the mass-failure brake's case)."""
+    if len(heard) < 3:
+        return 0.0
+    ages = sorted((now - at).total_seconds() for at in heard)
+    return max(0.0, 2 * ages[(len(ages) - 1) // 2] - settings.NODE_HEARTBEAT_INTERVAL_S)
+
+
+def _reaper_ingest_lag(now, measured: float) -> float:
+    """The ingest lag that moves deadlines now: `measured` when above one heartbeat interval (or
+    the spell's worst, falling a second a second, if higher), else the last such lag for
+    NODE_TIMEOUT_S after it (the queued heartbeats are still
+    being heard: a node whose own was among the last is not reaped for it). Logs and audits the
+    portal falling behind and catching up."""
+    behind = measured > settings.NODE_HEARTBEAT_INTERVAL_S
+    log = logging.getLogger(__name__)
+    with transaction.atomic():
+        state = ReaperState.objects.select_for_update().get(pk=1)
+        holding = state.ingest_lag_at is not None and (
+            now - state.ingest_lag_at).total_seconds() < settings.NODE_TIMEOUT_S
+        if behind:
+            if not holding:
+                log.warning("the portal hears heartbeats %.0fs late (overloaded): every node's deadline moves "
+                            "from %gs to %.0fs until it catches up", measured, settings.NODE_TIMEOUT_S,
+                            settings.NODE_TIMEOUT_S + measured)
+                audit_record(actor=Actor(user=None, label="reaper"), action="reaper.portal_behind", obj=state,
+                             ingest_lag_s=round(measured, 1))
+                lag = measured
+            else:  # the worst lag of this spell, falling by a second a second: the median is noisy
+                lag = max(measured, state.ingest_lag_s - (now - state.ingest_lag_at).total_seconds())
+            state.ingest_lag_s, state.ingest_lag_at = lag, now
+            state.save(update_fields=["ingest_lag_s", "ingest_lag_at"])
+            return lag
+        if holding:
+            return state.ingest_lag_s
+        if state.ingest_lag_at is not None:
+            log.warning("the portal hears heartbeats on time again (lag %.0fs): node deadlines are %gs again",
+                        measured, settings.NODE_TIMEOUT_S)
+            audit_record(actor=Actor(user=None, label="reaper"), action="reaper.portal_caught_up", obj=state,
+                         ingest_lag_s=round(measured, 1), held_lag_s=round(state.ingest_lag_s, 1))
+            state.ingest_lag_s, state.ingest_lag_at = 0.0, None
+            state.save(update_fields=["ingest_lag_s", "ingest_lag_at"])
+        return 0.0
 
 
 def _reaper_mark_run(now):
