@@ -114,7 +114,8 @@ class NotificationPreferenceSerializer(StrictModelSerializer):
             "job_succeeded": {"help_text": "Email when a job of yours succeeds (default off)."},
             "job_failed": {"help_text": "Email when one fails, times out, runs out of memory or loses its node."},
             "job_preempted": {"help_text": "Email when one is preempted or requeued off a faulty GPU or node."},
-            "job_idle": {"help_text": "Email when one is flagged idle (its GPUs unused)."},
+            "job_idle": {"help_text": "Email when one is flagged idle (its GPUs unused), and when its interactive "
+                                      "sessions are warned before an idle stop."},
         }
 
 

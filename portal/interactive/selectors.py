@@ -94,6 +94,9 @@ def launch_sessions(job_ids: list[int]) -> dict[int, list[dict]]:
 
 def session_cards(user, limit: int = 12) -> list[Session]:
     """The dashboard's cards: live sessions a person may connect to, with what a card shows."""
+    from datetime import timedelta
+
+    from django.conf import settings
     from django.utils import timezone
 
     now = timezone.now()
@@ -105,4 +108,6 @@ def session_cards(user, limit: int = 12) -> list[Session]:
         s.shown_state = display_state(s)
         last = s.last_activity_at or s.running_at or s.created_at
         s.idle_minutes = max(0, int((now - last).total_seconds() // 60))
+        # When the culler stops it unless it is used (the warning email says the same).
+        s.stops_at = s.warned_at + timedelta(seconds=settings.SESSION_IDLE_GRACE_S) if s.warned_at else None
     return cards

@@ -297,7 +297,7 @@ def idle_lab(demo, clock, settings, *, idle_timeout_s=600):
     return job
 
 
-def test_the_owner_is_mailed_once_per_idle_period_when_to_stop_and_how_to_keep_it(demo, clock, settings):
+def test_the_owner_is_mailed_once_per_idle_period_when_to_stop_and_how_to_keep_it(demo, clock, settings, client):
     from django.core import mail
 
     from portal.interactive.services import session_touch
@@ -315,6 +315,8 @@ def test_the_owner_is_mailed_once_per_idle_period_when_to_stop_and_how_to_keep_i
     assert "To keep it, use it" in sent.body
     assert f"https://portal.example/sessions/{job.pk}/lab/" in sent.body
     assert f"https://portal.example/sessions/{job.pk}/sh/" in sent.body
+    client.force_login(demo.users["alice"])  # the card says the same
+    assert f"stops at {stop_at:%H:%M} UTC unless used" in client.get("/").content.decode()
     for _ in range(3):  # later culling ticks within the grace: no second mail
         clock.advance(minutes=1)
         assert sessions_cull() == {"ended": 0, "warned": 0, "stopped": 0, "mailed": 0}
