@@ -490,15 +490,19 @@ def ingest_lag(now, heard: list) -> float:
     """How late the portal hears heartbeats (seconds), from when the nodes were last heard.
 
     An agent sends its next heartbeat NODE_HEARTBEAT_INTERVAL_S after the portal answered the
-    last one, so in a fleet heard on time the time since each node's last heartbeat spreads
-    evenly over one interval: its median is half an interval. A portal answering every request
-    d seconds late stretches every node's period to interval + d, and the median to half that:
-    d = 2 * median - interval. The lower median of at least three nodes is that of the live
+    last one, so in a fleet heard on time the time since each node's last heartbeat is at most an
+    interval (plus the answer's latency). A portal answering every request d seconds late
+    stretches every node's period to interval + d: in a fleet whose phases are spread over the
+    period, the median silence is half of it (d = 2 * median - interval); in one that beats in
+    step (every agent started or reconnected at once) the median alone would read d as up to an
+    interval too high, but there the 90th percentile silence is at most interval + d. The lag is
+    the lower of the two readings. The lower median of at least three nodes is that of the live
     ones while fewer than half are dead (more is the mass-failure brake's case)."""
     if len(heard) < 3:
         return 0.0
     ages = sorted((now - at).total_seconds() for at in heard)
-    return max(0.0, 2 * ages[(len(ages) - 1) // 2] - settings.NODE_HEARTBEAT_INTERVAL_S)
+    median, p90 = ages[(len(ages) - 1) // 2], ages[(len(ages) * 9 - 1) // 10]
+    return max(0.0, min(2 * median, p90) - settings.NODE_HEARTBEAT_INTERVAL_S)
 
 
 def _reaper_ingest_lag(now, measured: float) -> float:

@@ -47,6 +47,12 @@ def test_the_lag_is_read_from_how_long_the_typical_node_is_silent(settings, cloc
     # A dead node, however long silent, does not move the median of the others.
     assert ingest_lag(now, on_time + [now - timedelta(hours=1)]) < settings.NODE_HEARTBEAT_INTERVAL_S
     assert ingest_lag(now, [now - timedelta(hours=1)] * 2) == 0.0  # too few to tell
+    # A fleet beating in step (every agent started at once), heard on time: just before its next
+    # beat every node is an interval and a bit silent, which is not lag.
+    in_step = [now - timedelta(seconds=settings.NODE_HEARTBEAT_INTERVAL_S + 0.3)] * 10
+    assert ingest_lag(now, in_step) == pytest.approx(0.3)
+    # ...and heard 20 s late, it is.
+    assert ingest_lag(now, [now - timedelta(seconds=settings.NODE_HEARTBEAT_INTERVAL_S + 20)] * 10) == 20
 
 
 def test_many_nodes_heard_late_together_are_not_reaped_while_the_portal_lags(fleet, settings, clock):
