@@ -49,6 +49,8 @@ app.conf.beat_schedule = {
     # Dataset versions whose reading task was lost or whose reader died (docs/storage.md, "Datasets").
     "inspect-datasets": {"task": "storage.dataset_inspect_pending", "schedule": 300.0,
                          "options": {"queue": "default"}},
+    # Artifacts past their project's retention (docs/storage.md, "Artifacts"); none with retention 0.
+    "expire-artifacts": {"task": "storage.artifacts_expire", "schedule": 3600.0, "options": {"queue": "default"}},
     "autoscale": {"task": "autoscale.tick", "schedule": settings.AUTOSCALE_INTERVAL_S,
                   "options": {"queue": "scheduler"}},
 }

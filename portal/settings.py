@@ -241,6 +241,7 @@ if ARTIFACTS_STORAGE == "s3":
         "secret_key": env_str("ARTIFACTS_S3_SECRET_KEY") or None,
         "location": env_str("ARTIFACTS_S3_PREFIX", "artifacts"),
         "default_acl": None, "querystring_auth": True, "file_overwrite": True,
+        "signature_version": "s3v4",  # presigned downloads (SigV2 URLs with response headers fail on SeaweedFS)
     }}
     if not STORAGES["artifacts"]["OPTIONS"]["bucket_name"]:
         raise ImproperlyConfigured("ARTIFACTS_STORAGE=s3 needs ARTIFACTS_S3_BUCKET")
@@ -253,6 +254,14 @@ else:
 # What one attempt of a job may leave (413 past it; the agent stops uploading and the job's message says so).
 ARTIFACTS_MAX_MB = env_int("ARTIFACTS_MAX_MB", 1024, minimum=1)
 ARTIFACTS_MAX_FILES = env_int("ARTIFACTS_MAX_FILES", 1000, minimum=1)
+# Days an artifact is kept after its upload, unless its project's quota says otherwise
+# (Quota.artifact_retention_days); 0 keeps them forever. The storage.artifacts_expire beat task deletes them.
+ARTIFACTS_RETENTION_DAYS = env_int("ARTIFACTS_RETENTION_DAYS", 0, minimum=0)
+# With ARTIFACTS_STORAGE=s3 a download answers with a redirect to a presigned URL valid this many
+# seconds (the bytes then never pass through the portal); 0 streams them through the portal instead.
+ARTIFACTS_PRESIGN_S = env_int("ARTIFACTS_PRESIGN_S", 300, minimum=0)
+if ARTIFACTS_PRESIGN_S > 7 * 24 * 3600:
+    raise ImproperlyConfigured("ARTIFACTS_PRESIGN_S: at most 604800 (7 days, the longest a SigV4 URL lives)")
 WHITENOISE_USE_FINDERS = True  # serve straight from static/ without collectstatic in development
 
 # Request bodies: the API takes JSON specs, never uploads. 1 MiB is generous.

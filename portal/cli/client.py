@@ -268,10 +268,13 @@ class Client:
 
     def artifact_get(self, job_id: int, artifact_id: int, out) -> int:
         """Write the artifact into ``out`` (a binary file); returns the bytes written."""
-        return self._raw("GET", f"jobs/{job_id}/artifacts/{artifact_id}/", None, out=out, what=f"job {job_id}")
+        return self._raw("GET", f"jobs/{job_id}/artifacts/{artifact_id}/", None, out=out, what=f"job {job_id}",
+                         follow=True)
 
     def _raw(self, method: str, path: str, file_path: str | None, *, data=None, out=None, what: str = "",
-             query: dict | None = None):
+             query: dict | None = None, follow: bool = False):
+        """``follow``: a redirect (an S3 storage's presigned URL) is fetched without the session, so
+        the portal token never travels to the storage."""
         url = f"{self.base_url}/api/v1/{path}"
         params = {"path": file_path} if file_path is not None else query
         try:
@@ -281,6 +284,12 @@ class Client:
                                         timeout=(10, self.timeout), allow_redirects=False)
         except self._requests.RequestException as exc:
             raise ConnectionFailed(self.base_url, _reason(exc)) from None
+        if follow and out is not None and resp.is_redirect:
+            resp.close()
+            try:
+                resp = self._requests.get(resp.headers["Location"], stream=True, timeout=(10, self.timeout))
+            except self._requests.RequestException as exc:
+                raise ConnectionFailed(resp.headers["Location"].split("?", 1)[0], _reason(exc)) from None
         self.last_status = resp.status_code
         with resp:
             if out is None or not resp.ok:

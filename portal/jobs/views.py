@@ -5,6 +5,7 @@ service and renders. htmx polls ask for fragments and carry the version of what 
 show; an unchanged fragment is answered with 204 so nothing on the page moves.
 """
 import dataclasses
+import datetime
 
 from django.contrib import messages
 from django.core.paginator import Paginator
@@ -20,6 +21,7 @@ from portal.core.numbers import parse_int, parse_ints
 from portal.core.pages import PageMixin, refused, scoped_or_404, version
 from portal.core.querysets import user_can
 from portal.tenancy.models import Project
+from portal.tenancy.selectors import artifact_retention_days
 
 from .api import JobUpdateSerializer
 from .forms import JobFilterForm, JobSubmitForm
@@ -186,6 +188,15 @@ def log_tail(job: Job) -> dict:
 ARTIFACTS_SHOWN = 200  # on the job page; gpuctl artifacts list and the API show all
 
 
+def _artifacts(job) -> list:
+    """The first ARTIFACTS_SHOWN + 1 artifacts, each with ``expires_at`` (None: kept forever)."""
+    days = artifact_retention_days(job.project)
+    shown = list(job.artifacts.order_by("-attempt", "path")[:ARTIFACTS_SHOWN + 1])
+    for a in shown:
+        a.expires_at = a.created_at + datetime.timedelta(days=days) if days else None
+    return shown
+
+
 class JobDetailView(PageMixin, View):
     def get(self, request, pk):
         job = _job(request, pk)
@@ -202,7 +213,7 @@ class JobDetailView(PageMixin, View):
             "tasks": tasks,
             "histogram": histogram_items(task_histograms([job.pk]).get(job.pk)) if job.is_array_parent else [],
             # What its attempts left in /outputs (docs/storage.md); downloads go through the jobs API.
-            "artifacts": list(job.artifacts.order_by("-attempt", "path")[:ARTIFACTS_SHOWN + 1]),
+            "artifacts": _artifacts(job),
             "artifacts_shown": ARTIFACTS_SHOWN,
         })
 

@@ -15,8 +15,9 @@ from portal.interactive.selectors import session_cards
 from portal.jobs.models import JobTemplate
 from portal.jobs.selectors import jobs_for_list
 from portal.jobs.services import template_delete, template_save
+from portal.storage.artifacts import project_artifact_totals
 from portal.tenancy.models import ROLE_RANK, Membership, Project, Role
-from portal.tenancy.selectors import projects_for_home
+from portal.tenancy.selectors import artifact_retention_days, projects_for_home
 from portal.tenancy.services import membership_add, membership_change_role, membership_remove
 
 from .selectors import quota_usage
@@ -90,6 +91,7 @@ def project_page(request, project, *, add_form=None, template_form=None):
         "can_manage": user_can(user, "manage", project),
         "can_submit": user_can(user, "submit", project),
         "usage": quota_usage([project])[0],
+        "artifacts": {**project_artifact_totals(project), "retention_days": artifact_retention_days(project)},
         "templates": JobTemplate.objects.for_user(user, "view").filter(project=project).order_by("name"),
         "add_form": add_form or MemberAddForm(),
         "template_form": template_form or TemplateForm(),

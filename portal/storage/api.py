@@ -1,5 +1,5 @@
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_field
 from rest_framework import mixins, serializers, status
 from rest_framework.decorators import action
 from rest_framework.response import Response
@@ -9,7 +9,8 @@ from portal.core.numbers import parse_int
 from portal.tenancy.api import ProjectChoiceSerializer
 from portal.tenancy.models import slug_validator
 
-from .artifacts import artifact_response, artifacts_of
+from .artifacts import artifact_response, artifacts_of, retention_days
+from .artifacts import expires_at as artifact_expires_at
 from .files import download_response
 from .datasets import dataset_create, dataset_delete, dataset_upload, dataset_version_add
 from .models import Dataset, DatasetVersion, RegistryCredential, Volume
@@ -135,7 +136,16 @@ class ArtifactSerializer(serializers.ModelSerializer):
         from .models import Artifact
 
         model = Artifact
-        fields = ["id", "attempt", "path", "size", "sha256", "created_at"]
+        fields = ["id", "attempt", "path", "size", "sha256", "created_at", "expires_at"]
+
+    expires_at = serializers.SerializerMethodField(
+        help_text="When the artifact is deleted: its upload plus its project's artifact retention (quota "
+                  "artifact_retention_days, else ARTIFACTS_RETENTION_DAYS); null: kept forever.")
+
+    @extend_schema_field(serializers.DateTimeField(allow_null=True))
+    def get_expires_at(self, artifact):
+        value = artifact_expires_at(artifact, self.context["retention_days"])
+        return serializers.DateTimeField().to_representation(value) if value else None
 
 
 class ArtifactListQuerySerializer(StrictSerializer):
@@ -162,12 +172,16 @@ class JobArtifactViewSet(TenantViewSet):
         """The job's artifacts, by attempt then path."""
         query = ArtifactListQuerySerializer(data=request.query_params.dict())
         query.is_valid(raise_exception=True)
-        return Response(ArtifactSerializer(artifacts_of(self._job(), query.validated_data.get("attempt")),
-                                           many=True).data)
+        job = self._job()
+        return Response(ArtifactSerializer(artifacts_of(job, query.validated_data.get("attempt")), many=True,
+                                           context={"retention_days": retention_days(job.project)}).data)
 
-    @extend_schema(responses={(200, "application/octet-stream"): OpenApiTypes.BINARY})
+    @extend_schema(responses={(200, "application/octet-stream"): OpenApiTypes.BINARY,
+                              302: OpenApiResponse(description="S3-compatible storage: a presigned URL of the file "
+                                                               "in Location, valid ARTIFACTS_PRESIGN_S seconds.")})
     def retrieve(self, request, job_pk=None, pk=None):
-        """The artifact's file, as an attachment (its SHA-256 in X-Checksum-Sha256)."""
+        """The artifact's file, as an attachment (its SHA-256 in X-Checksum-Sha256). With S3-compatible
+        storage the answer is a redirect to a short-lived presigned URL the storage serves the bytes at."""
         from django.shortcuts import get_object_or_404
 
         return artifact_response(get_object_or_404(artifacts_of(self._job()), pk=parse_int(pk)))

@@ -9,19 +9,28 @@ and downloaded through the job (so whoever may see the job may read them, and no
 Paths are checked as a volume's are (storage/files.py): relative, no ``..``, no control characters.
 One attempt keeps at most ARTIFACTS_MAX_FILES files and ARTIFACTS_MAX_MB in all: past either the
 upload is refused with 413, saying which.
+
+Retention: an artifact is kept ``retention_days`` after its upload (the project's
+Quota.artifact_retention_days, else ARTIFACTS_RETENTION_DAYS; 0 keeps it forever); the
+storage.artifacts_expire beat task deletes the expired ones (file, then row, one audit event per job).
+Downloads from an S3-compatible storage answer with a redirect to a presigned URL
+(ARTIFACTS_PRESIGN_S seconds), so that large files never pass through the portal.
 """
 import hashlib
 import logging
 import tempfile
+from datetime import timedelta
 
 from django.conf import settings
 from django.core.files import File
 from django.core.files.storage import storages
 from django.db import transaction
 from django.db.models import Count, Sum
-from django.http import FileResponse
+from django.http import FileResponse, HttpResponseRedirect
+from django.utils import timezone
 
 from portal.core.errors import Conflict, NotFound, ServiceError
+from portal.tenancy.selectors import artifact_retention_days as retention_days
 
 from . import files
 from .models import Artifact
@@ -115,8 +124,27 @@ def artifacts_of(job, attempt: int | None = None):
     return qs.filter(attempt=attempt) if attempt is not None else qs
 
 
-def artifact_response(artifact: Artifact) -> FileResponse:
-    """The artifact as an attachment, streamed from the storage (never rendered by the browser)."""
+def _presigned(artifact: Artifact) -> str | None:
+    """A short-lived URL the S3-compatible storage itself serves the file at, as an attachment; None
+    where the storage is not S3 (a local folder) or presigning is off (ARTIFACTS_PRESIGN_S=0)."""
+    st = storage()
+    if not settings.ARTIFACTS_PRESIGN_S or not hasattr(st, "bucket_name") or not hasattr(st, "connection"):
+        return None
+    filename = artifact.path.rsplit("/", 1)[-1].replace("\\", "_").replace('"', "_")
+    return st.url(artifact.storage_name, expire=settings.ARTIFACTS_PRESIGN_S, parameters={
+        "ResponseContentDisposition": f'attachment; filename="{filename}"',
+        "ResponseContentType": "application/octet-stream"})
+
+
+def artifact_response(artifact: Artifact):
+    """The artifact as an attachment: on S3, a redirect (302) to a presigned URL; otherwise streamed
+    from the storage (never rendered by the browser). The caller has checked the tenant already."""
+    url = _presigned(artifact)
+    if url is not None:
+        response = HttpResponseRedirect(url)
+        response["X-Checksum-Sha256"] = artifact.sha256
+        response["Cache-Control"] = "no-store"  # the URL is a bearer secret for its lifetime
+        return response
     try:
         handle = storage().open(artifact.storage_name, "rb")
     except (FileNotFoundError, OSError) as exc:
@@ -134,3 +162,58 @@ def artifact_summary(job) -> dict:
     rows = Artifact.objects.filter(job=job).values("attempt").annotate(n=Count("id"), size=Sum("size"))
     return {r["attempt"]: {"files": r["n"], "size": r["size"] or 0} for r in rows}
 
+
+
+def expires_at(artifact: Artifact, days: int):
+    """When the beat task deletes ``artifact`` (None: never)."""
+    return artifact.created_at + timedelta(days=days) if days else None
+
+
+def project_artifact_totals(project) -> dict:
+    """What the project's jobs keep as artifacts: files and bytes."""
+    row = Artifact.objects.filter(job__project=project).aggregate(n=Count("id"), size=Sum("size"))
+    return {"files": row["n"], "size": row["size"] or 0}
+
+
+def artifacts_expire(now=None) -> dict:
+    """Delete the artifacts past their project's retention: the stored file first, then the row, one
+    audit event (artifacts.expire) per job. Idempotent: a second run, or one racing this one, finds
+    nothing more to do (rows are claimed with SKIP LOCKED). A file the storage fails to delete keeps
+    its row, for the next run. -> {"files": n, "bytes": n, "jobs": n}."""
+    from portal.core.context import SYSTEM
+    from portal.core.services import audit_record
+    from portal.jobs.models import Job
+    from portal.tenancy.models import Project
+
+    now = now or timezone.now()
+    done = {"files": 0, "bytes": 0, "jobs": 0}
+    st = storage()
+    for project in Project.objects.select_related("quota").order_by("pk"):
+        days = retention_days(project)
+        if not days:
+            continue
+        cutoff = now - timedelta(days=days)
+        job_ids = (Artifact.objects.filter(job__project=project, created_at__lt=cutoff)
+                   .values_list("job_id", flat=True).distinct().order_by("job_id"))
+        for job_id in list(job_ids):
+            with transaction.atomic():
+                rows = list(Artifact.objects.select_for_update(skip_locked=True)
+                            .filter(job_id=job_id, created_at__lt=cutoff).order_by("attempt", "path"))
+                deleted = []
+                for a in rows:
+                    try:
+                        st.delete(a.storage_name)  # a file already gone is no error
+                    except Exception as exc:  # the storage is down or refuses: the row stays for the next run
+                        log.error("artifact %s (%s): delete failed: %s", a.pk, a.storage_name, exc)
+                        continue
+                    deleted.append(a)
+                if not deleted:
+                    continue
+                Artifact.objects.filter(pk__in=[a.pk for a in deleted]).delete()
+                size = sum(a.size for a in deleted)
+                audit_record(actor=SYSTEM, action="artifacts.expire", obj=Job.objects.only("id", "name").get(pk=job_id),
+                             project=project, files=len(deleted), bytes=size, retention_days=days)
+                done["files"] += len(deleted)
+                done["bytes"] += size
+                done["jobs"] += 1
+    return done

@@ -16,3 +16,11 @@ def dataset_inspect_pending() -> int:
     from .datasets import dataset_inspect_pending as sweep
 
     return sweep()
+
+
+@shared_task(name="storage.artifacts_expire", ignore_result=True)
+def artifacts_expire() -> dict:
+    """Beat: delete the artifacts past their project's retention (portal/storage/artifacts.py)."""
+    from .artifacts import artifacts_expire as sweep
+
+    return sweep()

@@ -81,7 +81,11 @@ class QuotaSerializer(StrictModelSerializer):
     class Meta:
         model = Quota
         fields = ["guaranteed_gpus", "max_gpus", "max_running_jobs", "max_time_limit_s", "gpu_hours_budget",
-                  "budget_hard_stop", "allowed_gpu_types", "allowed_images", "network_allowed", "idle_auto_cancel"]
+                  "budget_hard_stop", "allowed_gpu_types", "allowed_images", "network_allowed", "idle_auto_cancel",
+                  "artifact_retention_days"]
+        extra_kwargs = {"artifact_retention_days": {"max_value": 36500, "help_text": (
+            "Days the artifacts of its jobs are kept after upload; null: the site default "
+            "(ARTIFACTS_RETENTION_DAYS); 0: forever.")}}
 
 
 class ProjectSerializer(StrictModelSerializer):

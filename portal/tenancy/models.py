@@ -145,6 +145,8 @@ class Quota(models.Model):
     network_allowed = models.BooleanField(default=False)
     # Cancel running jobs the idle detector flags (GPUs under GPU_IDLE_UTIL_PCT for GPU_IDLE_MINUTES).
     idle_auto_cancel = models.BooleanField(default=False)
+    # Days its jobs' artifacts are kept after upload; None: the site's ARTIFACTS_RETENTION_DAYS; 0: forever.
+    artifact_retention_days = models.PositiveIntegerField(null=True, blank=True)
 
     objects = QuotaQuerySet.as_manager()
 

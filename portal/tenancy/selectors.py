@@ -1,3 +1,4 @@
+from django.conf import settings
 from django.db.models import OuterRef, Subquery
 
 from .models import Membership, Project
@@ -12,3 +13,15 @@ def projects_for_home(*, user):
         .annotate(role=Subquery(my_role))
         .order_by("organization__slug", "slug")
     )
+
+
+def artifact_retention_days(project) -> int:
+    """Days the artifacts of ``project``'s jobs are kept after upload (0: forever): its quota's
+    artifact_retention_days, else the site's ARTIFACTS_RETENTION_DAYS."""
+    from .models import Quota
+
+    try:
+        days = project.quota.artifact_retention_days
+    except Quota.DoesNotExist:
+        days = None
+    return settings.ARTIFACTS_RETENTION_DAYS if days is None else days

@@ -7,6 +7,7 @@ from portal.core.context import Actor
 from portal.jobs.services import job_submit
 from portal.storage.artifacts import artifact_put
 from scheduler.adapter import run_pass
+from tests.storage.conftest import seaweedfs  # noqa: F401 (SeaweedFS, for the s3 case)
 
 IMAGE = "gpuportal/busybox:latest"
 
@@ -20,13 +21,21 @@ class Body:
         return out
 
 
-@pytest.fixture
-def ended(portal, settings, tmp_path):
-    """Alice's job with two attempts' artifacts, uploaded as gpu-01's agent would."""
+@pytest.fixture(params=["local", "s3"])
+def ended(request, portal, settings, tmp_path):
+    """Alice's job with two attempts' artifacts, uploaded as gpu-01's agent would, kept in a local folder
+    and on SeaweedFS (whose downloads are redirects to presigned URLs, fetched without the token)."""
     from portal.jobs.models import Job
 
-    settings.STORAGES = {**settings.STORAGES, "artifacts": {
-        "BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(tmp_path / "store")}}}
+    if request.param == "s3":
+        from tests.storage.conftest import s3_artifacts
+
+        server = request.getfixturevalue("seaweedfs")
+        settings.STORAGES = {**settings.STORAGES, "artifacts": s3_artifacts(server, f"cli-{tmp_path.name}")}
+    else:
+        settings.STORAGES = {**settings.STORAGES, "artifacts": {
+            "BACKEND": "django.core.files.storage.FileSystemStorage",
+            "OPTIONS": {"location": str(tmp_path / "store")}}}
     job, _ = job_submit(actor=Actor(user=portal.users["alice"]), data={
         "project": "vision", "name": "j", "image": IMAGE, "command": ["true"], "resources": {"gpus": 1}})
     run_pass()

@@ -27,7 +27,7 @@ def s3_artifacts(server, prefix: str) -> dict:
     return {"BACKEND": "storages.backends.s3.S3Storage", "OPTIONS": {
         "bucket_name": server.bucket, "endpoint_url": server.endpoint, "region_name": "us-east-1",
         "access_key": server.access_key, "secret_key": server.secret_key, "location": prefix,
-        "default_acl": None, "querystring_auth": True, "file_overwrite": True}}
+        "default_acl": None, "querystring_auth": True, "file_overwrite": True, "signature_version": "s3v4"}}
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -29,6 +29,21 @@ def put(node, job, path, body: bytes, attempt=1):
                     content_type="application/octet-stream")
 
 
+def fetch(client, url, kind) -> bytes:
+    """The artifact's bytes as a browser or gpuctl gets them: streamed by the portal from a local folder; from
+    S3 a redirect to a presigned URL, fetched from the storage itself without the portal's credentials."""
+    import requests
+
+    r = client.get(url)
+    if kind == "local":
+        assert r.status_code == 200 and r["Content-Disposition"].startswith("attachment"), r
+        return b"".join(r.streaming_content)
+    assert r.status_code == 302 and r["Cache-Control"] == "no-store", r
+    got = requests.get(r["Location"], timeout=30)
+    assert got.status_code == 200 and got.headers["Content-Disposition"].startswith("attachment"), got.text
+    return got.content
+
+
 def test_an_attempts_files_are_stored_listed_and_downloaded(node, placed, api, artifact_storage):
     data = {"model.pt": b"\x00weights\xff" * 1000, "logs/metrics.json": b'{"loss": 0.1}\n'}
     for path, body in data.items():
@@ -42,17 +57,16 @@ def test_an_attempts_files_are_stored_listed_and_downloaded(node, placed, api, a
     assert [(a["attempt"], a["path"], a["size"]) for a in listing.json()] == [
         (1, "logs/metrics.json", len(data["logs/metrics.json"])), (1, "model.pt", len(data["model.pt"]))]
     for a in listing.json():
-        r = api("dave").get(f"/api/v1/jobs/{placed.pk}/artifacts/{a['id']}/")
-        assert r.status_code == 200 and r["Content-Disposition"].startswith("attachment")
-        body = b"".join(r.streaming_content)
-        assert body == data[a["path"]] and hashlib.sha256(body).hexdigest() == a["sha256"] == r["X-Checksum-Sha256"]
+        url = f"/api/v1/jobs/{placed.pk}/artifacts/{a['id']}/"
+        body = fetch(api("dave"), url, artifact_storage.kind)
+        assert body == data[a["path"]] and hashlib.sha256(body).hexdigest() == a["sha256"] == \
+            api("dave").get(url)["X-Checksum-Sha256"]
 
     # A retried upload replaces the file (never a second copy under another name).
     assert put(node, placed, "model.pt", b"v2").status_code == 201
     assert artifact_storage() == [f"jobs/{placed.pk}/1/logs/metrics.json", f"jobs/{placed.pk}/1/model.pt"]
     model = Artifact.objects.get(job=placed, path="model.pt")
-    r = api("alice").get(f"/api/v1/jobs/{placed.pk}/artifacts/{model.pk}/")
-    assert b"".join(r.streaming_content) == b"v2"
+    assert fetch(api("alice"), f"/api/v1/jobs/{placed.pk}/artifacts/{model.pk}/", artifact_storage.kind) == b"v2"
 
 
 def test_outsiders_get_404(node, placed, demo, api, artifact_storage):
@@ -140,7 +154,57 @@ def test_the_job_page_lists_them_with_download_links(node, placed, client, demo,
     page = client.get(f"/jobs/{placed.pk}/").content.decode()
     link = f"/api/v1/jobs/{placed.pk}/artifacts/{artifact.pk}/"
     assert 'id="artifacts-h"' in page and f'href="{link}"' in page and "results/summary.csv" in page
-    assert b"".join(client.get(link).streaming_content) == b"a,b\n"
+    assert fetch(client, link, artifact_storage.kind) == b"a,b\n"
     client.force_login(demo.users["charlie"])
     assert client.get(f"/jobs/{placed.pk}/").status_code == 404
     assert client.get(link).status_code == 404
+
+
+def test_s3_downloads_are_short_lived_presigned_redirects(node, placed, demo, api, settings, seaweedfs):
+    """With an S3-compatible storage (SeaweedFS) the portal answers with a presigned URL: the storage serves
+    the bytes, only until the URL expires; outsiders get 404 and no URL; ARTIFACTS_PRESIGN_S=0 streams."""
+    import urllib.parse
+    from datetime import timedelta
+
+    import requests
+    import time_machine
+    from django.utils import timezone
+
+    from tests.storage.conftest import s3_artifacts
+
+    settings.STORAGES = {**settings.STORAGES, "artifacts": s3_artifacts(seaweedfs, f"t-{placed.pk}-presign")}
+    body = bytes(range(256)) * 4096  # 1 MiB
+    assert put(node, placed, "ckpt/model.bin", body).status_code == 201
+    artifact = Artifact.objects.get()
+    url = f"/api/v1/jobs/{placed.pk}/artifacts/{artifact.pk}/"
+
+    settings.ARTIFACTS_PRESIGN_S = 120
+    r = api("dave").get(url)
+    assert r.status_code == 302 and r["X-Checksum-Sha256"] == artifact.sha256
+    location = urllib.parse.urlsplit(r["Location"])
+    query = urllib.parse.parse_qs(location.query)
+    assert r["Location"].startswith(seaweedfs.endpoint + "/") and query["X-Amz-Expires"] == ["120"]
+    assert "Authorization" not in r and "token" not in r["Location"].lower()
+    got = requests.get(r["Location"], timeout=30)
+    assert got.status_code == 200 and got.content == body
+    assert got.headers["Content-Disposition"] == 'attachment; filename="model.bin"'
+    # The signature covers the key: the same URL on another object is refused.
+    other = r["Location"].replace("model.bin", "other.bin")
+    assert requests.get(other, timeout=30).status_code == 403
+
+    # A URL signed 100 s ago still works; one signed 121 s ago (its 120 s over) is refused by the storage.
+    with time_machine.travel(timezone.now() - timedelta(seconds=100), tick=False):
+        recent = api("dave").get(url)["Location"]
+    assert requests.get(recent, timeout=30).content == body
+    with time_machine.travel(timezone.now() - timedelta(seconds=121), tick=False):
+        old = api("dave").get(url)["Location"]
+    expired = requests.get(old, timeout=30)
+    assert expired.status_code == 403 and body[:64] not in expired.content
+
+    # Outsiders: 404, no URL.
+    r = api("charlie").get(url)
+    assert r.status_code == 404 and "Location" not in r and seaweedfs.endpoint not in r.content.decode()
+
+    settings.ARTIFACTS_PRESIGN_S = 0  # streamed through the portal after all
+    r = api("dave").get(url)
+    assert r.status_code == 200 and b"".join(r.streaming_content) == body

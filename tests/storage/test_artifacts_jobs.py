@@ -9,6 +9,7 @@ import pytest
 from agents.artifacts import scan
 from tests.e2e_agent.test_stack import Stack
 from tests.storage.conftest import s3_artifacts
+from tests.storage.test_artifacts_api import fetch
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -36,10 +37,8 @@ def artifacts(s, job_id) -> dict[str, bytes]:
     listing = s.client.get(f"/api/v1/jobs/{job_id}/artifacts/")
     assert listing.status_code == 200, listing.content
     out = {}
-    for a in listing.json():
-        r = s.client.get(f"/api/v1/jobs/{job_id}/artifacts/{a['id']}/")
-        assert r.status_code == 200
-        out[a["path"]] = b"".join(r.streaming_content)
+    for a in listing.json():  # each a redirect to a presigned URL of SeaweedFS
+        out[a["path"]] = fetch(s.client, f"/api/v1/jobs/{job_id}/artifacts/{a['id']}/", "s3")
     return out
 
 
