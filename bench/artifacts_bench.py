@@ -10,7 +10,8 @@ free loopback ports), as the tests run it.
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/x .venv/bin/python bench/artifacts_bench.py [--mb 64] [--files 4]
 
 Upload goes request body -> temporary file (counted, hashed) -> storage; download streams from the
-storage. Both run in this one process, with the storage server (for s3) on the same machine.
+storage (s3: ARTIFACTS_PRESIGN_S=0), or for s3+url is a redirect to a presigned URL whose bytes come
+from SeaweedFS itself. All run in this one process, with the storage server on the same machine.
 """
 import argparse
 import os
@@ -43,6 +44,7 @@ def main():
     ap.add_argument("--files", type=int, default=4)
     args = ap.parse_args()
 
+    import requests
     from django.conf import settings
     from django.core.management import call_command
     from django.test import Client
@@ -74,14 +76,17 @@ def main():
         assert r.status_code == 200, (r.status_code, r.content)
         server = start_seaweedfs(Path(tmp) / "seaweedfs")
         try:
-            storages = {"local": {"BACKEND": "django.core.files.storage.FileSystemStorage",
-                                  "OPTIONS": {"location": str(Path(tmp) / "artifacts")}},
-                        "s3": s3_artifacts(server, "bench")}
+            # s3: streamed through the portal (ARTIFACTS_PRESIGN_S=0); s3+url: a redirect to a presigned URL,
+            # the bytes then fetched from SeaweedFS itself.
+            storages = {"local": ({"BACKEND": "django.core.files.storage.FileSystemStorage",
+                                   "OPTIONS": {"location": str(Path(tmp) / "artifacts")}}, 0),
+                        "s3": (s3_artifacts(server, "bench"), 0),
+                        "s3+url": (s3_artifacts(server, "bench-url"), 300)}
             print(f"{args.files} files of {args.mb} MB each, one process (Django test client), "
                   f"{os.cpu_count()} CPUs")
-            for kind, conf in storages.items():
+            for kind, (conf, presign_s) in storages.items():
                 with override_settings(STORAGES={**settings.STORAGES, "artifacts": conf},
-                                       ARTIFACTS_MAX_MB=args.mb * args.files + 1):
+                                       ARTIFACTS_MAX_MB=args.mb * args.files + 1, ARTIFACTS_PRESIGN_S=presign_s):
                     job, _ = job_submit(actor=Actor(user=alice), data={
                         "project": "vision", "name": "bench", "image": "gpuportal/busybox:latest",
                         "command": ["true"], "resources": {"gpus": 1}})
@@ -102,12 +107,18 @@ def main():
                     got = 0
                     for aid in ids:
                         r = user.get(f"/api/v1/jobs/{job.pk}/artifacts/{aid}/")
+                        if r.status_code == 302:
+                            with requests.get(r["Location"], stream=True, timeout=60) as direct:
+                                direct.raise_for_status()
+                                for chunk in direct.iter_content(1024 * 1024):
+                                    got += len(chunk)
+                            continue
                         for chunk in r.streaming_content:
                             got += len(chunk)
                     down = time.perf_counter() - t0
                     assert got == len(body) * args.files
                     total = args.mb * args.files
-                    print(f"{kind:>5}: upload {total / up:7.1f} MB/s ({up:.2f} s), "
+                    print(f"{kind:>6}: upload {total / up:7.1f} MB/s ({up:.2f} s), "
                           f"download {total / down:7.1f} MB/s ({down:.2f} s)")
         finally:
             stop_seaweedfs(server)
