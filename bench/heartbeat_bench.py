@@ -266,13 +266,14 @@ from django.conf import settings
 from portal.nodes.services import nodes_reap
 stop_at = time.monotonic() + float(sys.argv[1])
 time.sleep(settings.NODE_TIMEOUT_S)
-runs, due = 0, time.monotonic()
+runs, due, lag, held = 0, time.monotonic(), 0.0, 0
 while time.monotonic() < stop_at:
-    nodes_reap()
+    result = nodes_reap()
+    lag, held = max(lag, result.get("ingest_lag_s", 0.0)), max(held, result.get("held", 0))
     runs += 1
     due += settings.NODE_REAP_INTERVAL_S
     time.sleep(max(0.0, due - time.monotonic()))
-print("REAPER_RUNS", runs)
+print("REAPER_RUNS", runs, lag, held)
 """
 
 
@@ -364,8 +365,8 @@ def paced(args, nodes, uuids, url, meter, env) -> None:
     finally:
         stop.set()
         th.join()
-        runs = next((ln.split()[1] for ln in reaper.communicate(timeout=120)[0].splitlines()
-                     if ln.startswith("REAPER_RUNS")), "?")
+        runs, lag, held = next((ln.split()[1:4] for ln in reaper.communicate(timeout=120)[0].splitlines()
+                                if ln.startswith("REAPER_RUNS")), ("?", "?", "?"))
     elapsed = time.monotonic() - start
     after = meter.snapshot()
     from portal.core.models import AuditEvent
@@ -392,6 +393,9 @@ def paced(args, nodes, uuids, url, meter, env) -> None:
           f"{len(downs)} ({len(doomed)} dead); live nodes falsely marked down (node lost): {false_downs} "
           f"(goal 0); longest silence it saw from a live node {reaper_out['worst_silence']:.1f}s "
           f"(NODE_TIMEOUT_S {settings.NODE_TIMEOUT_S:g}s)")
+    behind = AuditEvent.objects.filter(action="reaper.portal_behind").count()
+    print(f"reaper's ingest lag (how late the portal heard heartbeats): max {lag}s; spells behind {behind}; "
+          f"most nodes past NODE_TIMEOUT_S held at once {held}")
     if doomed:
         times = sorted(detected[n] - died[n] for n in doomed if n in detected and n in died)  # wall clock, one machine
         missed = len(doomed) - len(times)
