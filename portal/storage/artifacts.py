@@ -28,6 +28,7 @@ from django.db import transaction
 from django.db.models import Count, Sum
 from django.http import FileResponse, HttpResponseRedirect
 from django.utils import timezone
+from django.utils.http import content_disposition_header
 
 from portal.core.errors import Conflict, NotFound, ServiceError
 from portal.tenancy.selectors import artifact_retention_days as retention_days
@@ -130,9 +131,9 @@ def _presigned(artifact: Artifact) -> str | None:
     st = storage()
     if not settings.ARTIFACTS_PRESIGN_S or not hasattr(st, "bucket_name") or not hasattr(st, "connection"):
         return None
-    filename = artifact.path.rsplit("/", 1)[-1].replace("\\", "_").replace('"', "_")
+    filename = artifact.path.rsplit("/", 1)[-1]
     return st.url(artifact.storage_name, expire=settings.ARTIFACTS_PRESIGN_S, parameters={
-        "ResponseContentDisposition": f'attachment; filename="{filename}"',
+        "ResponseContentDisposition": content_disposition_header(True, filename),  # as FileResponse says it
         "ResponseContentType": "application/octet-stream"})
 
 

@@ -188,6 +188,12 @@ def test_s3_downloads_are_short_lived_presigned_redirects(node, placed, demo, ap
     got = requests.get(r["Location"], timeout=30)
     assert got.status_code == 200 and got.content == body
     assert got.headers["Content-Disposition"] == 'attachment; filename="model.bin"'
+    # A name that is not ASCII (or holds quotes) keeps its name, as the portal's own attachments do.
+    assert put(node, placed, _q("résumé \"v2\".txt"), b"cv").status_code == 201
+    odd = Artifact.objects.get(path='résumé "v2".txt')
+    got = requests.get(api("dave").get(f"/api/v1/jobs/{placed.pk}/artifacts/{odd.pk}/")["Location"], timeout=30)
+    assert got.content == b"cv"
+    assert got.headers["Content-Disposition"] == "attachment; filename*=utf-8''r%C3%A9sum%C3%A9%20%22v2%22.txt"
     # The signature covers the key: the same URL on another object is refused.
     other = r["Location"].replace("model.bin", "other.bin")
     assert requests.get(other, timeout=30).status_code == 403
