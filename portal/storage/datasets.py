@@ -26,14 +26,14 @@ from django.db import IntegrityError, transaction
 
 from agents.datasets import NAME, check_file_path, is_archive, manifest_digest
 from portal.core.context import Actor
-from portal.core.errors import Conflict, InvalidInput, NotFound
+from portal.core.errors import InvalidInput, NotFound
 from portal.core.queue import send
 from portal.core.services import audit_record
 from portal.tenancy.models import Project
 
 from . import secrets
 from .models import Dataset, DatasetVersion, DatasetVersionState
-from .services import TooLarge, _require
+from .services import TooLarge, _require, refuse_if_named
 
 log = logging.getLogger(__name__)
 
@@ -208,16 +208,10 @@ def dataset_upload(*, actor: Actor, dataset: Dataset, filename: str, stream, len
 
 def dataset_delete(*, actor: Actor, dataset: Dataset) -> None:
     """Remove a dataset no job not yet ended names (409 dataset_in_use), with its uploads."""
-    from portal.jobs.models import ACTIVE, Job
-
     from .artifacts import storage
 
     _require(actor, "manage", dataset.project, "delete datasets")
-    users = Job.objects.filter(project=dataset.project, state__in=ACTIVE, datasets__contains=[{"name": dataset.name}])
-    if users.exists():
-        ids = ", ".join(str(pk) for pk in users.values_list("pk", flat=True)[:5])
-        raise Conflict(f"Dataset {dataset.name} is named by jobs not yet ended ({ids}); cancel them or wait.",
-                       code="dataset_in_use")
+    refuse_if_named(dataset.project, "datasets", dataset.name, "dataset")
     uploads = list(dataset.versions.exclude(storage_name="").values_list("storage_name", flat=True))
     with transaction.atomic():
         audit_record(actor=actor, action="dataset.delete", obj=dataset, project=dataset.project)

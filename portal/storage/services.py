@@ -56,16 +56,22 @@ def volume_create(*, actor: Actor, project: Project, name: str, quota_mb: int | 
     return volume
 
 
-def volume_delete(*, actor: Actor, volume: Volume) -> None:
-    """Remove the volume and every file in it (rmtree does not follow symlinks)."""
+def refuse_if_named(project, field: str, name: str, what: str) -> None:
+    """Conflict `<what>_in_use` when a job of `project` not yet ended names `name` in its `field`
+    (volumes, datasets): deleting it would pull it from under them."""
     from portal.jobs.models import ACTIVE, Job
 
-    _require(actor, "manage", volume.project, "delete volumes")
-    users = Job.objects.filter(project=volume.project, state__in=ACTIVE, volumes__contains=[{"name": volume.name}])
+    users = Job.objects.filter(project=project, state__in=ACTIVE, **{f"{field}__contains": [{"name": name}]})
     if users.exists():
         ids = ", ".join(str(pk) for pk in users.values_list("pk", flat=True)[:5])
-        raise Conflict(f"Volume {volume.name} is named by jobs not yet ended ({ids}); cancel them or wait.",
-                       code="volume_in_use")
+        raise Conflict(f"{what.capitalize()} {name} is named by jobs not yet ended ({ids}); cancel them or wait.",
+                       code=f"{what}_in_use")
+
+
+def volume_delete(*, actor: Actor, volume: Volume) -> None:
+    """Remove the volume and every file in it (rmtree does not follow symlinks)."""
+    _require(actor, "manage", volume.project, "delete volumes")
+    refuse_if_named(volume.project, "volumes", volume.name, "volume")
     base = os.path.join(files.root(), *files.volume_parts(volume))
     with transaction.atomic():
         audit_record(actor=actor, action="volume.delete", obj=volume, project=volume.project)
