@@ -3,12 +3,13 @@
 A pass runs at every instant something happens (all submissions and ends at
 the same second are batched into one pass). Jobs run for their trace duration,
 killed at their walltime if longer. A preempted job goes back to the queue,
-keeping its submit time, so its lost work shows in its JCT. Without checkpoints
-(the default) it restarts from zero. With `checkpoint_interval_s` every job
-checkpoints (as a job spec's `checkpoint` says, docs/jobs.md): it saves every
-`checkpoint_interval_s` of its run (0: only when signalled) and, preempted, resumes
-from its last checkpoint; the work lost is the time since that checkpoint plus
-the `checkpoint_grace_s` it was given to save, which is counted as lost GPU-time
+keeping its submit time, so its lost work shows in its JCT. A job that does not
+checkpoint restarts from zero. A job checkpoints as its spec's `checkpoint` says
+(docs/jobs.md; the trace's `checkpoint_grace_s` and `checkpoint_interval_s`
+columns), or, with the replay's `checkpoint_interval_s`, every job that names
+none does: it saves every `interval_s` of its run (none or 0: only when signalled)
+and, preempted, resumes from its last checkpoint; the work lost is the time since
+that checkpoint plus the grace it was given to save, which is counted as lost GPU-time
 (its GPUs go to the preemptor at once, as in production, where the portal frees
 them at the preemption and the next launch waits for the old sandbox). Preemption takes effect at once (grace period 0)
 and another pass follows straight away so the preemptor starts. A job's
@@ -114,7 +115,7 @@ class Simulator:
                  checkpoint_grace_s: float = 0.0, data: DataModel | None = None):
         self.nodes = nodes
         self.data = data
-        # None: no job checkpoints (restart from zero); else every job does, as the module says.
+        # None: only the jobs whose trace row says so checkpoint; else every job does, as the module says.
         self.checkpoint_interval_s = checkpoint_interval_s
         self.checkpoint_grace_s = checkpoint_grace_s
         self.projects = projects
@@ -145,6 +146,15 @@ class Simulator:
         self.res = SimResult({t.id: JobRecord(t) for t in self.jobs}, self.capacity, window,
                              dropped=dropped, guarantees={p: q.guaranteed_gpus for p, q in projects.items()},
                              unsplittable=unsplittable, multi_node=len(self.span), data=data)
+
+    def checkpoint_of(self, t: TraceJob) -> tuple[float, float] | None:
+        """(grace, interval) of a job that checkpoints (interval 0: it saves only when signalled),
+        from its own spec, else the replay's; None: it restarts from zero when preempted."""
+        if t.checkpoint_grace_s is not None:
+            return t.checkpoint_grace_s, t.checkpoint_interval_s or 0.0
+        if self.checkpoint_interval_s is not None:
+            return self.checkpoint_grace_s, self.checkpoint_interval_s
+        return None
 
     def run(self) -> SimResult:
         res, cfg, data = self.res, self.config, self.data
@@ -213,9 +223,9 @@ class Simulator:
                 changed = True
             while i < n and self.jobs[i].submit <= now:
                 t = self.jobs[i]
+                ck = self.checkpoint_of(t)
                 queue[t.id] = to_core_job(t, self.qos_map, self.span.get(t.id, 1),
-                                          None if self.checkpoint_interval_s is None else self.checkpoint_grace_s,
-                                          self.checkpoint_interval_s or None)
+                                          ck and ck[0], (ck and ck[1]) or None)
                 if local and t.datasets:
                     queue[t.id].datasets = t.datasets
                 if t.gpus > 0:
@@ -286,10 +296,11 @@ class Simulator:
                     rec.preempted += 1
                     rec.queued_at = now
                     ran = now - a.start_time
-                    if self.checkpoint_interval_s is not None:
-                        kept = saved_on_preemption(ran, self.checkpoint_interval_s)
+                    ck = self.checkpoint_of(rec.trace)
+                    if ck is not None:
+                        kept = saved_on_preemption(ran, ck[1])
                         rec.progress_s += kept
-                        ran = ran - kept + self.checkpoint_grace_s
+                        ran = ran - kept + ck[0]
                     lost = max(a.job.gpus, 0.0) * ran
                     rec.lost_gpu_s += lost
                     res.lost_gpu_s += lost

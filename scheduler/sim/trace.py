@@ -29,6 +29,11 @@ class TraceJob:
     walltime: float
     gpu_type: str | None = None
     datasets: tuple = ()  # core Datasets it reads (scheduler/sim/datasets.py); traces give none
+    # Its spec's `checkpoint` (docs/jobs.md), from the optional trace columns: the grace it gets to
+    # save when preempted (None: it does not checkpoint, unless the replay makes every job do so) and
+    # how often it saves on its own (`interval_s`; None: only when signalled).
+    checkpoint_grace_s: float | None = None
+    checkpoint_interval_s: float | None = None
 
     @property
     def runtime(self) -> float:
@@ -55,12 +60,19 @@ def read_trace(path: str, start_day: float | None = None, days: float | None = N
                 gpus = float(math.ceil(gpus - 1e-9))
             out.append(TraceJob(row["job_id"], submit, float(row["duration"]), gpus, row["tenant"],
                                 float(row.get("walltime") or 0) or math.inf,
-                                (row.get("gpu_type") or None)))
+                                (row.get("gpu_type") or None),
+                                checkpoint_grace_s=_seconds(row.get("checkpoint_grace_s")),
+                                checkpoint_interval_s=_seconds(row.get("checkpoint_interval_s"))))
     if out and load_scale != 1.0:
         t0 = out[0].submit
         for j in out:
             j.submit = t0 + (j.submit - t0) / load_scale
     return out
+
+
+def _seconds(cell: str | None) -> float | None:
+    """An optional column's seconds: None where the trace has no such column or leaves it empty."""
+    return float(cell) if cell not in (None, "") else None
 
 
 def read_quota(path: str) -> dict[str, int]:

@@ -5,7 +5,7 @@ import pytest
 from scheduler.core import Config, schedule
 from scheduler.sim.engine import Simulator, make_projects, saved_on_preemption
 from scheduler.sim.metrics import summarize
-from scheduler.sim.trace import TraceJob, uniform_nodes
+from scheduler.sim.trace import TraceJob, read_trace, uniform_nodes
 
 from .factories import NOW, job, nodes, quota, running, snapshot
 
@@ -117,3 +117,47 @@ def test_the_simulator_preempts_a_saving_job_at_its_next_save():
     res = _las_saver(las_checkpoint_window_s=1800)
     assert {k: r.end for k, r in res.records.items()} == {"b": 4600, "a": 4600 + 14400 - 3600}
     assert res.lost_gpu_s == 460
+
+
+def _reclaim_spec_job(grace, interval):
+    """As `_borrow_then_reclaim`, but a1's own spec says how it checkpoints (no replay-wide setting)."""
+    jobs = [TraceJob("a1", 0, 3600, 1, "a", 86400, checkpoint_grace_s=grace, checkpoint_interval_s=interval),
+            TraceJob("b1", 1500, 600, 1, "b", 86400)]
+    projects = make_projects(["a", "b"], 1, {"a": 0, "b": 1}, gpus_per_quota_node=1)
+    return Simulator(jobs, uniform_nodes(1, 1), projects, Config()).run()
+
+
+def test_a_job_whose_spec_saves_every_interval_resumes_from_its_last_periodic_save():
+    # Its spec saves every 600 s: preempted at 1500 it keeps 1200 s and loses 300 s plus its 60 s grace.
+    res = _reclaim_spec_job(60, 600)
+    assert res.records["a1"].end == 2100 + 2400 and res.records["a1"].progress_s == 1200
+    assert res.lost_gpu_s == 360
+
+
+def test_a_job_whose_spec_names_no_interval_saves_when_signalled():
+    res = _reclaim_spec_job(60, None)
+    assert res.records["a1"].end == 2100 + 2100 and res.lost_gpu_s == 60
+
+
+def test_a_spec_interval_loses_at_most_that_interval_of_work():
+    for interval in (100, 450, 1000):
+        lost = _reclaim_spec_job(0, interval).lost_gpu_s
+        assert 0 <= lost < interval and lost == 1500 % interval
+
+
+def test_the_trace_columns_give_each_job_its_own_checkpoint(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text("job_id,submit_time,duration,gpus,tenant,walltime,checkpoint_grace_s,checkpoint_interval_s\n"
+                    "a1,0,3600,1,a,86400,60,600\n"
+                    "s1,0,3600,1,a,86400,30,\n"
+                    "n1,0,3600,1,a,86400,,\n")
+    got = {t.id: (t.checkpoint_grace_s, t.checkpoint_interval_s) for t in read_trace(str(path))}
+    assert got == {"a1": (60, 600), "s1": (30, None), "n1": (None, None)}
+    # The core sees the first as saving every 600 s, the second as saving when signalled, the third not at all.
+    sim = Simulator(read_trace(str(path)), uniform_nodes(3, 1), make_projects(["a"], 3, None), Config())
+    ck = {t.id: sim.checkpoint_of(t) for t in sim.jobs}
+    assert ck == {"a1": (60, 600), "s1": (30, 0.0), "n1": None}
+    # The replay-wide setting covers only the jobs whose spec names none.
+    sim = Simulator(read_trace(str(path)), uniform_nodes(3, 1), make_projects(["a"], 3, None), Config(),
+                    checkpoint_interval_s=1800, checkpoint_grace_s=120)
+    assert {t.id: sim.checkpoint_of(t) for t in sim.jobs}["n1"] == (120, 1800)
