@@ -94,14 +94,24 @@ def launch_sessions(job_ids: list[int]) -> dict[int, list[dict]]:
 
 def session_cards(user, limit: int = 12) -> list[Session]:
     """The dashboard's cards: live sessions a person may connect to, with what a card shows."""
+    return _annotate(user, list(sessions_for_user(user, live_only=True).select_related("job__user")
+                                .prefetch_related("shared_users")[:limit]))
+
+
+def job_session_cards(user, job) -> list[Session]:
+    """The job page's cards: that job's sessions a person may connect to, ended ones too."""
+    return _annotate(user, list(sessions_for_user(user, job=job).select_related("job__user")
+                                .prefetch_related("shared_users")))
+
+
+def _annotate(user, cards: list[Session]) -> list[Session]:
+    """What a card shows besides the session's own fields."""
     from datetime import timedelta
 
     from django.conf import settings
     from django.utils import timezone
 
     now = timezone.now()
-    cards = list(sessions_for_user(user, live_only=True).select_related("job__user")
-                 .prefetch_related("shared_users")[:limit])
     for s in cards:
         s.shared_names = sorted(u.username for u in s.shared_users.all())
         s.shared_with_me = s.job.user_id != user.pk

@@ -47,20 +47,28 @@ def shared_names(session: Session) -> list[str]:
     return sorted(u.username for u in session.shared_users.all())
 
 
-def share_context(session: Session, form: SessionShareForm | None = None, saved: bool = False) -> dict:
-    return {"s": session, "form": form, "saved": saved, "names": shared_names(session),
+def share_context(session: Session, form: SessionShareForm | None = None, saved: bool = False,
+                  back: str = "") -> dict:
+    return {"s": session, "form": form, "saved": saved, "names": shared_names(session), "back": back,
             "share_value": form.data.get("share", "") if form is not None else session.share,
             "users_value": form.data.get("users", "") if form is not None else ", ".join(shared_names(session))}
 
 
+def back_to(request) -> str:
+    """Where the form came from: "job" (the job page's card), else the dashboard."""
+    return "job" if request.POST.get("back", request.GET.get("back")) == "job" else ""
+
+
 class SessionShareView(PageMixin, View):
-    """GET: the form (a page of its own without htmx); POST: save it. htmx swaps the card's part."""
+    """GET: the form (a page of its own without htmx); POST: save it. htmx swaps the card's part.
+    The dashboard's cards and the job page's both carry it; ``back=job`` returns to the job page."""
 
     def get(self, request, pk):
-        return self._render(request, share_context(owned_session(request, pk)))
+        return self._render(request, share_context(owned_session(request, pk), back=back_to(request)))
 
     def post(self, request, pk):
         session = owned_session(request, pk)
+        back = back_to(request)
         form = SessionShareForm(request.POST)
         if form.is_valid():
             try:
@@ -74,9 +82,9 @@ class SessionShareView(PageMixin, View):
                 session = owned_session(request, pk)  # its saved sharing, freshly read
                 if not request.htmx:
                     messages.success(request, f"Sharing of {session.name} (job {session.job_id}) saved.")
-                    return redirect("home")
-                return self._render(request, share_context(session, saved=True))
-        return self._render(request, share_context(session, form))
+                    return redirect("jobs:detail", session.job_id) if back else redirect("home")
+                return self._render(request, share_context(session, saved=True, back=back))
+        return self._render(request, share_context(session, form, back=back))
 
     def _render(self, request, ctx):
         return render(request, "interactive/_share.html" if request.htmx else "interactive/share.html", ctx)

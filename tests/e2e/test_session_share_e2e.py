@@ -42,3 +42,31 @@ def test_the_owner_shares_a_session_from_its_card(lab, login, live_server):
     expect(bob.locator(".session-card")).to_contain_text("Shared with you by alice.")
     assert bob.goto(f"/session-sharing/{lab}/").status == 404
     assert login("charlie").goto(f"/session-sharing/{lab}/").status == 404
+
+
+@pytest.fixture
+def lab_job(lab):
+    """The lab's job id, read before the browser's event loop runs (no ORM inside it)."""
+    from portal.interactive.models import Session
+
+    return Session.objects.get(pk=lab).job_id
+
+
+def test_the_owner_shares_a_session_from_its_job_page(lab, lab_job, login, live_server):
+    job = lab_job
+    page = login("alice")
+    page.goto(f"/jobs/{job}/")
+    share = page.locator(f"#session-share-{lab}")
+    expect(page.locator(".session-card h3")).to_have_text("JupyterLab · lab")
+    share.get_by_text("Change sharing").click()
+    share.get_by_label("Everyone in vision").check()
+    share.get_by_role("button", name="Save sharing").click()
+    expect(share.locator(".share-now")).to_have_text("Who may connect: everyone in vision. Saved.")
+    assert page.url == f"{live_server.url}/jobs/{job}/"  # swapped in place on the job page
+    shot(page, "session-share-job-page")
+
+    bob = login("bob")
+    bob.goto(f"/jobs/{job}/")
+    expect(bob.locator(".session-card")).to_contain_text("Shared with you by alice.")
+    expect(bob.locator(f"#session-share-{lab}")).to_have_count(0)
+    assert login("charlie").goto(f"/jobs/{job}/").status == 404

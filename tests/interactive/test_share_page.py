@@ -97,3 +97,40 @@ def test_only_the_owner_reaches_the_form(demo, lab, who):
     assert client.post(url, {"share": "owner", "users": who}, headers={"HX-Request": "true"}).status_code == 404
     lab.refresh_from_db()
     assert lab.share == "project" and not lab.shared_users.exists()
+
+
+def test_the_owner_shares_a_session_from_its_job_page(demo, lab):
+    """The job page lists the job's sessions; its owner's cards carry the same form, which returns
+    to the job page; bob (once it is shared with the project) sees the card without the form."""
+    alice = browser(demo.users["alice"])
+    url = reverse("session-share", args=[lab.pk])
+    page = reverse("jobs:detail", args=[lab.job_id])
+    html = alice.get(page).content.decode()
+    assert "Interactive sessions" in html and "JupyterLab · lab" in html
+    assert "Who may connect: only you." in html and f'hx-post="{url}"' in html
+    assert '<input type="hidden" name="back" value="job">' in html
+
+    token = alice.cookies["csrftoken"].value
+    r = alice.post(url, {"share": "project", "users": "charlie", "back": "job", "csrfmiddlewaretoken": token},
+                   headers={"HX-Request": "true"})
+    html = r.content.decode()
+    assert r.status_code == 200 and "No user named &#x27;charlie&#x27;" in html
+    assert '<input type="hidden" name="back" value="job">' in html  # a retry still returns to the job
+    r = alice.post(url, {"share": "project", "users": "", "back": "job", "csrfmiddlewaretoken": token})
+    assert r.status_code == 302 and r["Location"] == page
+    lab.refresh_from_db()
+    assert lab.share == "project"
+    html = alice.get(page).content.decode()
+    assert "Who may connect: everyone in vision." in html and "Sharing of lab (job" in html
+
+    bob = browser(demo.users["bob"]).get(page)
+    assert bob.status_code == 200
+    assert "JupyterLab · lab" in bob.content.decode() and url not in bob.content.decode()
+    assert "Shared with you by alice." in bob.content.decode()
+    assert browser(demo.users["charlie"]).get(page).status_code == 404
+
+
+def test_the_job_page_hides_sessions_not_shared(demo, lab):
+    """A project member sees the job page, but not a session the owner keeps to themselves."""
+    html = browser(demo.users["bob"]).get(reverse("jobs:detail", args=[lab.job_id])).content.decode()
+    assert "JupyterLab · lab" not in html and reverse("session-share", args=[lab.pk]) not in html
