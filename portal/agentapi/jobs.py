@@ -12,6 +12,7 @@ from agents import protocol
 from agents.protocol import EVENT_STATES
 from portal.core.api import StrictSerializer
 from portal.jobs.reports import job_append_log, job_confirm, job_report, job_report_many
+from portal.launch import launch_spec
 from portal.nodes.agent_api import MAX_ATTEMPT, MAX_INT32, AgentView, speaks
 
 
@@ -26,7 +27,8 @@ class ConfirmView(AgentView):
     def post(self, request, job_id):
         data = AttemptSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        return Response({"spec": job_confirm(node=self.node, job_id=job_id, **data.validated_data)})
+        job = job_confirm(node=self.node, job_id=job_id, **data.validated_data)
+        return Response({"spec": launch_spec(job.pk, self.node.name)})
 
 
 @speaks(protocol.SCRUB_FAILURE)
@@ -50,10 +52,6 @@ class EventSerializer(StrictSerializer):
                                          default="")
     # The node fenced the attempt because its lease ran out (protocol 1.1): a node fault, requeued.
     lease_expired = serializers.BooleanField(required=False, default=False)
-    # The node cannot start this attempt now for want of room it may have later (protocol 1.5: its
-    # dataset cache is full of what running jobs read): requeued, no failure counted, kept off the node a while.
-    not_startable = serializers.CharField(max_length=protocol.NODE_PROBLEM_MAX, required=False, allow_blank=True,
-                                          default="")
 
 
 class EventView(AgentView):

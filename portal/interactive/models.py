@@ -10,7 +10,7 @@ import secrets
 from django.conf import settings
 from django.db import models
 
-from portal.core.querysets import TenantQuerySet
+from portal.tenancy.models import TenantQuerySet
 
 
 class SessionKind(models.TextChoices):
