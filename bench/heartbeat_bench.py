@@ -263,7 +263,7 @@ import sys, time
 import django
 django.setup()
 from django.conf import settings
-from portal.nodes.services import nodes_reap
+from portal.jobs.node_effects import nodes_reap
 stop_at = time.monotonic() + float(sys.argv[1])
 time.sleep(settings.NODE_TIMEOUT_S)
 runs, due, lag, held = 0, time.monotonic(), 0.0, 0

@@ -437,7 +437,7 @@ if NODE_RESERVED_CPUS < 0:
     raise ImproperlyConfigured(f"NODE_RESERVED_CPUS: must be at least 0, got {NODE_RESERVED_CPUS}")
 LAUNCH_RESEND_S = env_int("LAUNCH_RESEND_S", 60, minimum=1)
 # A job assigned or starting this long that its node's heartbeats do not list (neither launching
-# nor running there) was lost on the way: it is requeued (portal/nodes/services.py).
+# nor running there) was lost on the way: it is requeued (portal/agentapi/heartbeat.py).
 LAUNCH_LOST_S = env_int("LAUNCH_LOST_S", 180, minimum=1)
 if LAUNCH_LOST_S <= LAUNCH_RESEND_S:
     raise ImproperlyConfigured(f"LAUNCH_LOST_S: {LAUNCH_LOST_S} must be longer than LAUNCH_RESEND_S "

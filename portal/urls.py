@@ -2,14 +2,14 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
+from portal.console.nodes import ClusterView
 from portal.metrics.views import JobMetricsView
-from portal.nodes.views import ClusterView
 
 api_v1 = [
     path("", include("portal.accounts.urls_api")),
     path("", include("portal.tenancy.urls_api")),
     path("", include("portal.jobs.urls_api")),
-    path("", include("portal.nodes.urls_api")),
+    path("", include("portal.console.urls_nodes_api")),
     path("", include("portal.billing.urls_api")),
     path("", include("portal.storage.urls_api")),
     path("", include("portal.interactive.urls_api")),
@@ -29,7 +29,7 @@ urlpatterns = [
     path("jobs/", include("portal.jobs.urls")),
     # The job page's GPU charts: metrics sit above jobs, so the route is composed here.
     path("jobs/<int:pk>/metrics/", JobMetricsView.as_view(), name="job-metrics"),
-    path("nodes/", include("portal.nodes.urls")),
+    path("nodes/", include("portal.console.urls_nodes")),
     path("cluster/", ClusterView.as_view(), name="cluster"),
     path("metrics", include("portal.metrics.urls")),
     path("console/", include("portal.console.urls")),

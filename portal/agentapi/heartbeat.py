@@ -15,7 +15,8 @@ from rest_framework.response import Response
 
 from portal.core.queue import request_schedule_pass
 from portal.jobs.models import Allocation, Job, JobState
-from portal.jobs.reports import job_requeue_after_node_fault, stale_reports
+from portal.jobs.node_effects import job_requeue_after_node_fault
+from portal.jobs.reports import stale_reports
 from portal.metrics.services import samples_ingest, samples_own
 from portal.nodes.agent_api import AgentView, HeartbeatSerializer, heartbeat_fast, samples_check
 from portal.nodes.models import Node, NodeState

@@ -1,7 +1,7 @@
 from django.conf import settings
 from django.db import models
 
-from portal.tenancy.models import TenantQuerySet
+from portal.core.querysets import TenantQuerySet
 
 
 class JobState(models.TextChoices):

@@ -17,6 +17,7 @@ from portal.core.numbers import parse_int, parse_ints
 from portal.core.queue import request_schedule_pass
 
 from .models import HOLDING, TERMINAL, Allocation, Job, JobLogChunk, JobState
+from .node_effects import gpus_scrub_failed, job_requeue_after_node_fault, node_drain_for_fault, node_settle_drain
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +50,16 @@ def held_job(*, node, job_id, attempt: int, states=HOLDING) -> Job:
     return job
 
 
-def job_confirm(*, node, job_id, attempt: int) -> Job:
-    """The agent asks before starting anything: the job turns starting, or Conflict (409). The agent
-    API answers with its launch spec (portal.launch, which composes it above jobs)."""
+def job_confirm(*, node, job_id, attempt: int) -> dict:
+    """The agent asks before starting anything. Returns the launch spec, or raises Conflict (409)."""
+    from .selectors import launch_spec
+
     job = held_job(node=node, job_id=job_id, attempt=attempt)
     from .states import transition
 
     transition(job.pk, to=JobState.STARTING, from_states={JobState.ASSIGNED}, attempt=attempt,
                message=f"Confirmed by {node.name}")
-    return job
+    return launch_spec(job.pk, node.name)
 
 
 def job_progress(*, node, job_id, attempt: int, stage: str, message: str) -> str:
@@ -82,8 +84,6 @@ def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None 
     not be killed is drained, first, and even when the report itself is stale: the state of a
     GPU or a node does not depend on which attempt left it so.
     """
-    from portal.nodes.services import gpus_scrub_failed, node_drain_for_fault
-
     from .states import transition
 
     if scrub_failures:
@@ -181,31 +181,7 @@ def _checkpoint_saved(job_id, attempt: int) -> None:
         request_schedule_pass()
 
 
-def job_requeue_after_node_fault(job: Job, message: str) -> str:
-    """A job its node failed goes back to the queue as a new attempt (its old attempt's reports
-    turn stale), or ends `node_fail` once it has had JOB_MAX_ATTEMPTS. Returns "requeued",
-    "node_fail", or "" when the job was no longer holding its node."""
-    from django.conf import settings
-
-    from .states import transition
-
-    if job.attempt < settings.JOB_MAX_ATTEMPTS:
-        with transaction.atomic():
-            if transition(job.pk, to=JobState.QUEUED, from_states=HOLDING, attempt=job.attempt, node=None,
-                          message=f"{message} Requeued as attempt {job.attempt + 1}.", reason_code="node_fail",
-                          reason_message=f"{message} Requeued."):
-                Job.objects.filter(pk=job.pk).update(attempt=job.attempt + 1)
-                return "requeued"
-        return ""
-    if transition(job.pk, to=JobState.NODE_FAIL, from_states=HOLDING, attempt=job.attempt, message=message,
-                  reason_code="node_fail", reason_message=message):
-        return "node_fail"
-    return ""
-
-
 def _after_end(job: Job) -> None:
-    from portal.nodes.services import node_settle_drain
-
     for node_id in {job.node_id} - {None}:
         node_settle_drain(node_id)
     request_schedule_pass()

@@ -15,10 +15,10 @@ from portal.core.numbers import parse_ints
 from portal.core.queue import request_schedule_pass
 from portal.core.services import audit_record
 from portal.jobs.models import ACTIVE, Allocation, Job, JobEvent, JobState
+from portal.jobs.node_effects import gpu_unhealthy_handle
 from portal.jobs.notifications import notify_on_commit
 from portal.jobs.services import job_cancel
 from portal.nodes.models import GPU, GPUHealth, NodeState
-from portal.nodes.services import gpu_unhealthy_handle
 
 from .models import FleetRollup, GpuRollup, GpuSample, Resolution
 from .selectors import idle_job_ids
@@ -203,7 +203,7 @@ def gpu_health_apply(*, node, samples: list[dict], gpus: dict[str, tuple]) -> in
     """Mark GPUs unhealthy by the rules; a GPU unhealthy only for heat comes back once it has
     cooled 5 °C under the limit. Xid and ECC verdicts stay until an operator clears them (an
     Xid usually means the GPU needs a reset). Only changes are written; a change asks for a pass,
-    and a GPU turning unhealthy has its jobs requeued or warned (nodes.services.gpu_unhealthy_handle)."""
+    and a GPU turning unhealthy has its jobs requeued or warned (jobs.node_effects.gpu_unhealthy_handle)."""
     changed = 0
     for s in samples:
         uuid = str(s.get("gpu_uuid"))

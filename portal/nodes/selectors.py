@@ -1,24 +1,21 @@
-"""Reads for the nodes page (staff only) and the cluster view (everyone, counts only)."""
-from collections import defaultdict
-
+"""Reads for the nodes page (staff only) and the cluster view (everyone, counts only): the nodes'
+part. What jobs hold is read above jobs and handed in (portal/console/selectors.py)."""
 from django.conf import settings
 from django.core.cache import cache
+from django.db.models import Count
 from django.utils import timezone
+
+from portal.core.numbers import count_or_fraction
 
 from .models import GPU, GPUHealth, GPUMode, Node, NodeState
 
 
-def nodes_overview() -> list[Node]:
-    """Every node with its GPUs; each GPU carries `holders` (the open allocations on it, with
-    their jobs) and `sample` (its latest sample from the cache, if any); each node carries
-    `heartbeat_age_s`. Three queries and one cache read, whatever the fleet size."""
-    from portal.jobs.models import Allocation
-
+def nodes_overview(holders: dict[int, list]) -> list[Node]:
+    """Every node with its GPUs; each GPU carries `holders` (what `holders` gives for its id: the
+    console hands in the open allocations on it, with their jobs) and `sample` (its latest sample
+    from the cache, if any); each node carries `heartbeat_age_s`. Two queries and one cache read,
+    whatever the fleet size."""
     nodes = list(Node.objects.prefetch_related("gpus").order_by("name"))
-    holders = defaultdict(list)
-    for alloc in (Allocation.objects.filter(released_at__isnull=True)
-                  .select_related("job__project", "job__user").order_by("job_id")):
-        holders[alloc.gpu_id].append(alloc)
     gpus = [g for n in nodes for g in n.gpus.all()]
     samples = cache.get_many([f"gpu-sample:{g.uuid}" for g in gpus]) if gpus else {}
     now = timezone.now()
@@ -33,22 +30,16 @@ def nodes_overview() -> list[Node]:
     return nodes
 
 
-def cluster_summary() -> dict:
-    """What any signed-in user may know about the cluster (like Slurm's `sinfo`): GPUs by pool
-    and model, how many are used, free and unavailable, and nodes by state. Counts only: no
-    job, project or user of any tenant appears. Three queries whatever the fleet size.
+def cluster_gpus(taken: dict[int, float]) -> dict:
+    """What any signed-in user may know about the cluster's GPUs (like Slurm's `sinfo`): by pool
+    and model, how many are used, free and unavailable, and nodes by state. Counts only. `taken`:
+    each GPU's id to the fraction of it open allocations hold (the console reads them). Two
+    queries whatever the fleet size.
 
     A GPU is `used` while it holds an open allocation (a shared GPU counts its fractions), `free`
     when it is healthy and idle on a node that takes jobs, and `unavailable` otherwise (its node
     is draining, drained, down or not yet verified, or the GPU is unhealthy).
     """
-    from django.db.models import Count, Sum
-
-    from portal.core.numbers import count_or_fraction
-    from portal.jobs.models import ACTIVE, Allocation, Job, JobState
-
-    taken = dict(Allocation.objects.filter(released_at__isnull=True).values("gpu_id").annotate(
-        f=Sum("fraction")).values_list("gpu_id", "f").order_by())
     rows: dict[tuple[str, str], dict] = {}
     nodes_seen: dict[tuple[str, str], dict[str, set]] = {}
     for gpu in GPU.objects.select_related("node").order_by():
@@ -81,12 +72,8 @@ def cluster_summary() -> dict:
             t[k] += row[k]
         t["used"] = count_or_fraction(round(t["used"], 3))
     node_states = dict(Node.objects.values_list("state").annotate(n=Count("id")).order_by())
-    queue = Job.objects.filter(state=JobState.QUEUED, is_array_parent=False).aggregate(n=Count("id"), g=Sum("gpus"))
-    running = Job.objects.filter(state__in=ACTIVE - {JobState.QUEUED, JobState.PREEMPTED},
-                                 is_array_parent=False).count()
     return {
         "pools": pools,
         "gpu_types": sorted(by_type.values(), key=lambda r: r["gpu_type"]),
         "nodes": {s: node_states.get(s, 0) for s in NodeState.values},
-        "jobs": {"queued": queue["n"], "queued_gpus": count_or_fraction(queue["g"] or 0), "running": running},
     }

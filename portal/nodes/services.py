@@ -1,4 +1,7 @@
-"""Writes for nodes and GPUs: registration by operators, drain and undrain."""
+"""Writes for nodes and GPUs: registration by operators, drain and undrain, the reaper's findings.
+
+Nodes import nothing of jobs (docs/design.md section 2): what a drain, a fault or a node's death
+does to the jobs on it is portal/jobs/node_effects.py's, which calls these for the node's part."""
 import copy
 import logging
 import re
@@ -19,10 +22,7 @@ from portal.core.context import Actor
 from portal.core.errors import Conflict, Forbidden, InvalidInput
 from portal.core.queue import request_schedule_pass
 from portal.core.services import audit_record, require_operator
-from portal.jobs.models import HOLDING, Allocation, Job, JobEvent
-from portal.jobs.reports import job_requeue_after_node_fault
-from portal.jobs.states import requeue_holding
-from scheduler.dispatch import send_probe, send_stop
+from scheduler.dispatch import send_probe
 
 from .models import GPU, GPUHealth, GPUMode, Node, NodeState, ReaperState
 
@@ -68,17 +68,16 @@ def node_add(*, actor: Actor, name: str, gpus: str = "", pool: str = "default", 
     return node, secret
 
 
-def node_drain(*, actor: Actor, node: Node, reason: str = "") -> Node:
-    """No new jobs; jobs that checkpoint move elsewhere (their signal, their grace, then requeued to
-    resume); the node becomes drained once the others have ended."""
+def node_mark_draining(*, actor: Actor, node: Node, reason: str = "") -> Node:
+    """The node's part of an operator's drain: no new jobs land on it. It stays draining until
+    jobs.node_effects.node_settle_drain finds no job left there (node_effects.node_drain moves
+    the checkpointing ones away first, in the same transaction)."""
     require_operator(actor, NODES_REFUSAL)
     if node.state not in (NodeState.READY, NodeState.DRAINING):
         raise Conflict(f"Node {node.name} is {node.state}; only a ready node can be drained.")
     with transaction.atomic():
-        migrate_checkpointing_jobs(node=node, why=f"Node {node.name} is being drained.", reason_code="node_drained")
-        busy = node.jobs.filter(state__in=HOLDING).exists()
-        new_state = NodeState.DRAINING if busy else NodeState.DRAINED
-        Node.objects.filter(pk=node.pk).update(state=new_state, state_reason=reason or f"drained by {actor.user}")
+        Node.objects.filter(pk=node.pk).update(state=NodeState.DRAINING,
+                                               state_reason=reason or f"drained by {actor.user}")
         audit_record(actor=actor, action="node.drain", obj=node, reason=reason)
     node.refresh_from_db()
     return node
@@ -96,30 +95,9 @@ def node_undrain(*, actor: Actor, node: Node) -> Node:
     return node
 
 
-def migrate_checkpointing_jobs(*, node: Node, why: str, reason_code: str) -> list[int]:
-    """Move every checkpointing job off `node` (a drain, a fault), in the caller's transaction: each is
-    requeued as its next attempt, and after commit its old attempt gets its checkpoint signal and
-    grace (jobs.states.requeue_holding). Jobs that do not checkpoint are left to finish."""
-    ids = set(Allocation.objects.filter(gpu__node=node, released_at__isnull=True).values_list("job_id", flat=True))
-    ids |= set(node.jobs.filter(state__in=HOLDING).values_list("pk", flat=True))
-    moved = []
-    for pk, attempt in (Job.objects.filter(pk__in=ids, state__in=HOLDING).exclude(checkpoint_signal="")
-                        .order_by("pk").values_list("pk", "attempt")):
-        stops = requeue_holding(pk, attempt=attempt, reason_code=reason_code, message=why)
-        if stops is None:
-            continue
-        moved.append(pk)
-        for name, job_id, old, grace, signal in stops:
-            transaction.on_commit(lambda n=name, j=job_id, a=old, g=grace, s=signal: send_stop(n, j, a, reason_code, g, s))
-    if moved:
-        transaction.on_commit(request_schedule_pass)
-    return moved
-
-
-def node_settle_drain(node_id: int) -> None:
-    """A draining node with no job left becomes drained (called when a job ends)."""
-    if not Node.objects.filter(pk=node_id, jobs__state__in=HOLDING).exists():
-        Node.objects.filter(pk=node_id, state=NodeState.DRAINING).update(state=NodeState.DRAINED)
+def node_mark_drained(node_id: int) -> bool:
+    """A draining node becomes drained (its caller found no job left on it). True if it did."""
+    return bool(Node.objects.filter(pk=node_id, state=NodeState.DRAINING).update(state=NodeState.DRAINED))
 
 
 def node_rotate_token(*, actor: Actor, node: Node) -> str:
@@ -335,53 +313,10 @@ def node_heartbeat(*, node: Node) -> Node:
     return node
 
 
-def gpu_unhealthy_handle(*, gpu: GPU, reason: str) -> dict:
-    """What follows a GPU turning unhealthy (docs/design.md section 6); runs in the caller's transaction.
-
-    1. Each job holding the GPU: a checkpointing or preemptible one with attempts left goes back to
-       the queue as a new attempt (reason `gpu_unhealthy`, the scheduler places it elsewhere) and
-       its old attempt gets `agent.stop` after commit (a checkpointing job its signal and grace
-       first, and it resumes from its checkpoint). Any other job is not killed for a fault that may
-       not touch it: it keeps running, with a warning on its timeline and as its reason.
-    2. With GPU_HEALTH_AUTO_DRAIN on, a ready node is drained: no new job lands on it.
-    """
-    node = Node.objects.get(pk=gpu.node_id)
-    what = f"GPU {gpu.index} of node {node.name} is unhealthy ({reason})"
-    job_ids = Allocation.objects.filter(gpu=gpu, released_at__isnull=True, job__state__in=HOLDING).values("job_id")
-    requeued, warned, stops = [], [], []
-    for job in Job.objects.filter(pk__in=job_ids).order_by("pk"):
-        movable = job.preemptible or bool(job.checkpoint_signal)
-        if movable and job.attempt < settings.JOB_MAX_ATTEMPTS:
-            done = requeue_holding(job.pk, attempt=job.attempt, reason_code="gpu_unhealthy", message=f"{what}.",
-                                   reason_message=f"{what}. Requeued to run on other GPUs.")
-            if done:
-                stops += done
-                requeued.append(job.pk)
-            continue
-        why = "it is not preemptible and does not checkpoint" if not movable else "it has no attempts left"
-        note = f"{what}. The job keeps running because {why}; check its results."[:300]
-        if Job.objects.filter(pk=job.pk, attempt=job.attempt, state__in=HOLDING).update(
-                reason_code="gpu_unhealthy", reason_message=note):
-            JobEvent.objects.create(job=job, attempt=job.attempt, state=job.state, message=note)
-            warned.append(job.pk)
-    for name, job_id, attempt, grace, signal in stops:
-        transaction.on_commit(lambda n=name, j=job_id, a=attempt, g=grace, s=signal:
-                              send_stop(n, j, a, "gpu_unhealthy", g, s))
-    drained = False
-    if settings.GPU_HEALTH_AUTO_DRAIN and node.state == NodeState.READY:
-        node_drain(actor=Actor(user=None, label="gpu-health"), node=node, reason=f"Auto-drained: {what}"[:200])
-        drained = True
-    return {"requeued": requeued, "warned": warned, "drained": drained}
-
-
-def gpus_scrub_failed(*, node: Node, failures: list[dict], job_id) -> list[int]:
-    """GPUs whose memory the agent could not clear after a job (docs/reliability.md 2.2).
-
-    The next tenant could read what the last one left, so each GPU turns unhealthy (the scheduler
-    skips it) until an operator clears it, and the node is drained, whatever GPU_HEALTH_AUTO_DRAIN
-    says (docs/reliability.md rule 5, Slurm's ReturnToService=0). The agent scrubs only GPUs no running
-    job shares, so no other job is touched. Returns the GPU indexes marked.
-    """
+def gpus_mark_scrub_failed(*, node: Node, failures: list[dict], job_id) -> list[int]:
+    """GPUs whose memory the agent could not clear after a job (docs/reliability.md 2.2): each turns
+    unhealthy (the scheduler skips it) until an operator clears it. Returns the GPU indexes marked;
+    jobs.node_effects.gpus_scrub_failed drains the node for them."""
     system = Actor(user=None, label=f"node:{node.name}")
     marked = []
     with transaction.atomic():
@@ -393,33 +328,25 @@ def gpus_scrub_failed(*, node: Node, failures: list[dict], job_id) -> list[int]:
             GPU.objects.filter(pk=gpu.pk).update(health=GPUHealth.UNHEALTHY, health_reason=reason)
             audit_record(actor=system, action="gpu.unhealthy", obj=gpu, reason=reason)
             marked.append(gpu.index)
-        if marked:
-            node_drain_for_fault(node=node, problem=f"memory scrub failed on GPU {', '.join(map(str, marked))}")
-    if marked:
-        request_schedule_pass()
     return marked
 
 
-def node_drain_for_fault(*, node: Node, problem: str) -> bool:
-    """Drain a node its agent reports broken (a GPU it could not scrub, a sandbox it could not kill),
-    whatever GPU_HEALTH_AUTO_DRAIN says: no new job lands there until an operator undrains it
-    (docs/reliability.md rule 5). Returns True when this call drained it."""
+def node_mark_draining_for_fault(*, node: Node, problem: str) -> bool:
+    """The node's part of a drain for a fault its agent reports: a ready node turns draining
+    (conditional: a node the reaper marked down meanwhile, or one already drained, keeps its
+    state). Returns True when this call drained it."""
     reason = f"Auto-drained: {problem}"[:200]
     with transaction.atomic():
-        if Node.objects.filter(pk=node.pk, state=NodeState.READY).exists():
-            migrate_checkpointing_jobs(node=node, why=f"Node {node.name} was drained: {problem}."[:250],
-                                       reason_code="node_drained")
-        busy = node.jobs.filter(state__in=HOLDING).exists()
-        # Conditional: a node the reaper marked down meanwhile, or one already drained, keeps its state.
-        if not Node.objects.filter(pk=node.pk, state=NodeState.READY).update(
-                state=NodeState.DRAINING if busy else NodeState.DRAINED, state_reason=reason):
+        if not Node.objects.filter(pk=node.pk, state=NodeState.READY).update(state=NodeState.DRAINING,
+                                                                                 state_reason=reason):
             return False
         audit_record(actor=Actor(user=None, label=f"node:{node.name}"), action="node.drain", obj=node, reason=reason)
     return True
 
 
-def nodes_reap() -> dict:
-    """Mark nodes silent past their deadline down and end or requeue their jobs.
+def nodes_past_deadline() -> tuple[list[Node], dict]:
+    """The reaper's finding: the nodes silent past their deadline, and its figures (the answer of
+    jobs.node_effects.nodes_reap when no node is to be marked down). node_mark_down marks each.
 
     The deadline is NODE_TIMEOUT_S after a node's last heartbeat. The portal's own trouble is not
     a node failure (docs/reliability.md, section 8):
@@ -439,7 +366,7 @@ def nodes_reap() -> dict:
     cutoff = now - timedelta(seconds=settings.NODE_TIMEOUT_S)
     fresh_since = _reaper_mark_run(now)
     if fresh_since > cutoff:
-        return {"down": 0, "fresh_lease_until": fresh_since + timedelta(seconds=settings.NODE_TIMEOUT_S)}
+        return [], {"down": 0, "fresh_lease_until": fresh_since + timedelta(seconds=settings.NODE_TIMEOUT_S)}
     live = Node.objects.filter(state__in=[NodeState.READY, NodeState.DRAINING, NodeState.DRAINED])
     heard = list(live.exclude(last_heartbeat_at__isnull=True).values_list("last_heartbeat_at", flat=True))
     lag = _reaper_ingest_lag(now, ingest_lag(now, heard))
@@ -447,7 +374,7 @@ def nodes_reap() -> dict:
     silent = list(live.filter(Q(last_heartbeat_at__lt=cutoff) | Q(last_heartbeat_at__isnull=True,
                                                                     created_at__lt=cutoff)))
     if not silent:
-        return {"down": 0, **({"ingest_lag_s": round(lag, 1)} if lag else {})}
+        return [], {"down": 0, **({"ingest_lag_s": round(lag, 1)} if lag else {})}
     # Nodes this reaper marked down lately count as silent too: a portal overloaded for a while
     # loses nodes a few at a time, each batch under the threshold, but not all of them.
     recent = Node.objects.filter(state=NodeState.DOWN, state_reason=REAPED_REASON,
@@ -457,7 +384,7 @@ def nodes_reap() -> dict:
             "%d of %d nodes silent at once (%d of them already marked down lately): suspecting the portal "
             "side, not marking them down", len(silent) + recent, total + recent, recent)
         ReaperState.objects.filter(pk=1).update(leases_fresh_since=now)
-        return {"down": 0, "suspected_portal_failure": len(silent) + recent}
+        return [], {"down": 0, "suspected_portal_failure": len(silent) + recent}
     if lag:
         late_cutoff = cutoff - timedelta(seconds=lag)
         held = sum(1 for node in silent if (node.last_heartbeat_at or node.created_at) >= late_cutoff)
@@ -467,23 +394,18 @@ def nodes_reap() -> dict:
                 "%d node(s) silent for over %gs not marked down: the portal hears heartbeats %.0fs late, "
                 "so their deadline is %.0fs", held, settings.NODE_TIMEOUT_S, lag, settings.NODE_TIMEOUT_S + lag)
         if not silent:
-            return {"down": 0, "ingest_lag_s": round(lag, 1), "held": held}
-    requeued = failed = 0
-    for node in silent:
-        with transaction.atomic():
-            if not Node.objects.filter(pk=node.pk, last_heartbeat_at=node.last_heartbeat_at).exclude(
-                    state=NodeState.DOWN).update(state=NodeState.DOWN, state_reason=REAPED_REASON):
-                continue  # it spoke meanwhile
-            audit_record(actor=Actor(user=None, label="reaper"), action="node.down", obj=node)
-            job_ids = set(Job.objects.filter(state__in=HOLDING, node=node).values_list("pk", flat=True))
-            job_ids |= set(Job.objects.filter(state__in=HOLDING, allocations__gpu__node=node,
-                                              allocations__released_at__isnull=True).values_list("pk", flat=True))
-            for job in Job.objects.filter(pk__in=job_ids):
-                outcome = job_requeue_after_node_fault(job, f"Node {node.name} stopped answering.")
-                requeued += outcome == "requeued"
-                failed += outcome == "node_fail"
-    request_schedule_pass()
-    return {"down": len(silent), "requeued": requeued, "node_fail": failed}
+            return [], {"down": 0, "ingest_lag_s": round(lag, 1), "held": held}
+    return silent, {"down": len(silent)}
+
+
+def node_mark_down(node: Node) -> bool:
+    """Mark a node the reaper found silent down, in the caller's transaction; False when it spoke
+    since it was read (its last heartbeat moved) or is already down."""
+    if not Node.objects.filter(pk=node.pk, last_heartbeat_at=node.last_heartbeat_at).exclude(
+            state=NodeState.DOWN).update(state=NodeState.DOWN, state_reason=REAPED_REASON):
+        return False
+    audit_record(actor=Actor(user=None, label="reaper"), action="node.down", obj=node)
+    return True
 
 
 def ingest_lag(now, heard: list) -> float:

@@ -2,7 +2,8 @@ from django.conf import settings
 from django.core.validators import MinValueValidator
 from django.db import models
 
-from portal.tenancy.models import TenantQuerySet, slug_validator
+from portal.core.querysets import TenantQuerySet
+from portal.tenancy.models import slug_validator
 
 
 class Volume(models.Model):

@@ -13,7 +13,8 @@ from portal.jobs.models import Allocation, Job
 from portal.jobs.reports import job_report
 from portal.jobs.services import job_cancel
 from portal.nodes.models import Node
-from portal.nodes.services import node_add, nodes_reap
+from portal.jobs.node_effects import nodes_reap
+from portal.nodes.services import node_add
 from scheduler.adapter import _apply_preemption, run_pass
 from scheduler.core.model import Preemption
 

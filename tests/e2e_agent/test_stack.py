@@ -19,7 +19,8 @@ from rest_framework.test import APIClient
 from portal.core.context import Actor
 from portal.jobs.models import Job
 from portal.nodes.models import Node
-from portal.nodes.services import node_add, nodes_reap
+from portal.jobs.node_effects import nodes_reap
+from portal.nodes.services import node_add
 from tests.conftest import make_token
 from tests.procs import start_process, stop_process, wait_for
 
@@ -199,7 +200,7 @@ def test_cancel_while_running_removes_the_container(stack):
 
 
 def test_duplicate_launch_starts_nothing_twice(stack):
-    from portal.launch import launch_spec
+    from portal.jobs.selectors import launch_spec
     from scheduler.dispatch import send_launch
 
     job_id = stack.submit(command=["sleep", "300"])

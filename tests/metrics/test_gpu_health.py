@@ -6,7 +6,8 @@ from portal.core.context import Actor
 from portal.jobs.models import Allocation, Job, JobEvent
 from portal.jobs.services import job_submit
 from portal.nodes.models import Node
-from portal.nodes.services import node_add, node_drain
+from portal.jobs.node_effects import node_drain
+from portal.nodes.services import node_add
 from scheduler.adapter import run_pass
 from tests.metrics.test_metrics import IMAGE, sample
 

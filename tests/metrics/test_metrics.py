@@ -162,7 +162,7 @@ def test_metrics_query_count_is_flat(node, demo, api, django_assert_max_num_quer
 
 
 def test_a_hot_gpu_whose_scrub_failed_meanwhile_does_not_heal_by_cooling(node):
-    from portal.nodes.services import gpus_scrub_failed
+    from portal.jobs.node_effects import gpus_scrub_failed
 
     hot = node.gpus[0]
     beat(node, [sample(hot, temperature_c=95)])  # unhealthy for heat (the health map caches that reason)

@@ -9,7 +9,8 @@ from portal.core.context import Actor
 from portal.jobs.models import Allocation, Job, JobEvent, JobLogChunk
 from portal.jobs.services import job_cancel, job_submit
 from portal.nodes.models import GPU, Node
-from portal.nodes.services import node_add, nodes_reap
+from portal.jobs.node_effects import nodes_reap
+from portal.nodes.services import node_add
 from scheduler.adapter import run_pass
 from tests.conftest import agent_client
 

@@ -6,7 +6,8 @@ from django.test import Client
 from portal.core.context import Actor
 from portal.jobs.services import job_submit
 from portal.nodes.models import GPU, GPUHealth, Node
-from portal.nodes.services import node_add, node_drain
+from portal.jobs.node_effects import node_drain
+from portal.nodes.services import node_add
 from scheduler.adapter import run_pass
 from tests.conftest import make_token
 

@@ -13,7 +13,8 @@ from rest_framework.test import APIClient
 
 from portal.core.context import Actor
 from portal.nodes.models import Node, ReaperState
-from portal.nodes.services import node_add, nodes_reap
+from portal.jobs.node_effects import nodes_reap
+from portal.nodes.services import node_add
 from tests.conftest import agent_client, make_token
 
 SAMPLE = {"gpu_uuid": "GPU-o-0", "gpu_index": 0, "utilization": 50.0, "memory_used_mb": 100, "temperature_c": 40,

@@ -9,7 +9,8 @@ import pytest
 from portal.core.context import Actor
 from portal.core.models import AuditEvent
 from portal.nodes.models import Node, ReaperState
-from portal.nodes.services import ingest_lag, node_add, nodes_reap
+from portal.jobs.node_effects import nodes_reap
+from portal.nodes.services import ingest_lag, node_add
 
 pytestmark = pytest.mark.clock
 

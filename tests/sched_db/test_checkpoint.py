@@ -10,7 +10,8 @@ from portal.core.context import Actor
 from portal.jobs.models import Allocation, Job
 from portal.jobs.reports import job_report
 from portal.jobs.services import job_move, job_submit
-from portal.nodes.services import gpu_unhealthy_handle, node_add, node_drain
+from portal.jobs.node_effects import gpu_unhealthy_handle, node_drain
+from portal.nodes.services import node_add
 from scheduler import adapter
 
 IMAGE = "gpuportal/busybox:latest"
@@ -144,7 +145,7 @@ def test_a_gpu_fault_moves_a_checkpointing_job(demo, sent, node):
 
 
 def test_the_launch_spec_carries_the_checkpoint_signal(demo, sent, node):
-    from portal.launch import launch_spec
+    from portal.jobs.selectors import launch_spec
 
     job = run(node, submit(demo, "saver", 1, {"signal": "SIGINT", "grace_s": 30}))
     spec = launch_spec(job.pk, "gpu-01")

@@ -114,7 +114,7 @@ def test_the_kvm_sandbox_refuses_volumes(api, demo):
 
 @pytest.mark.parametrize("volumes", [[{"name": "x"}], []], ids=["on-the-volume", "project-default"])
 def test_the_next_attempt_on_another_node_sees_the_checkpoint(api, demo, drivers, volumes):
-    from portal.jobs.reports import job_requeue_after_node_fault
+    from portal.jobs.node_effects import job_requeue_after_node_fault
 
     api("alice").post("/api/v1/volumes/", {"project": "vision", "name": "x"}, format="json")
     script = ('echo "dir=$GPUPORTAL_CHECKPOINT_DIR"; if [ -f "$GPUPORTAL_CHECKPOINT_DIR/step" ]; '

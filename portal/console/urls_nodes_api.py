@@ -1,7 +1,7 @@
 from django.urls import path
 from rest_framework.routers import SimpleRouter
 
-from .api import ClusterView, NodeViewSet
+from .nodes_api import ClusterView, NodeViewSet
 
 router = SimpleRouter()
 router.register("nodes", NodeViewSet, basename="node")

@@ -1,5 +1,8 @@
 """The nodes page: site staff see every node, GPU and what runs where; drain and undrain.
-The cluster page: every signed-in user sees GPUs by pool and type, counts only."""
+The cluster page: every signed-in user sees GPUs by pool and type, counts only.
+
+Here, above jobs and nodes, because both show or change jobs beside nodes: what runs on each
+GPU, the queue's counts, a drain that moves checkpointing jobs away (jobs/node_effects.py)."""
 from django import forms
 from django.contrib import messages
 from django.shortcuts import get_object_or_404, redirect, render
@@ -9,9 +12,11 @@ from django.views import View
 from portal.core.errors import ServiceError
 from portal.core.pages import PageMixin, StaffPageMixin, refused
 
-from .models import Node
+from portal.jobs.node_effects import node_drain
+from portal.nodes.models import Node
+from portal.nodes.services import node_undrain
+
 from .selectors import cluster_summary, nodes_overview
-from .services import node_drain, node_undrain
 
 
 class DrainForm(forms.Form):

@@ -1,7 +1,8 @@
-"""Node pages for site staff (the agent API is portal/agentapi/, the REST API urls_api.py)."""
+"""Node pages for site staff, under /nodes/ (the agent API is portal/agentapi/, the REST API
+urls_nodes_api.py)."""
 from django.urls import path
 
-from . import views
+from . import nodes as views
 
 app_name = "nodes"
 urlpatterns = [

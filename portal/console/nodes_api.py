@@ -1,3 +1,6 @@
+"""The nodes API (/api/v1/nodes/, site staff) and the cluster view (/api/v1/cluster/, everyone):
+above jobs and nodes, as the nodes pages (nodes.py) are, since a drain moves jobs and the cluster
+counts them."""
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, permissions, serializers, viewsets
 from rest_framework.decorators import action
@@ -6,9 +9,11 @@ from rest_framework.views import APIView
 
 from portal.core.api import ActorMixin, StrictSerializer
 
-from .models import GPU, Node
+from portal.jobs.node_effects import node_drain
+from portal.nodes.models import GPU, Node
+from portal.nodes.services import node_undrain
+
 from .selectors import cluster_summary
-from .services import node_drain, node_undrain
 
 
 class GPUSerializer(serializers.ModelSerializer):
