@@ -20,10 +20,11 @@ LEASE_S = 2.0
 
 
 @pytest.fixture
-def live(tmp_path):
-    """A real agent (client, process driver, heartbeat and supervisor threads) with a 2 s lease."""
+def live(tmp_path, request):
+    """A real agent (client, process driver, heartbeat and supervisor threads) with a 2 s lease; the
+    fixture's param is the client's slow_is_outage (default on)."""
     stub = PortalStub()
-    client = PortalClient(stub.url, TOKEN, timeout_s=2, retries=0)
+    client = PortalClient(stub.url, TOKEN, timeout_s=2, retries=0, slow_is_outage=getattr(request, "param", True))
     driver = ProcessDriver(node="lease", state_dir=str(tmp_path))
     try:
         with running_agent("lease", client, driver, lease_s=LEASE_S) as agent:
@@ -36,13 +37,18 @@ def running(live, job_id):
     return any(j == job_id and live.driver.poll(h)[0] == RUNNING for j, _, h in live.driver.list_own())
 
 
+def runs_on_through_three_leases(live, job_id):
+    """Watches the job for three leases: it must run, and the agent not fence, the whole time."""
+    t_end = time.monotonic() + 3 * LEASE_S
+    while time.monotonic() < t_end:
+        assert running(live, job_id) and not live.agent.fenced
+        time.sleep(0.1)
+
+
 def test_job_keeps_running_while_the_portal_answers_503_longer_than_the_lease(live):
     assert live.agent.launch("j1", 1, JOB) == "started"
     live.stub.outage = True  # its database is out: every request answers 503 + X-Gpuportal-Outage
-    t_end = time.monotonic() + 3 * LEASE_S
-    while time.monotonic() < t_end:  # three leases long, the job must never stop
-        assert running(live, "j1") and not live.agent.fenced
-        time.sleep(0.1)
+    runs_on_through_three_leases(live, "j1")
     assert live.agent.client.portal_outage == "database"
     live.stub.outage = False
     wait_for(lambda: live.agent.client.portal_outage == "", 5, "the portal to answer again")
@@ -55,18 +61,42 @@ def test_job_keeps_running_while_the_portal_refuses_connections_longer_than_the_
     renews its lease (and the lease file its jobs' supervisors read) on each refusal."""
     assert live.agent.launch("j1", 1, JOB) == "started"
     live.stub.stop_listening()
-    t_end = time.monotonic() + 3 * LEASE_S
-    while time.monotonic() < t_end:
-        assert running(live, "j1") and not live.agent.fenced
-        time.sleep(0.1)
+    runs_on_through_three_leases(live, "j1")
     assert live.agent.client.portal_outage.startswith("web")
     live.stub.listen()
     wait_for(lambda: live.agent.client.portal_outage == "", 5, "the portal to answer again")
     assert running(live, "j1")
 
 
+def test_job_keeps_running_while_the_portal_takes_connections_and_answers_none_longer_than_the_lease(live):
+    """A frozen or overloaded portal (its workers SIGSTOPped, its queue long): connections are accepted,
+    nothing is answered for three leases. Before each deadline the lease check finds a request unanswered and
+    the portal's host still accepting connections, and renews the lease (and the lease file): the job runs on.
+    The requests taken meanwhile are answered late, and the agent carries on."""
+    assert live.agent.launch("j1", 1, JOB) == "started"
+    live.stub.freeze()
+    runs_on_through_three_leases(live, "j1")
+    assert live.agent.client.portal_outage.startswith("web (slow")
+    before = len(live.stub.calls("/heartbeat"))
+    live.stub.thaw()
+    wait_for(lambda: live.agent.client.portal_outage == "" and len(live.stub.calls("/heartbeat")) > before + 1, 10,
+             "the portal to answer again")
+    assert running(live, "j1") and not live.agent.fenced
+
+
+@pytest.mark.parametrize("live", [False], indirect=True)
+def test_a_frozen_portal_is_silence_with_slow_is_outage_off(live):
+    """The control: with slow_is_outage off, the same freeze runs the lease out and the job is stopped."""
+    assert live.agent.launch("j1", 1, JOB) == "started"
+    live.stub.freeze()
+    wait_for(lambda: not running(live, "j1"), LEASE_S + 5, "the lease to stop the job")
+    assert live.agent.fenced
+    live.stub.thaw()
+
+
+@pytest.mark.parametrize("live", [False], indirect=True)
 def test_silence_past_the_lease_stops_the_job(live):
-    """The control: a proxy's 502 (no portal behind it) is silence, and the lease fences."""
+    """The control: with slow_is_outage off a 502 without the outage header is silence, and the lease fences."""
     assert live.agent.launch("j1", 1, JOB) == "started"
     t0 = time.monotonic()
     live.stub.fail_next = [502] * 10_000
