@@ -81,6 +81,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="a connection the portal's host refuses (its web processes restarting) renews the lease "
                          "like the portal's outage answer, so jobs run on through a restart of the portal; off "
                          "where a firewall may reject (not drop) this node's packets (docs/reliability.md)")
+    ap.add_argument("--slow-is-outage", choices=["on", "off"], default=env("GPUPORTAL_SLOW_IS_OUTAGE") or "on",
+                    help="a slow portal (502/503/504 on a direct connection, or a request unanswered while its "
+                         "host still accepts connections) renews the lease like its outage answer, so jobs run on "
+                         "while the portal is frozen or overloaded; off where this node's path to the portal may "
+                         "stay half-open alone (docs/reliability.md)")
     ap.add_argument("--image-cache-gb", type=float, default=env("GPUPORTAL_IMAGE_CACHE_GB") or "0",
                     help="docker: the most GB of job images this node keeps; past it the least recently used "
                          "images it pulled, and no container uses, are removed (0: no limit)")
@@ -90,7 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     # argparse checks choices on the command line only, not on defaults from the environment.
     for opt, var in (("gang_network_driver", "GPUPORTAL_GANG_NETWORK_DRIVER"), ("gpu_scrub", "GPUPORTAL_GPU_SCRUB"),
-                     ("refused_is_outage", "GPUPORTAL_REFUSED_IS_OUTAGE")):
+                     ("refused_is_outage", "GPUPORTAL_REFUSED_IS_OUTAGE"),
+                     ("slow_is_outage", "GPUPORTAL_SLOW_IS_OUTAGE")):
         choices = next(a.choices for a in ap._actions if a.dest == opt)
         if getattr(args, opt) not in choices:
             ap.error(f"{var}: expected one of {', '.join(choices)}, got {getattr(args, opt)!r}")
@@ -156,7 +162,8 @@ def main(argv=None) -> int:
     except (ValueError, SandboxError) as exc:
         print(f"agent: {exc}", file=sys.stderr)
         return 2
-    client = PortalClient(args.portal, args.token, refused_is_outage=args.refused_is_outage == "on")
+    client = PortalClient(args.portal, args.token, refused_is_outage=args.refused_is_outage == "on",
+                          slow_is_outage=args.slow_is_outage == "on")
     if args.session_listen:
         from agents.sessions import Gateway, SessionDriver
 

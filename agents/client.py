@@ -26,15 +26,28 @@ that, so the agent's lease never outlasts the portal's view of it):
   dropping them) looks the same to that node: where one may, turn it off
   (``--refused-is-outage off``).
 
-Other 5xx (a proxy with no portal behind it, no outage header), a reset or
-timed-out connection and no answer at all do not renew it: that is the silence
-the lease is for (a partition drops packets: the connection times out).
+- a slow portal, unless ``slow_is_outage`` is off: a 502, 503 or 504 answered on
+  a direct connection (the portal's proxy has no portal behind it, or it timed
+  out waiting), or a request unanswered while a fresh connection to the
+  portal's host is still accepted (its kernel takes connections its frozen or
+  overloaded workers have not answered yet; ``renew_if_slow``, asked by the
+  agent's lease check before it fences). The portal did not process these
+  heartbeats, so it cannot have counted this node silent alone: either it
+  hears every node late (its reaper's lag brake moves every deadline) or none
+  at all (the mass-failure brake, then a fresh lease for every node).
+
+A reset connection, a connection that cannot even be made (a partition drops
+packets: the connect times out), a 5xx through a proxy of the node's own
+(``HTTPS_PROXY``: it may stand on the node's side of a partition) and no answer
+at all do not renew it: that is the silence the lease is for.
 """
 
 from __future__ import annotations
 
 import base64
 import logging
+import socket
+import threading
 import time
 import urllib.parse
 
@@ -68,12 +81,15 @@ class StaleAttempt(PortalError):
 
 OUTAGE_HEADER = "X-Gpuportal-Outage"  # set by the portal's portal/core/middleware.py
 LEASE_PATHS = ("/heartbeat", "/register")
+# A proxy in front of the portal answering for it: no portal behind it (502, 503) or none in time (504).
+SLOW_STATUSES = (502, 503, 504)
 
 
 class PortalClient:
     def __init__(self, portal_url: str, token: str, *, timeout_s: float = 10.0, retries: int = 3,
                  backoff_s: float = 0.5, max_backoff_s: float = 5.0, session: requests.Session | None = None,
-                 clock=time.monotonic, sleep=time.sleep, refused_is_outage: bool = True):
+                 clock=time.monotonic, sleep=time.sleep, refused_is_outage: bool = True,
+                 slow_is_outage: bool = True):
         if not token.startswith("gpn_"):
             raise ValueError("--token: a node token starts with gpn_")
         self.base = portal_url.rstrip("/") + API_PREFIX
@@ -95,6 +111,11 @@ class PortalClient:
         self.on_lease_renewed = None
         self.portal_outage: str = ""  # what the portal last said is out ("database"), "" once it answers
         self.refused_is_outage = refused_is_outage
+        # A proxy of the node's own may stand on its side of a partition: its 5xx says nothing of the portal.
+        self.slow_is_outage = slow_is_outage and not requests.utils.get_environ_proxies(self.base)
+        self._flight_lock = threading.Lock()
+        self._in_flight = 0  # requests sent and not yet answered (nor failed)
+        self._timed_out = False  # the last request ended without an answer in time (read timeout)
 
     # -- transport ------------------------------------------------------------
 
@@ -110,6 +131,31 @@ class PortalClient:
         self.lease_renewed_at = max(self.lease_renewed_at or sent, sent)
         if self.on_lease_renewed is not None:
             self.on_lease_renewed()
+
+    def renew_if_slow(self, probe_timeout_s: float = 1.0) -> bool:
+        """The lease check's question before it fences: is the portal slow rather than gone? True (and
+        the lease renewed from now) when a request is unanswered, or the last one timed out waiting for
+        its answer, and a fresh TCP connection to the portal's host is accepted within
+        ``probe_timeout_s``: its host is up and reachable, only its workers do not answer (frozen,
+        overloaded). A kept-alive connection proves nothing (a partition drops packets on it too), a
+        fresh connect does: under a partition it times out, and the lease runs out as before."""
+        if not self.slow_is_outage:
+            return False
+        with self._flight_lock:
+            waiting = self._in_flight > 0 or self._timed_out
+        if not waiting:
+            return False
+        probed = self._clock()
+        parts = urllib.parse.urlsplit(self.base)
+        try:
+            with socket.create_connection((parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)),
+                                          timeout=probe_timeout_s):
+                pass
+        except OSError as exc:
+            log.debug("the portal's host did not accept a connection (%s): silence, not a slow portal", exc)
+            return False
+        self._outage("web (slow: connected, no answer)", probed)
+        return True
 
     def _post(self, path: str, body: dict) -> dict:
         return self._send("POST", path, json=body)
@@ -129,18 +175,29 @@ class PortalClient:
             try:
                 if stream is not None:
                     stream.seek(0)
-                r = self.session.request(method, url, json=json, data=stream, params=params, headers=headers,
-                                         timeout=self.timeout_s)
+                with self._flight_lock:
+                    self._in_flight += 1
+                try:
+                    r = self.session.request(method, url, json=json, data=stream, params=params, headers=headers,
+                                             timeout=self.timeout_s)
+                finally:
+                    with self._flight_lock:
+                        self._in_flight -= 1
             except (requests.ConnectionError, requests.Timeout) as exc:
                 last_err = f"{type(exc).__name__}: {exc}"
+                # Connected, then no answer in time; a connection that could not be made is silence.
+                self._timed_out = isinstance(exc, requests.ReadTimeout)
                 if self.refused_is_outage and _refused(exc):
                     self._outage("web (connection refused)", sent)
                     last_err = f"connection refused (portal web outage): {exc}"
                 log.debug("%s %s failed (%s), attempt %d", method, path, last_err, attempt + 1)
                 continue
+            self._timed_out = False
             if r.status_code >= 500:
                 last_err = f"HTTP {r.status_code}"
                 outage = r.headers.get(OUTAGE_HEADER, "")
+                if not outage and self.slow_is_outage and r.status_code in SLOW_STATUSES:
+                    outage = f"web (HTTP {r.status_code})"
                 if outage:
                     self._outage(outage, sent)
                     last_err += f" (portal {outage} outage)"

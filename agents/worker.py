@@ -54,6 +54,9 @@ Key = tuple[str, int]
 STOPPED = "stopped"  # _gpus_ready: a stop arrived while the launch waited
 # Log chunks refused (or log reads failed) in a row before the agent gives that part of the log up.
 LOG_REFUSALS = 3
+# How long before its deadline the lease check asks whether the portal is slow rather than gone (at most a
+# third of the lease): the probe takes up to a second, and the renewal must reach the lease file in time.
+SLOW_PROBE_AHEAD_S = 2.0
 
 
 @dataclass
@@ -995,10 +998,18 @@ class Agent:
 
         The lease runs from the sending of the last heartbeat the portal took (or
         of any request it answered with its outage 503: agents/client.py), not from
-        log or event calls: the portal's reaper counts heartbeats only."""
+        log or event calls: the portal's reaper counts heartbeats only. A portal
+        that is slow (a request unanswered while its host still accepts connections)
+        renews it as its outage does, checked shortly before the deadline."""
         renewed = getattr(self.client, "lease_renewed_at", None)
         last = renewed if renewed is not None else self._started
         silent = self._clock() - last
+        if not self.fenced and silent > self.lease_s - min(SLOW_PROBE_AHEAD_S, self.lease_s / 3):
+            # Before the deadline, not at it: a portal that is slow, not gone, renews the lease in time for
+            # the lease file too (agents/client.py, renew_if_slow).
+            renew_if_slow = getattr(self.client, "renew_if_slow", None)
+            if renew_if_slow is not None and renew_if_slow():
+                silent = self._clock() - self.client.lease_renewed_at
         if self.fenced or silent <= self.lease_s:
             return self.fenced
         self.fenced = True

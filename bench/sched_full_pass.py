@@ -9,6 +9,8 @@ then times `scheduler.adapter.run_pass()`:
 - the pass after it (the starts changed what it reads: a full pass, writing the reasons that changed);
 - steady passes: nothing changed, about 8,000 waiting (median and worst of STEADY, default 20);
 - a steady pass made full (SCHEDULER_REPLAN_S=0): what a pass after one small change costs.
+PROFILE=1 profiles the last steady pass, PROFILE_FIRST=cumtime (or tottime) the first pass's CPU; BENCH_DB names
+the throwaway database (default gpuportal_bench), so two runs on one server do not collide.
 
     DEBUG=1 DATABASE_URL=postgres://postgres@127.0.0.1:5432/test .venv/bin/python bench/sched_full_pass.py
 Targets (issue #14): steady pass under 0.2 s; first pass under 2 s including publishing.
@@ -87,6 +89,21 @@ def line(name: str, wall: float, result: dict) -> str:
             f"reasons written {result['reasons_written']}")
 
 
+def backend_cpu_s():
+    """CPU seconds our PostgreSQL backend has used, or None when the server is not on this machine:
+    on a loaded machine wall times stretch with the load, CPU times do not."""
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        pid = cursor.fetchone()[0]
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def drain_node_queues() -> int:
     """Empty the bench nodes' queues on the broker (nothing consumes them); returns the messages dropped."""
     from portal.celery import app, node_queue
@@ -110,18 +127,31 @@ def main():
     from scheduler.adapter import run_pass
 
     steady = int(os.environ.get("STEADY", 20))
-    with throwaway_database("gpuportal_bench") as name:
+    with throwaway_database(os.environ.get("BENCH_DB", "gpuportal_bench")) as name:
         t0 = time.perf_counter()
         fill()
         print(f"filled {NODES} nodes x {GPUS_PER_NODE} GPUs, {NODES} running, {QUEUED} queued "
               f"in {time.perf_counter() - t0:.1f}s (database {name})")
         try:
+            backend0, cpu0 = backend_cpu_s(), time.process_time()
             t = time.perf_counter()
-            first = run_pass()
-            wall = time.perf_counter() - t
+            if os.environ.get("PROFILE_FIRST"):  # where the first pass goes (slower under the profiler)
+                import cProfile
+                import pstats
+
+                profile = cProfile.Profile(time.process_time)  # CPU time: the load stretches wall times
+                first = profile.runcall(run_pass)
+                wall = time.perf_counter() - t
+                pstats.Stats(profile).sort_stats(os.environ["PROFILE_FIRST"]).print_stats(40)
+            else:
+                first = run_pass()
+                wall = time.perf_counter() - t
             print(line("first pass", wall, first))
+            cpu, backend = time.process_time() - cpu0, backend_cpu_s()
             print(f"first pass: {wall:.3f}s with publishing, {wall - first['publish_s']:.3f}s without "
-                  f"({first['started']} started)")
+                  f"({first['started']} started); CPU {cpu:.3f}s here"
+                  + (f" + {backend - backend0:.2f}s PostgreSQL backend" if backend is not None else "")
+                  + f" (load average {os.getloadavg()[0]:.1f})")
         finally:
             print(f"node queues emptied: {drain_node_queues()} messages (agent protocol "
                   f"{os.environ.get('BENCH_PROTOCOL', PROTOCOL_VERSION)})")

@@ -38,9 +38,10 @@ from portal.core.crashpoints import crashpoint
 from portal.core.passes import pass_begins
 from portal.jobs.models import (HOLDING, QOS_VALUE, TERMINAL, Allocation, Job, JobState, ProjectFairshare,
                                 ProjectMonthUsage)
-from portal.jobs.selectors import launch_specs, usage_for_pass
+from portal.jobs.selectors import usage_for_pass
 from portal.jobs.states import transition
 from portal.jobs.usage import usage_fold
+from portal.launch import launch_specs
 from portal.nodes.models import GPU, GPUHealth, GPUMode, Node, NodeState
 from portal.storage.selectors import prefetch_entries
 from portal.tenancy.models import Organization, Project, Quota
@@ -367,16 +368,12 @@ def _apply_whole_starts(starts, context, start_times):
     first_node = {job_id: context["gpu_node"][s.gpu_ids[0]] for job_id, s in by_job.items()}
     try:
         with transaction.atomic():
-            moved = assign_many({j: node_ids[n] for j, n in first_node.items()},
+            moved = assign_many({j: (node_ids[n], _placement_topology(by_job[j], context))
+                                 for j, n in first_node.items()},
                                 message_for=lambda j: "Assigned to " + ", ".join(
                                     dict.fromkeys(context["gpu_node"][g] for g in by_job[j].gpu_ids)))
             allocate_whole_gpus([(job_id, attempt, int(g), by_job[job_id].borrowed, start_times[str(job_id)])
                                 for job_id, attempt in moved.items() for g in by_job[job_id].gpu_ids])
-            by_topology = defaultdict(list)
-            for job_id in moved:
-                by_topology[_placement_topology(by_job[job_id], context)].append(job_id)
-            for name, ids in by_topology.items():  # a handful of values: one UPDATE each
-                Job.objects.filter(pk__in=ids).update(placement_topology=name)
     except IntegrityError as exc:
         log.warning("bulk start refused by the database (%s); retrying one by one", exc)
         return [], starts
@@ -433,21 +430,30 @@ def _write_reasons(plan: core.Plan, context) -> int:
     context["notes"] = bool(notes)
     # Only queued rows: a job cancelled meanwhile keeps its own reason.
     if connection.vendor == "postgresql":
-        # One UPDATE ... FROM unnest(four arrays) per 5,000 rows: four parameters, whatever the count.
-        table = Job._meta.db_table
-        for i in range(0, len(changed), 5000):
-            ids, codes, messages, positions = (list(c) for c in zip(*changed[i:i + 5000]))
-            with connection.cursor() as cursor:
-                cursor.execute(
-                    f"UPDATE {table} AS j SET reason_code = v.code, reason_message = v.msg, queue_position = v.pos "
-                    f"FROM unnest(%s::bigint[], %s::text[], %s::text[], %s::integer[]) AS v(id, code, msg, pos) "
-                    f"WHERE j.id = v.id AND j.state = %s",
-                    [ids, codes, messages, positions, JobState.QUEUED])
+        _update_reasons(changed)
     else:
         for job_id, code, message, position in changed:
             Job.objects.filter(pk=job_id, state=JobState.QUEUED).update(
                 reason_code=code, reason_message=message, queue_position=position)
     return len(changed)
+
+
+def _update_reasons(changed: list[tuple[int, str, str, int | None]]) -> None:
+    """(id, code, message, position) rows in one UPDATE ... FROM unnest(arrays) per 5,000 rows, a
+    few parameters whatever the count. Thousands of waiting jobs share a few tens of reasons: each
+    distinct one is sent once and rows name it by its index, so a first pass sends integers, not
+    7,907 messages of a hundred characters each to quote and parse."""
+    table = Job._meta.db_table
+    for i in range(0, len(changed), 5000):
+        ids, codes, messages, positions = zip(*changed[i:i + 5000])
+        distinct = {reason: k for k, reason in enumerate(dict.fromkeys(zip(codes, messages)), start=1)}
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"UPDATE {table} AS j SET reason_code = (%s::text[])[v.k], reason_message = (%s::text[])[v.k], "
+                f"queue_position = v.pos FROM unnest(%s::bigint[], %s::integer[], %s::integer[]) AS v(id, k, pos) "
+                f"WHERE j.id = v.id AND j.state = %s",
+                [[code for code, _ in distinct], [message for _, message in distinct], list(ids),
+                 [distinct[reason] for reason in zip(codes, messages)], list(positions), JobState.QUEUED])
 
 
 def _resend_stale_launches(now) -> list[tuple[str, int, int]]:

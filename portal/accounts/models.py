@@ -2,7 +2,8 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
-from portal.core.querysets import TenantQuerySet
+from portal.core.context import ActorToken
+from portal.tenancy.models import TenantQuerySet
 
 
 class Scope(models.TextChoices):
@@ -26,7 +27,7 @@ class ApiTokenQuerySet(TenantQuerySet):
         return self.filter(revoked_at__isnull=True).filter(models.Q(expires_at__isnull=True) | models.Q(expires_at__gt=now))
 
 
-class ApiToken(models.Model):
+class ApiToken(ActorToken, models.Model):
     """A personal API token. Only a SHA-256 digest of the secret is stored.
 
     The secret (`gpp_...`) is shown once at creation; `prefix` (its first 12

@@ -12,6 +12,7 @@ from agents import protocol
 from agents.protocol import EVENT_STATES
 from portal.core.api import StrictSerializer
 from portal.jobs.reports import job_append_log, job_confirm, job_report, job_report_many
+from portal.launch import launch_spec
 from portal.nodes.agent_api import MAX_ATTEMPT, MAX_INT32, AgentView, speaks
 
 
@@ -26,7 +27,8 @@ class ConfirmView(AgentView):
     def post(self, request, job_id):
         data = AttemptSerializer(data=request.data)
         data.is_valid(raise_exception=True)
-        return Response({"spec": job_confirm(node=self.node, job_id=job_id, **data.validated_data)})
+        job = job_confirm(node=self.node, job_id=job_id, **data.validated_data)
+        return Response({"spec": launch_spec(job.pk, self.node.name)})
 
 
 @speaks(protocol.SCRUB_FAILURE)

@@ -9,7 +9,7 @@ from decimal import Decimal
 from django.conf import settings
 from django.db import models
 
-from portal.core.querysets import TenantQuerySet, staff_bypass
+from portal.tenancy.models import TenantQuerySet, staff_bypass
 
 
 class RateCard(models.Model):

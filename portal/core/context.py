@@ -3,10 +3,18 @@ from dataclasses import dataclass
 from typing import Any
 
 
+class ActorToken:
+    """What a personal API token is to the actor: accounts.ApiToken inherits it, so a request's
+    `auth` is known for one without this layer importing accounts (a node's token or the metrics
+    scrape token is not one). `project_id`: the one project it is restricted to, or None."""
+
+    project_id: int | None
+
+
 @dataclass(frozen=True)
 class Actor:
     user: Any  # django.contrib.auth User, or None for the system itself
-    token: Any = None  # accounts.ApiToken when the request came with a Bearer token
+    token: ActorToken | None = None  # accounts.ApiToken when the request came with a Bearer token
     ip: str | None = None
     label: str = ""  # what acts when there is no user: "system", "scheduler", "node:gpu-01"
 
@@ -34,9 +42,7 @@ def client_ip(request) -> str | None:
 
 
 def actor_from_request(request) -> Actor:
-    from portal.accounts.models import ApiToken
-
     auth = getattr(request, "auth", None)
-    token = auth if isinstance(auth, ApiToken) else None
+    token = auth if isinstance(auth, ActorToken) else None
     user = request.user if request.user.is_authenticated else None
     return Actor(user=user, token=token, ip=client_ip(request))

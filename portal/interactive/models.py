@@ -10,7 +10,7 @@ import secrets
 from django.conf import settings
 from django.db import models
 
-from portal.core.querysets import TenantQuerySet
+from portal.tenancy.models import TenantQuerySet
 
 
 class SessionKind(models.TextChoices):
@@ -40,6 +40,14 @@ def attempt_secret(secret: str, attempt: int) -> str:
     return hmac.new(secret.encode(), f"gpuportal-session-attempt:{attempt}".encode(), hashlib.sha256).hexdigest()
 
 
+def key_for(secret: str, attempt: int, legacy_key: str = "", legacy_attempt: int = 0) -> str:
+    """An attempt's key: its own (attempt_secret), or, for the one attempt launched before per-attempt
+    keys, the secret its node and app were given then."""
+    if legacy_key and attempt == legacy_attempt:
+        return legacy_key
+    return attempt_secret(secret, attempt)
+
+
 class SessionQuerySet(TenantQuerySet):
     project_path = "job__project"
 
@@ -62,6 +70,11 @@ class Session(models.Model):
     gateway_url = models.CharField(max_length=300, blank=True)
     # The attempt whose node gave gateway_url: the proxy sends an attempt's key only to that attempt's node.
     gateway_attempt = models.PositiveIntegerField(default=0)
+    # An attempt launched before per-attempt keys: its node and app hold the session's secret of then,
+    # kept here as that attempt's key (migration 0004) while ``secret`` was replaced, so that attempt stays
+    # reachable and the node that knows the old secret can make no later attempt's key.
+    legacy_key = models.CharField(max_length=64, blank=True)
+    legacy_attempt = models.PositiveIntegerField(default=0)
     message = models.CharField(max_length=300, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     running_at = models.DateTimeField(null=True, blank=True)
@@ -84,7 +97,7 @@ class Session(models.Model):
         return f"/sessions/{self.job_id}/{self.name}/"
 
     def secret_for(self, attempt: int) -> str:
-        return attempt_secret(self.secret, attempt)
+        return key_for(self.secret, attempt, self.legacy_key, self.legacy_attempt)
 
 
 class SessionPolicy(models.Model):

@@ -1,6 +1,6 @@
 """Reads for interactive sessions: who may connect, and the cards the pages show."""
 
-from .models import LIVE_STATES, Session, SessionState, attempt_secret
+from .models import LIVE_STATES, Session, SessionState, key_for
 
 
 def session_for_connect(user, job_id, name: str, *, token=None) -> Session | None:
@@ -84,10 +84,11 @@ def launch_sessions(job_ids: list[int]) -> dict[int, list[dict]]:
     if not job_ids:
         return out
     rows = Session.objects.filter(job_id__in=job_ids).order_by("job_id", "name") \
-        .values_list("job_id", "name", "port", "kind", "secret", "job__attempt")
-    for job_id, name, port, kind, secret, attempt in rows:
+        .values_list("job_id", "name", "port", "kind", "secret", "job__attempt", "legacy_key", "legacy_attempt")
+    for job_id, name, port, kind, secret, attempt, legacy_key, legacy_attempt in rows:
         out.setdefault(job_id, []).append({"name": name, "port": port, "kind": kind,
-                                           "secret": attempt_secret(secret, attempt),  # this attempt's own
+                                           # this attempt's own
+                                           "secret": key_for(secret, attempt, legacy_key, legacy_attempt),
                                            "base_url": f"/sessions/{job_id}/{name}/"})
     return out
 

@@ -1,7 +1,7 @@
 from django.conf import settings
 from django.db import models
 
-from portal.core.querysets import TenantQuerySet
+from portal.tenancy.models import TenantQuerySet
 
 
 class JobState(models.TextChoices):

@@ -50,16 +50,15 @@ def held_job(*, node, job_id, attempt: int, states=HOLDING) -> Job:
     return job
 
 
-def job_confirm(*, node, job_id, attempt: int) -> dict:
-    """The agent asks before starting anything. Returns the launch spec, or raises Conflict (409)."""
-    from .selectors import launch_spec
-
+def job_confirm(*, node, job_id, attempt: int) -> Job:
+    """The agent asks before starting anything: the job turns starting, or Conflict (409). The agent
+    API answers with its launch spec (portal.launch, which composes it above jobs)."""
     job = held_job(node=node, job_id=job_id, attempt=attempt)
     from .states import transition
 
     transition(job.pk, to=JobState.STARTING, from_states={JobState.ASSIGNED}, attempt=attempt,
                message=f"Confirmed by {node.name}")
-    return launch_spec(job.pk, node.name)
+    return job
 
 
 def job_progress(*, node, job_id, attempt: int, stage: str, message: str) -> str:

@@ -8,7 +8,7 @@ from decimal import Decimal
 from django.db.models import Count, F, Sum
 from django.utils import timezone
 
-from portal.core.querysets import allowed_project_ids, staff_bypass
+from portal.tenancy.models import allowed_project_ids, staff_bypass
 
 from .models import Allocation
 
@@ -119,15 +119,12 @@ def volume_mounts(job) -> dict:
                                               "path": checkpoint_relpath(org, project, job.pk, writable)}}
 
 
-def launch_spec(job_id: int, node_name: str) -> dict | None:
-    """What the agent on `node_name` needs to start its part of the job, or None if the job
-    no longer holds GPUs there."""
-    return launch_specs([(node_name, job_id)]).get((node_name, job_id))
-
-
-def launch_specs(pairs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
-    """Launch specs for (node name, job id) pairs in three queries, whatever their number.
-    Multi-node gangs get the rendezvous variables torchrun and NCCL use."""
+def job_launch_parts(pairs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
+    """The jobs' part of the launch specs for (node name, job id) pairs, in three queries whatever
+    their number; pairs whose job no longer holds GPUs on that node are left out. Multi-node gangs
+    get the rendezvous variables torchrun and NCCL use. `datasets` holds the job's dataset
+    references as submitted and `sessions` is empty: portal.launch, above storage and interactive,
+    puts in the files to fetch and the published ports (docs/design.md section 2)."""
     from .models import HOLDING, Job
 
     from portal.tenancy.models import Project
@@ -144,13 +141,6 @@ def launch_specs(pairs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
                           .order_by("gpu__node__name", "gpu__index")
                           .values_list("job_id", "gpu__node__name", "gpu__index", "gpu__uuid", "fraction", "shared")):
         allocs[job_id].append(held)  # node, index, uuid, fraction, shared
-    from portal.interactive.selectors import launch_sessions
-
-    sessions = launch_sessions(list(jobs))
-    # Datasets name the files the node fetches into its cache (presigned URLs: made at launch time).
-    from portal.storage.selectors import launch_datasets
-
-    datasets = launch_datasets(list(jobs.values()))
     out = {}
     for node_name, job_id in pairs:
         job = jobs.get(job_id)
@@ -179,9 +169,8 @@ def launch_specs(pairs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
             "outputs": True,  # /outputs, uploaded as the attempt's artifacts when it ends (docs/storage.md)
             "checkpoint_signal": job.checkpoint_signal or None, "checkpoint_grace_s": job.checkpoint_grace_s,
             **volume_mounts(job),
-            "datasets": datasets.get(job.pk, []),  # read-only at /datasets/<name> (agents/datasets.py)
-            # Published ports (docs/sessions.md), on the first node only: a gang cannot publish any.
-            "sessions": sessions.get(job.pk, []) if node_name == nodes[0] else [],
+            "datasets": job.datasets or [],  # references here; the files to fetch in portal.launch
+            "sessions": [],  # published ports: portal.launch
         }
     return out
 

@@ -9,10 +9,10 @@ from rest_framework import serializers
 from portal.core import locks
 from portal.core.context import Actor
 from portal.core.errors import Conflict, Forbidden, InvalidInput, ServiceError, Unprocessable, check_valid
-from portal.core.querysets import check_token_project, user_can
 from portal.core.queue import request_schedule_pass
 from portal.core.services import audit_record, require_operator
 from portal.core.text import check_plain_name
+from portal.tenancy.access import check_token_project, user_can
 from portal.tenancy.models import Project
 from scheduler.dispatch import send_stop
 

@@ -44,27 +44,28 @@ def transition(job_id: int, *, to: str, from_states, attempt: int | None = None,
     return True
 
 
-def assign_many(assignments: dict[int, int], *, message_for) -> dict[int, int]:
+def assign_many(assignments: dict[int, tuple[int, str]], *, message_for) -> dict[int, int]:
     """`transition()` for many queued jobs at once (a pass that starts thousands).
 
-    assignments: job id -> node id. One conditional UPDATE ... WHERE state='queued' from two
-    arrays, RETURNING the ids that moved (a job cancelled meanwhile does not), then one insert
-    of their events from arrays: a few parameters whatever the count, no model per row.
-    Returns {job id: attempt} of the jobs that moved. PostgreSQL only; callers fall back to
-    transition() elsewhere.
+    assignments: job id -> (node id, placement topology). One conditional UPDATE ... WHERE
+    state='queued' from three arrays, RETURNING the ids that moved (a job cancelled meanwhile
+    does not), then one insert of their events from arrays: a few parameters whatever the count,
+    no model per row. Returns {job id: attempt} of the jobs that moved. PostgreSQL only; callers
+    fall back to transition() elsewhere.
     """
     from django.db import connection
 
     if not assignments:
         return {}
     now = timezone.now()
+    nodes, topologies = zip(*assignments.values())
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.execute(
             f"UPDATE {Job._meta.db_table} AS j SET state = %s, state_changed_at = %s, node_id = v.node, "
-            f"reason_code = '', reason_message = '', queue_position = NULL "
-            f"FROM unnest(%s::bigint[], %s::bigint[]) AS v(id, node) WHERE j.id = v.id AND j.state = %s "
-            f"RETURNING j.id, j.attempt",
-            [JobState.ASSIGNED, now, list(assignments), list(assignments.values()), JobState.QUEUED])
+            f"placement_topology = v.topology, reason_code = '', reason_message = '', queue_position = NULL "
+            f"FROM unnest(%s::bigint[], %s::bigint[], %s::text[]) AS v(id, node, topology) "
+            f"WHERE j.id = v.id AND j.state = %s RETURNING j.id, j.attempt",
+            [JobState.ASSIGNED, now, list(assignments), list(nodes), list(topologies), JobState.QUEUED])
         moved = dict(cursor.fetchall())
         if moved:
             cursor.execute(

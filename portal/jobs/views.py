@@ -19,7 +19,7 @@ from django.views import View
 from portal.core.errors import ServiceError, check_valid
 from portal.core.numbers import parse_int, parse_ints
 from portal.core.pages import PageMixin, refused, scoped_or_404, version
-from portal.core.querysets import user_can
+from portal.tenancy.access import user_can
 from portal.tenancy.models import Project
 from portal.tenancy.selectors import artifact_retention_days
 

@@ -10,12 +10,12 @@ from django.views.generic import ListView
 
 from portal.core.errors import ServiceError
 from portal.core.pages import PageMixin, refused, scoped_or_404
-from portal.core.querysets import user_can
 from portal.interactive.selectors import session_cards
 from portal.jobs.models import JobTemplate
 from portal.jobs.selectors import jobs_for_list
 from portal.jobs.services import template_delete, template_save
 from portal.storage.artifacts import project_artifact_totals
+from portal.tenancy.access import user_can
 from portal.tenancy.models import ROLE_RANK, Membership, Project, Role
 from portal.tenancy.selectors import artifact_retention_days, projects_for_home
 from portal.tenancy.services import membership_add, membership_change_role, membership_remove

@@ -390,11 +390,12 @@ def resolve_job_datasets(project: Project, refs: list[str], sandbox: str | None)
     return out, errors
 
 
-def launch_datasets(jobs) -> dict[int, list[dict]]:
-    """For each job naming datasets, what its node fetches: [{name, version, digest, size, archive,
-    files: [{path, size, sha256, url}]}]. Bucket objects get presigned URLs valid DATASET_URL_TTL_S;
-    uploads are fetched from the portal's agent API with the node's token."""
-    return {job.pk: _fetch_entries(job.datasets) for job in jobs if job.datasets}
+def launch_datasets(refs_by_job: dict[int, list[dict]]) -> dict[int, list[dict]]:
+    """For each job naming datasets (its id: Job.datasets, the references resolved at submit), what
+    its node fetches: [{name, version, digest, size, archive, files: [{path, size, sha256, url}]}].
+    Bucket objects get presigned URLs valid DATASET_URL_TTL_S (made at launch time); uploads are
+    fetched from the portal's agent API with the node's token."""
+    return {job_id: _fetch_entries(refs) for job_id, refs in refs_by_job.items() if refs}
 
 
 def prefetch_entries(digests) -> list[dict]:

@@ -2,8 +2,7 @@ from django.conf import settings
 from django.core.validators import MinValueValidator
 from django.db import models
 
-from portal.core.querysets import TenantQuerySet
-from portal.tenancy.models import slug_validator
+from portal.tenancy.models import TenantQuerySet, slug_validator
 
 
 class Volume(models.Model):

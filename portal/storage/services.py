@@ -10,8 +10,8 @@ from django.db import IntegrityError, transaction
 from portal.core.context import Actor
 from agents.sandbox.volumes import chown_if_allowed
 from portal.core.errors import Conflict, Forbidden, InvalidInput, ServiceError
-from portal.core.querysets import check_token_project, user_can
 from portal.core.services import audit_record
+from portal.tenancy.access import check_token_project, user_can
 from portal.tenancy.models import Project
 
 from . import files

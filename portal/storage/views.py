@@ -13,7 +13,7 @@ from django.views import View
 from portal.core.errors import ServiceError
 from portal.core.numbers import parse_int
 from portal.core.pages import PageMixin, refused, scoped_or_404
-from portal.core.querysets import user_can
+from portal.tenancy.access import user_can
 from portal.tenancy.models import Project, slug_validator
 
 from .files import download_response

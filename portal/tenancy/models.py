@@ -4,13 +4,62 @@ from django.conf import settings
 from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
 from guardian.models import GroupObjectPermissionBase, UserObjectPermissionBase
-
-from portal.core.querysets import TenantQuerySet, allowed_project_ids, staff_bypass
+from guardian.shortcuts import get_objects_for_user
 
 slug_validator = RegexValidator(
     r"^[a-z0-9](?:[a-z0-9-]{0,48}[a-z0-9])?$",
     "Use 1-50 lowercase letters, digits and hyphens, starting and ending with a letter or digit.",
 )
+
+
+# The single tenancy choke point: `Model.objects.for_user(user, action)`. Every tenant-owned model's
+# manager is built from TenantQuerySet with `project_path` saying how to reach its Project. Visibility
+# comes from django-guardian object permissions on Project, which the membership services keep in
+# step with roles. Staff see (and manage) everything but submit only where they are members.
+# It lives beside Project, whose permissions it reads; the apps above build their managers from it.
+
+ACTION_PERMS = {
+    "view": "view_project",
+    "submit": "submit_job",
+    "manage": "manage_project",
+}
+
+
+def allowed_project_ids(user, action: str):
+    """A subquery of Project ids on which `user` holds the permission for `action`."""
+    if action not in ACTION_PERMS:
+        raise ValueError(f"unknown tenant action {action!r}")
+    return get_objects_for_user(
+        user,
+        f"tenancy.{ACTION_PERMS[action]}",
+        klass=Project,
+        use_groups=False,
+        with_superuser=False,
+        accept_global_perms=False,
+    ).values("pk")
+
+
+def staff_bypass(user, action: str) -> bool:
+    return bool(user.is_staff) and action in ("view", "manage")
+
+
+class TenantQuerySet(models.QuerySet):
+    #: lookup path from this model to its Project ("" when the model is Project)
+    project_path = "project"
+
+    def _project_id_lookup(self) -> str:
+        return f"{self.project_path}__pk" if self.project_path else "pk"
+
+    def for_user(self, user, action: str = "view", *, project_id: int | None = None):
+        if user is None or not user.is_authenticated or not user.is_active:
+            return self.none()
+        qs = self
+        lookup = self._project_id_lookup()
+        if not staff_bypass(user, action):
+            qs = qs.filter(**{f"{lookup}__in": allowed_project_ids(user, action)})
+        if project_id is not None:
+            qs = qs.filter(**{lookup: project_id})
+        return qs
 
 
 class OrganizationQuerySet(models.QuerySet):

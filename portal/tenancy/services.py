@@ -9,10 +9,10 @@ from guardian.shortcuts import assign_perm, remove_perm
 
 from portal.core.context import Actor
 from portal.core.errors import Conflict, Forbidden, InvalidInput
-from portal.core.querysets import check_token_project, user_can
 from portal.core.services import audit_record, require_operator
 from portal.core.text import check_plain_name
 
+from .access import check_token_project, user_can
 from .models import ALL_PROJECT_PERMS, ROLE_PERMS, Membership, Organization, Project, Quota, Role
 
 User = get_user_model()

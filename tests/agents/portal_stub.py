@@ -18,6 +18,10 @@ class PortalStub:
         self.refuse: dict[str, int] = {}  # path suffix -> the status every such request gets
         # While set, every request gets the portal's own outage answer (its database is out).
         self.outage = False
+        # Cleared by ``freeze``: requests are taken (the kernel accepts the connection) but not answered
+        # until ``thaw``, as a portal whose workers are frozen or overloaded.
+        self.thawed = threading.Event()
+        self.thawed.set()
         self.lock = threading.Lock()
         stub = self
 
@@ -26,6 +30,7 @@ class PortalStub:
                 pass
 
             def do_POST(self):
+                stub.thawed.wait(120)
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
                 with stub.lock:
                     stub.requests.append((self.path, body, dict(self.headers)))
@@ -49,8 +54,11 @@ class PortalStub:
                     self.send_header(name, value)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:  # a client that gave up waiting (the portal was frozen)
+                    pass
 
         self._handler = Handler
         self.port = 0
@@ -63,6 +71,13 @@ class PortalStub:
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
+
+    def freeze(self):
+        """Take connections, answer nothing (a frozen or overloaded portal) until ``thaw``."""
+        self.thawed.clear()
+
+    def thaw(self):
+        self.thawed.set()
 
     def stop_listening(self):
         """Close the listening socket, as a portal whose web processes are restarting: connections are refused."""
@@ -106,5 +121,6 @@ class PortalStub:
             return out
 
     def close(self):
+        self.thaw()
         if self.server.socket.fileno() != -1:
             self.stop_listening()

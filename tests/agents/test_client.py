@@ -111,13 +111,34 @@ def test_only_heartbeats_and_registration_renew_the_lease(stub):
     assert c.lease_renewed_at == 105.0
 
 
-def test_the_portals_outage_answer_renews_the_lease_a_proxys_5xx_does_not(stub):
+def test_the_portals_outage_answer_renews_the_lease_a_node_proxys_5xx_does_not(stub, monkeypatch):
     now = [100.0]
+    off = client(stub.url, clock=lambda: now[0], retries=0, slow_is_outage=False)
+    stub.fail_next = [502]  # slow_is_outage off: a 5xx without the outage header is silence
+    with pytest.raises(PortalUnreachable):
+        off.heartbeat(samples=[], jobs=[])
+    assert off.lease_renewed_at is None
+    monkeypatch.setenv("HTTP_PROXY", stub.url)  # the node's own proxy (here the stub plays it) may stand
+    monkeypatch.delenv("NO_PROXY", raising=False)  # on the node's side of a partition: its 502 is silence
+    monkeypatch.delenv("no_proxy", raising=False)
+    proxied = client(stub.url, clock=lambda: now[0], retries=0)
+    stub.fail_next = [502]
+    with pytest.raises(PortalUnreachable):
+        proxied.heartbeat(samples=[], jobs=[])
+    assert proxied.lease_renewed_at is None and not proxied.slow_is_outage
+    monkeypatch.delenv("HTTP_PROXY")
     c = client(stub.url, clock=lambda: now[0], retries=0)
-    stub.fail_next = [502]  # a proxy with no portal behind it: silence
+    for code in (502, 503, 504):  # on a direct connection: the portal's proxy has no portal behind it in time
+        now[0] += 1
+        stub.fail_next = [code]
+        with pytest.raises(PortalUnreachable, match=f"web \\(HTTP {code}\\) outage"):
+            c.heartbeat(samples=[], jobs=[])
+        assert c.lease_renewed_at == now[0] and c.portal_outage == f"web (HTTP {code})"
+    stub.fail_next = [500]  # the portal's own error, not its absence: silence
+    now[0] += 1
     with pytest.raises(PortalUnreachable):
         c.heartbeat(samples=[], jobs=[])
-    assert c.lease_renewed_at is None
+    assert c.lease_renewed_at == now[0] - 1
     stub.outage = True  # the portal answers, its database is out: it cannot reap us either
     now[0] = 130.0
     with pytest.raises(PortalUnreachable, match="database outage"):
@@ -127,8 +148,8 @@ def test_the_portals_outage_answer_renews_the_lease_a_proxys_5xx_does_not(stub):
 
 def test_a_refused_connection_is_the_portals_web_outage_a_timeout_is_silence(stub):
     """Nothing listening on the portal's port (its web processes restarting) reaches every node alike,
-    so it renews the lease like the outage answer; a connection that never answers (a partition, an
-    overloaded portal) does not, nor a refusal with refused_is_outage off."""
+    so it renews the lease like the outage answer; a connection that never answers does not by itself
+    (the lease check's renew_if_slow decides), nor a refusal with refused_is_outage off."""
     now = [100.0]
     c = client(stub.url, clock=lambda: now[0], retries=0)
     off = client(stub.url, clock=lambda: now[0], retries=0, refused_is_outage=False)
@@ -151,3 +172,26 @@ def test_a_refused_connection_is_the_portals_web_outage_a_timeout_is_silence(stu
     now[0] = 110.0
     c.heartbeat(samples=[], jobs=[])
     assert c.lease_renewed_at == 110.0 and c.portal_outage == ""
+
+
+def test_an_unanswered_request_renews_the_lease_only_while_the_portals_host_accepts_connections():
+    """A frozen or overloaded portal: its kernel accepts connections, nothing answers. The lease check asks
+    renew_if_slow before fencing: a fresh connection accepted renews the lease from the probe; once the host
+    accepts none (gone, or cut off: the connect fails), or with slow_is_outage off, it does not."""
+    now = [100.0]
+    with socket.socket() as mute:  # accepts connections (the kernel does), never answers
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)
+        url = f"http://127.0.0.1:{mute.getsockname()[1]}"
+        slow = PortalClient(url, TOKEN, timeout_s=0.3, retries=0, sleep=lambda s: None, clock=lambda: now[0])
+        off = PortalClient(url, TOKEN, timeout_s=0.3, retries=0, sleep=lambda s: None, clock=lambda: now[0],
+                           slow_is_outage=False)
+        assert not slow.renew_if_slow()  # nothing waited for an answer yet: nothing to renew on
+        for c in (slow, off):
+            with pytest.raises(PortalUnreachable, match="ReadTimeout"):
+                c.heartbeat(samples=[], jobs=[])
+        now[0] = 105.0
+        assert slow.renew_if_slow() and slow.lease_renewed_at == 105.0 and slow.portal_outage.startswith("web (slow")
+        assert not off.renew_if_slow() and off.lease_renewed_at is None
+    now[0] = 110.0  # the host no longer accepts connections (here: refused; a partition: the connect times out)
+    assert not slow.renew_if_slow(probe_timeout_s=0.5) and slow.lease_renewed_at == 105.0

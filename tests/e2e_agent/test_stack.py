@@ -200,7 +200,7 @@ def test_cancel_while_running_removes_the_container(stack):
 
 
 def test_duplicate_launch_starts_nothing_twice(stack):
-    from portal.jobs.selectors import launch_spec
+    from portal.launch import launch_spec
     from scheduler.dispatch import send_launch
 
     job_id = stack.submit(command=["sleep", "300"])

@@ -69,7 +69,7 @@ def test_an_array_or_a_gang_cannot_publish_ports(demo, api):
 
 
 def test_the_launch_spec_carries_the_sessions(demo):
-    from portal.jobs.selectors import launch_specs
+    from portal.launch import launch_specs
 
     job = lab_job(demo)
     spec = launch_specs([("gpu-01", job.pk)])

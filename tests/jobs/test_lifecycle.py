@@ -250,7 +250,7 @@ def test_a_gang_over_two_nodes_gets_rendezvous_and_its_network(cluster, sent, dj
     # The same gang in a project without network: rendezvous still, network never.
     Quota.objects.filter(project__slug="vision").update(network_allowed=False)
     job.refresh_from_db()
-    from portal.jobs.selectors import launch_specs
+    from portal.launch import launch_specs
     specs = launch_specs([("gpu-01", job.pk), ("gpu-02", job.pk)])
     assert [s["network"] for s in specs.values()] == [False, False]
 

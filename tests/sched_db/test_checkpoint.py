@@ -145,7 +145,7 @@ def test_a_gpu_fault_moves_a_checkpointing_job(demo, sent, node):
 
 
 def test_the_launch_spec_carries_the_checkpoint_signal(demo, sent, node):
-    from portal.jobs.selectors import launch_spec
+    from portal.launch import launch_spec
 
     job = run(node, submit(demo, "saver", 1, {"signal": "SIGINT", "grace_s": 30}))
     spec = launch_spec(job.pk, "gpu-01")

@@ -5,7 +5,7 @@ import pytest
 from agents.protocol import LAUNCHES_SINCE
 from portal.core.context import Actor
 from portal.jobs.models import Job
-from portal.jobs.selectors import launch_specs
+from portal.launch import launch_specs
 from portal.jobs.services import job_submit
 from portal.nodes.models import Node
 from portal.nodes.services import node_add

@@ -89,7 +89,7 @@ def test_a_bucket_prefix_version_is_fetched_and_verified_by_a_node(api, demo, se
                              "source": f"s3://{seaweedfs.bucket}/{prefix}"}]
     from portal.storage.selectors import launch_datasets
 
-    (entry,) = launch_datasets([job])[job.pk]
+    (entry,) = launch_datasets({job.pk: job.datasets})[job.pk]
     assert entry["digest"] == version.digest and all("X-Amz-Signature" in f["url"] for f in entry["files"])
     cache = DatasetCache(str(tmp_path / "cache"), 10 * MB)
     folder = cache.acquire(f"{job.pk}:1", [entry])["s3set"]
@@ -224,7 +224,7 @@ def test_an_upload_is_a_ready_version_served_only_to_a_node_running_it(api, demo
     got = holder.get(url)
     assert got.status_code == 200 and b"".join(got.streaming_content) == data
     assert stranger.get(url).status_code == 404
-    from portal.jobs.selectors import launch_spec
+    from portal.launch import launch_spec
 
     spec = launch_spec(job.pk, job.node.name)
     assert spec["datasets"][0]["files"][0]["url"] == f"agent:datasets/{digest}/file"

@@ -1,0 +1,30 @@
+"""A job's launch spec: what the agent on a node needs to start its part of the job.
+
+Composed here, above the apps that give its parts: jobs (the job, its GPUs, a gang's rendezvous),
+storage (the files of its datasets, presigned when the spec is sent) and interactive (its published
+ports). The scheduler's pass sends it with each launch; the agent API's confirm returns it.
+"""
+from portal.interactive.selectors import launch_sessions
+from portal.jobs.selectors import job_launch_parts
+from portal.storage.selectors import launch_datasets
+
+
+def launch_spec(job_id: int, node_name: str) -> dict | None:
+    """What the agent on `node_name` needs to start its part of the job, or None if the job
+    no longer holds GPUs there."""
+    return launch_specs([(node_name, job_id)]).get((node_name, job_id))
+
+
+def launch_specs(pairs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
+    """Launch specs for (node name, job id) pairs in at most five queries, whatever their number."""
+    specs = job_launch_parts(pairs)
+    sessions = launch_sessions(list({job_id for _, job_id in specs}))
+    # Each job's files once, whichever of its nodes they go to.
+    datasets = launch_datasets({job_id: spec["datasets"] for (_, job_id), spec in specs.items()})
+    for (_, job_id), spec in specs.items():
+        spec["datasets"] = datasets.get(job_id, [])  # read-only at /datasets/<name> (agents/datasets.py)
+        # Published ports (docs/sessions.md) go to a gang's first node (rank 0) only: a gang cannot
+        # publish any yet.
+        first = spec["rendezvous"] is None or spec["rendezvous"]["NODE_RANK"] == "0"
+        spec["sessions"] = sessions.get(job_id, []) if first else []
+    return specs
