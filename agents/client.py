@@ -270,15 +270,17 @@ class PortalClient:
 
     def event(self, job_id: str, attempt: int, state: str, *, exit_code: int | None = None,
               message: str = "", scrub_failures: list[dict] | None = None, node_problem: str = "",
-              lease_expired: bool = False) -> dict:
+              lease_expired: bool = False, not_startable: str = "") -> dict:
         """Report a state. A terminal report names the GPUs the agent could not
         scrub (``[{"gpu_index", "message"}]``): the portal takes them out of service;
         ``node_problem`` (a sandbox that could not be killed) drains the node;
         ``lease_expired`` says the node stopped the job because its lease ran out: the
-        portal requeues it as a node fault instead of failing it."""
+        portal requeues it as a node fault instead of failing it; ``not_startable`` (protocol 1.5) says
+        why this node cannot start it now (its dataset cache is full): the portal requeues it without
+        counting a failure and keeps it off this node a while."""
         return self._report(EVENT, event_body(attempt, state, exit_code=exit_code, message=message,
                                               scrub_failures=scrub_failures, node_problem=node_problem,
-                                              lease_expired=lease_expired), job_id)
+                                              lease_expired=lease_expired, not_startable=not_startable), job_id)
 
     def event_batch(self, reports: list[dict]) -> list[dict]:
         """Several jobs' reports in one request (protocol 1.2): each a dict of ``event``'s keyword
@@ -320,7 +322,8 @@ class PortalClient:
 
 
 def event_body(attempt: int, state: str, *, exit_code: int | None = None, message: str = "",
-               scrub_failures: list[dict] | None = None, node_problem: str = "", lease_expired: bool = False) -> dict:
+               scrub_failures: list[dict] | None = None, node_problem: str = "", lease_expired: bool = False,
+               not_startable: str = "") -> dict:
     """A job event's keys (agents.protocol.EVENT), alone or in a batch."""
     if state not in EVENT_STATES:
         raise ValueError(f"unknown job event state {state!r}")
@@ -332,6 +335,8 @@ def event_body(attempt: int, state: str, *, exit_code: int | None = None, messag
         body["node_problem"] = node_problem[:NODE_PROBLEM_MAX]
     if lease_expired:
         body["lease_expired"] = True
+    if not_startable:
+        body["not_startable"] = not_startable[:NODE_PROBLEM_MAX]
     return body
 
 

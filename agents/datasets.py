@@ -60,6 +60,11 @@ class CacheFull(DatasetError):
     """The version does not fit in the node's cache (too big, or the rest is in use or pinned)."""
 
 
+class CacheBusy(CacheFull):
+    """The version would fit, but what jobs use, what is pinned and what is being fetched leave no
+    room now: another node may start the job (the agent reports it not startable here)."""
+
+
 def check_file_path(path: str) -> str:
     """A file's path inside a dataset: relative, '/'-separated, no '..', no empty or control parts."""
     if not isinstance(path, str) or not path or len(path) > 1024:
@@ -286,7 +291,8 @@ class DatasetCache:
 
     def _make_room(self, ds: dict) -> None:
         """Hold room for ``ds`` (its size, twice for an archive that is unpacked), evicting the least
-        recently used entries no job uses and not pinned. Call with the lock held."""
+        recently used entries no job uses and not pinned. Call with the lock held. CacheFull when it
+        can never fit here, CacheBusy when the rest of the cache is held now."""
         need = int(ds.get("size") or 0) * (2 if ds.get("archive") else 1)
         if need > self.limit:
             raise CacheFull(f"dataset {label(ds)} ({human_size(ds.get('size') or 0)}"
@@ -301,7 +307,7 @@ class DatasetCache:
         if free < need:
             in_use = sum(e.size for d, e in self.entries.items() if self.refs.get(d))
             pinned = sum(e.size for d, e in self.entries.items() if e.pinned and not self.refs.get(d))
-            raise CacheFull(f"this node's dataset cache is full: dataset {label(ds)} needs "
+            raise CacheBusy(f"this node's dataset cache is full: dataset {label(ds)} needs "
                             f"{human_size(need)}, {human_size(max(free, 0))} free of {human_size(self.limit)} "
                             f"({human_size(in_use)} used by running jobs, {human_size(pinned)} pinned, "
                             f"{human_size(sum(self._reserved.values()))} being fetched)")

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 # The version of the agent API's message shapes, "MAJOR.MINOR", sent at registration. The portal
 # refuses an agent whose major differs (its messages would be misread); a minor adds optional
 # fields only. An agent that sends no version predates this field and speaks 1.x.
-PROTOCOL_VERSION = "1.4"  # 1.1: a terminal event may say lease_expired; 1.2: POST events takes several at once
+PROTOCOL_VERSION = "1.5"  # 1.1: a terminal event may say lease_expired; 1.2: POST events takes several at once
 # 1.3: register and heartbeat may carry cached_datasets (the digests in the node's dataset cache)
 # 1.4: the agent takes agent.launches, a node's launches of one scheduling pass in one message
+# 1.5: a failed event may say not_startable: the node could not start the attempt for want of something
+#      it may have later or another node has now (its dataset cache full): requeued, not counted as failed
 
 
 def protocol_major(version: str) -> int:
@@ -150,7 +152,7 @@ CACHED_DATASETS_MAX = 10000
 CONFIRM = Message("jobs/{job_id}/confirm", ("attempt",))
 SCRUB_FAILURE = Message(None, ("gpu_index", "message"))
 EVENT = Message("jobs/{job_id}/events", ("attempt", "state"),
-                ("exit_code", "message", "scrub_failures", "node_problem", "lease_expired"))
+                ("exit_code", "message", "scrub_failures", "node_problem", "lease_expired", "not_startable"))
 # Protocol 1.2: several jobs' events in one request (many jobs ending together), each an EVENT with its
 # job_id, applied one by one (each idempotent and fenced by its attempt) in one transaction where the
 # portal can. The answer lists each one's result in order: "applied", "duplicate" or "stale" (the 409

@@ -20,10 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from celery import Celery
 
+from agents.broker import CONNECTION_SETTINGS, guard_redis_channel_close
 from agents.client import PortalUnreachable
 
 log = logging.getLogger(__name__)
 
+guard_redis_channel_close()  # a Redis restart must not crash the consumer (agents/broker.py)
 app = Celery("gpuportal_agent")
 app.conf.update(
     task_serializer="json",
@@ -35,7 +37,7 @@ app.conf.update(
     task_reject_on_worker_lost=True,
     worker_prefetch_multiplier=1,
     worker_hijack_root_logger=False,
-    broker_connection_retry_on_startup=True,
+    **CONNECTION_SETTINGS,  # reconnect forever: a broker outage is waited out (agents/broker.py)
 )
 
 _agent = None

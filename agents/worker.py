@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 
 from agents import artifacts
-from agents.datasets import DatasetError
+from agents.datasets import CacheBusy, DatasetError
 from agents.client import PortalError, PortalUnreachable, StaleAttempt
 from agents.protocol import DEFAULT_SANDBOX, EVENTS_MAX, NODE_SANDBOXES, sandbox_hosts
 from agents.sandbox import OOM, RUNNING, LaunchSpec, SandboxError, SandboxHandle
@@ -155,6 +155,7 @@ class Agent:
         self._early_ends: dict[str, float] = {}
         # Ends of several jobs go up in one request (protocol 1.2); off for a portal that speaks an older one.
         self.batch_events = True
+        self.says_not_startable = True  # the portal takes not_startable (protocol 1.5); register says
 
     # -- start-up ---------------------------------------------------------------
 
@@ -173,6 +174,7 @@ class Agent:
         self._datasets_sent = cached
         self.node_id = resp.get("node")
         self.batch_events = _speaks(resp.get("protocol_version"), (1, 2))
+        self.says_not_startable = _speaks(resp.get("protocol_version"), (1, 5))
         self.heartbeat_interval_s = float(resp.get("heartbeat_interval_s") or self.heartbeat_interval_s)
         self.lease_s = float(resp.get("lease_s") or self.lease_s)
         self.fence_grace_s = float(resp.get("fence_grace_s", self.fence_grace_s))
@@ -273,6 +275,9 @@ class Agent:
             problem = self._stage_datasets(ls)
             if problem == STOPPED:
                 return self._launch_stopped(job_id, attempt)
+            if isinstance(problem, CacheBusy):
+                return self._launch_failed(job_id, attempt, str(problem), not_startable=(
+                    f"dataset cache full on node {self.name}: {problem}"))
             if problem:
                 return self._launch_failed(job_id, attempt, problem)
         try:
@@ -286,7 +291,8 @@ class Agent:
     def _stage_datasets(self, ls: LaunchSpec):
         """The launch's datasets in the node's cache (fetched once per node, checksums verified), their
         folders in ``ls.dataset_paths``; progress goes to the portal as the job's reason. Returns None,
-        STOPPED (a stop came meanwhile) or why not, for the job's owner."""
+        STOPPED (a stop came meanwhile), CacheBusy (no room here now: another node may start it) or why
+        not, for the job's owner."""
         if self.datasets is None:
             return "this job names datasets but the node has no dataset cache (agent option --dataset-cache-mb)"
         key = (ls.job_id, ls.attempt)
@@ -307,6 +313,8 @@ class Agent:
         try:
             ls.dataset_paths = self.datasets.acquire(f"{ls.job_id}:{ls.attempt}", ls.datasets, progress=progress,
                                                      cancelled=cancelled)
+        except CacheBusy as exc:
+            return STOPPED if cancelled() else exc
         except DatasetError as exc:
             return STOPPED if cancelled() else str(exc)
         return None
@@ -525,11 +533,15 @@ class Agent:
             pass  # the portal ended it already: that is why it sent the stop
         return "stale"
 
-    def _launch_failed(self, job_id: str, attempt: int, message: str, scrub_failures=(), node_problem="") -> str:
-        log.error("job %s attempt %s: launch failed: %s", job_id, attempt, message)
+    def _launch_failed(self, job_id: str, attempt: int, message: str, scrub_failures=(), node_problem="",
+                       not_startable="") -> str:
+        """Report a launch that started nothing as failed; with ``not_startable`` (a portal of protocol 1.5
+        or later) the portal requeues it elsewhere instead, counting no failure."""
+        log.error("job %s attempt %s: launch failed: %s", job_id, attempt, not_startable or message)
         try:
             self.client.event(job_id, attempt, "failed", message=message, scrub_failures=list(scrub_failures),
-                              node_problem=node_problem)
+                              node_problem=node_problem,
+                              **({"not_startable": not_startable} if not_startable and self.says_not_startable else {}))
         except (StaleAttempt, PortalUnreachable) as exc:
             log.warning("job %s attempt %s: could not report the failure: %s", job_id, attempt, exc)
         return "failed"

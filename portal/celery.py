@@ -12,10 +12,14 @@ from celery import Celery
 from django.conf import settings
 from kombu import Queue
 
+from agents.broker import CONNECTION_SETTINGS, guard_redis_channel_close
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
 
+guard_redis_channel_close()  # a Redis restart must not crash the worker (agents/broker.py)
 app = Celery("portal")
 app.config_from_object("django.conf:settings", namespace="CELERY")
+app.conf.update(CONNECTION_SETTINGS)  # reconnect forever: a broker outage is waited out
 app.conf.task_queues = (Queue("default"), Queue("scheduler"))
 app.conf.task_routes = {
     "scheduler.*": {"queue": "scheduler"},

@@ -428,6 +428,9 @@ SCHEDULER_FAIRSHARE_HALF_LIFE_S = env_int("SCHEDULER_FAIRSHARE_HALF_LIFE_S", 7 *
 # prefetch the datasets it lacks (agent.prefetch), each (node, dataset) at most once per horizon
 # (0, the default: no prefetch; the simulator found it moved far more than it saved).
 SCHEDULER_LOCALITY_WAIT_S = env_int("SCHEDULER_LOCALITY_WAIT_S", 60, minimum=0)
+# A node that reports a job not startable there now (its dataset cache full of what running jobs read)
+# gets no launch of that job for this many seconds; the job is requeued without counting a failure.
+SCHEDULER_NOT_STARTABLE_AVOID_S = env_int("SCHEDULER_NOT_STARTABLE_AVOID_S", 300, minimum=0)
 SCHEDULER_PREFETCH_HORIZON_S = env_int("SCHEDULER_PREFETCH_HORIZON_S", 0, minimum=0)
 # Kept from each node's registered CPUs and memory for its own system (agent, engine, kernel): the
 # scheduler places jobs, GPU or CPU-only, only while their cpus and memory_mb fit in the rest.

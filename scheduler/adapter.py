@@ -89,6 +89,18 @@ def _core_datasets(rows: list[dict]) -> tuple[core.Dataset, ...]:
                  for d in rows) if rows else ()
 
 
+def _avoid_ends(context, now_s: float) -> list[float]:
+    """When waiting jobs may take a node they avoid again (Job.avoid_nodes): the plan changes then."""
+    return [t for row in context["queued"].values() for t in (row.get("avoid_or_none") or {}).values()
+            if isinstance(t, (int, float)) and t > now_s]
+
+
+def _avoided(avoid: dict | None, now_s: float) -> frozenset[str]:
+    """Job.avoid_nodes ({node: until, epoch seconds}) as the nodes still to avoid at ``now_s``."""
+    return frozenset(n for n, until in avoid.items() if isinstance(until, (int, float)) and until > now_s) \
+        if avoid else frozenset()
+
+
 def _cancel_failed_dependents() -> int:
     through = Job.depends_on.through
     failed = through.objects.filter(
@@ -120,10 +132,11 @@ GPU_FIELDS = ("id", "node__name", "index", "model", "memory_mb", "health", "mode
 JOB_FIELDS = ("id", "project__slug", "project__organization__slug", "user__username", "gpus", "time_limit_s",
               "gpu_type", "gpu_memory_mb", "priority", "preemptible", "array_parent_id", "array_limit", "sandbox",
               "nodes", "cpus", "memory_mb", "node__name", "checkpoint_signal", "checkpoint_grace_s")
-# Read as computed columns: times as epoch floats (Epoch), and datasets as NULL where there are none
-# (most jobs), so only the jobs naming some have their JSON decoded.
+# Read as computed columns: times as epoch floats (Epoch), and datasets and avoided nodes as NULL where
+# there are none (most jobs), so only the jobs naming some have their JSON decoded.
 JOB_TIMES = {"submit_s": Epoch("submitted_at"), "changed_s": Epoch("state_changed_at"),
-             "datasets_or_none": NullIf("datasets", Value([], output_field=JSONField()))}
+             "datasets_or_none": NullIf("datasets", Value([], output_field=JSONField())),
+             "avoid_or_none": NullIf("avoid_nodes", Value({}, output_field=JSONField()))}
 ALLOCATION_FIELDS = ("job_id", "gpu_id", "fraction", "shared", "borrowed")
 
 
@@ -179,6 +192,7 @@ def build_snapshot(now=None):
         core_gpus[gid] = gpu
 
     config = config_from_settings()
+    now_s = now.timestamp()
     attained = _attained_gpu_s() if config.policy == "las" else {}  # only las reads it
     qos = QOS_VALUE
 
@@ -194,6 +208,7 @@ def build_snapshot(now=None):
             attained_gpu_s=attained.get(job_id, 0.0), cpus=float(row["cpus"]), memory_mb=row["memory_mb"],
             checkpoint_grace_s=float(row["checkpoint_grace_s"] or 0) if row["checkpoint_signal"] else None,
             datasets=_core_datasets(row["datasets_or_none"]),
+            avoid_nodes=_avoided(row["avoid_or_none"], now_s),
         )
 
     holding = {row["id"]: row for row in _holding_jobs().values(*JOB_FIELDS, **JOB_TIMES)}
@@ -259,7 +274,7 @@ def inputs_digest(now, config: core.Config) -> str | None:
     positions are what a pass writes, not what it reads, so they are left out."""
     if connection.vendor != "postgresql":
         return None
-    job_columns = _columns(JOB_FIELDS) + ("submitted_at", "state_changed_at", "datasets")
+    job_columns = _columns(JOB_FIELDS) + ("submitted_at", "state_changed_at", "datasets", "avoid_nodes")
     sources = [
         _nodes().values_list(*NODE_FIELDS),
         _gpus().values_list(*_columns(GPU_FIELDS)),
@@ -520,8 +535,8 @@ def _plan_record(digest: str | None, now, plan: core.Plan, context, queued: int)
         return None
     # Time changes a plan too (ages, minimum runtimes, las queues, budgets, locality waits): a
     # full pass every SCHEDULER_REPLAN_S at least, and at the next instant the core names.
-    due = [t for t in (getattr(plan, "next_pass_at", None), *plan.locality_waits.values())
-           if t is not None]
+    due = [t for t in (getattr(plan, "next_pass_at", None), *plan.locality_waits.values(),
+                       *_avoid_ends(context, _epoch(now))) if t is not None]
     return {"digest": digest, "at": _epoch(now), "due": min(due, default=None), "waiting": len(plan.waiting),
             "fragmented": len(plan.fragmented), "queued": queued}
 

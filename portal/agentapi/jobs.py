@@ -52,6 +52,10 @@ class EventSerializer(StrictSerializer):
                                          default="")
     # The node fenced the attempt because its lease ran out (protocol 1.1): a node fault, requeued.
     lease_expired = serializers.BooleanField(required=False, default=False)
+    # The node cannot start this attempt now for want of room it may have later (protocol 1.5: its
+    # dataset cache is full of what running jobs read): requeued, no failure counted, kept off the node a while.
+    not_startable = serializers.CharField(max_length=protocol.NODE_PROBLEM_MAX, required=False, allow_blank=True,
+                                          default="")
 
 
 class EventView(AgentView):

@@ -63,6 +63,9 @@ class Job(models.Model):
     # The datasets it reads at /datasets/<name>, resolved at submit (portal.storage.datasets):
     # [{"name": "imagenet", "version": 3, "digest": "<sha256 hex>", "size": <bytes>, "source": "s3://..."}].
     datasets = models.JSONField(default=list, blank=True)
+    # Nodes that could not start it for want of room they may have later (their dataset cache full of
+    # what running jobs read): {node name: epoch seconds}; the scheduler places it elsewhere until then.
+    avoid_nodes = models.JSONField(default=dict, blank=True)
     gpus = models.DecimalField(max_digits=6, decimal_places=3, default=0)
     # All of a job's GPUs are on one node unless it asks for more: then `gpus / nodes` on each
     # of exactly `nodes` nodes, started as one gang with the rendezvous variables set.

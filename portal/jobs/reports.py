@@ -14,7 +14,7 @@ from django.db.models import F
 from agents.protocol import TERMINAL_EVENT_STATES
 from portal.core.errors import Conflict
 from portal.core.numbers import parse_int, parse_ints
-from portal.core.queue import request_schedule_pass
+from portal.core.queue import SCHEDULE_PASS, request_schedule_pass, send
 
 from .models import HOLDING, TERMINAL, Allocation, Job, JobLogChunk, JobState
 from .node_effects import gpus_scrub_failed, job_requeue_after_node_fault, node_drain_for_fault, node_settle_drain
@@ -71,8 +71,13 @@ def job_progress(*, node, job_id, attempt: int, stage: str, message: str) -> str
 
 
 def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None = None, message: str = "",
-               scrub_failures: list[dict] = (), node_problem: str = "", lease_expired: bool = False) -> str:
+               scrub_failures: list[dict] = (), node_problem: str = "", lease_expired: bool = False,
+               not_startable: str = "") -> str:
     """Apply a state the agent reports. Returns what happened: applied, duplicate.
+
+    A ``failed`` launch with ``not_startable`` never ran: the node lacked room it may have later (its
+    dataset cache full of what running jobs read). The job goes back to the queue without counting
+    a failure, kept off that node for SCHEDULER_NOT_STARTABLE_AVOID_S (requeue_not_startable).
 
     A ``failed`` end with ``lease_expired`` is the node's doing, not the job's: the node stopped
     the attempt because its lease ran out (its agent was cut off or frozen, and came back before
@@ -114,6 +119,11 @@ def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None 
         if job_requeue_after_node_fault(job, f"Node {node.name} could not start it: {node_problem}"[:280]):
             _after_end(job)
         return "applied"
+    if state == JobState.FAILED and not_startable and job.state in (JobState.ASSIGNED, JobState.STARTING):
+        if requeue_not_startable(job, node.name, not_startable):
+            _after_end(job)
+            return "applied"
+        return "duplicate"
     if state == JobState.FAILED and lease_expired:
         why = f"Node {node.name} stopped it when its lease ran out (its agent lost touch with the portal)."
         if job_requeue_after_node_fault(job, why):
@@ -178,6 +188,34 @@ def _checkpoint_saved(job_id, attempt: int) -> None:
     if pk is not None and Job.objects.filter(pk=pk, attempt=attempt + 1, state=JobState.QUEUED,
                                              resume_after__isnull=False).update(resume_after=None):
         request_schedule_pass()
+
+
+def requeue_not_startable(job: Job, node_name: str, why: str) -> bool:
+    """Send a job its node could not start back to the queue as a new attempt (its old attempt's
+    reports turn stale), whatever JOB_MAX_ATTEMPTS says (nothing failed), with that node in its
+    ``avoid_nodes`` until SCHEDULER_NOT_STARTABLE_AVOID_S from now. False when it no longer held the node."""
+    import time
+
+    from .states import transition
+
+    now = time.time()
+    until = now + settings.SCHEDULER_NOT_STARTABLE_AVOID_S
+    avoid = {n: t for n, t in (job.avoid_nodes or {}).items() if isinstance(t, (int, float)) and t > now}
+    avoid[node_name] = until
+    why = why.rstrip(".")
+    with transaction.atomic():
+        if not transition(job.pk, to=JobState.QUEUED, from_states=HOLDING, attempt=job.attempt, node=None,
+                          message=f"Not startable on {node_name}: {why}. Requeued as attempt {job.attempt + 1}."[:300],
+                          reason_code="not_startable", avoid_nodes=avoid,
+                          reason_message=(f"{why}; requeued for another node (not {node_name} for "
+                                          f"{settings.SCHEDULER_NOT_STARTABLE_AVOID_S} s)")[:300]):
+            return False
+        Job.objects.filter(pk=job.pk).update(attempt=job.attempt + 1)
+        # A pass when the node may be taken again (the job may have nowhere else to go; beat runs
+        # one too, but not every deployment runs beat): the node is tried again then.
+        transaction.on_commit(lambda: send(SCHEDULE_PASS, queue="scheduler",
+                                           countdown=settings.SCHEDULER_NOT_STARTABLE_AVOID_S + 0.5))
+    return True
 
 
 def _after_end(job: Job) -> None:

@@ -144,6 +144,9 @@ class Job:
     # The datasets it reads: placement prefers nodes whose cache holds them (the more bytes the
     # better) and may wait a little for one (Config.locality_wait_s). Empty: placement as without.
     datasets: tuple[Dataset, ...] = ()
+    # Nodes it must not be placed on now: they reported it not startable there a moment ago (their
+    # dataset cache full of what running jobs read), so it goes elsewhere or waits.
+    avoid_nodes: frozenset[str] = frozenset()
 
     @property
     def checkpoints(self) -> bool:

@@ -215,6 +215,8 @@ class ClusterState:
     def fits_room(self, node: str, job: Job | None) -> bool:
         if self.only is not None and node not in self.only:
             return False
+        if job is not None and job.avoid_nodes and node in job.avoid_nodes:
+            return False
         r = self.room.get(node) if job is not None else None
         return r is None or (r[0] + 1e-6 >= job.cpus and r[1] >= job.memory_mb)
 
@@ -474,7 +476,8 @@ class ClusterState:
                 continue
             rb = self.rem_buckets.get(cls) or {}
             cand = None
-            room = ((lambda gid: self.fits_room(self.gpu[gid].node, job)) if self.room or self.only is not None
+            room = ((lambda gid: self.fits_room(self.gpu[gid].node, job))
+                    if self.room or self.only is not None or job.avoid_nodes
                     else (lambda gid: True))
             whole = self._free_nodes(cls, job, most_first=mode == "spread")
             if mode == "spread":

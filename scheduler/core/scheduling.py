@@ -157,7 +157,7 @@ class _Pass:
         sizes = state.topo.node_size
         full = [n for n, b in self.local_bytes(job).items()
                 if b >= total and any(sizes.get((c, n), 0) >= per for c in classes)
-                and self.could_hold(n, job)]
+                and self.could_hold(n, job) and n not in job.avoid_nodes]
         if len(full) < max(job.nodes, 1):
             return got  # no node (or too few for its gang) holding all of its data could take it
         for gid in ids:
@@ -644,6 +644,9 @@ class _Pass:
                     continue
                 pos += 1
                 code, msg = self.codes.get(job.id) or self.not_examined()
+                if job.avoid_nodes:
+                    msg += (f"; not on {', '.join(sorted(job.avoid_nodes))} for now: "
+                            f"it could not start there a moment ago (dataset cache full)")
                 self.plan.waiting[job.id] = Reason(code, msg, pos)
         return self.plan
 

@@ -27,6 +27,7 @@ class FakePortal:
         self.scrub_failures: list = []
         self.node_problems: list = []
         self.lease_expired: list = []  # (job_id, attempt) of ends reported as the lease's doing
+        self.not_startable: list = []  # (job_id, attempt, why) of launches this node could not start (1.5)
         self.refuse_logs = 0  # log chunks to refuse with HTTP 400 before taking them
         self.refuse_events = 0  # terminal reports to refuse with HTTP 400
         self.log_cap: int | None = None  # answer full=True once this many bytes are stored
@@ -58,8 +59,10 @@ class FakePortal:
         return dict(self.spec)
 
     def event(self, job_id, attempt, state, *, exit_code=None, message="", scrub_failures=None, node_problem="",
-              lease_expired=False):
+              lease_expired=False, not_startable=""):
         self._call((job_id, attempt))
+        if not_startable:
+            self.not_startable.append((job_id, attempt, not_startable))
         if lease_expired:
             self.lease_expired.append((job_id, attempt))
         if self.refuse_events and state not in ("starting", "running"):

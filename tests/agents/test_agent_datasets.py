@@ -107,3 +107,27 @@ def test_the_process_sandbox_names_the_cached_folder(tmp_path):
         time.sleep(0.02)
     assert driver.read_logs(handle, 0) == b"/cache/entries/abc/data\n"
     driver.remove(handle)
+
+
+def test_a_cache_held_by_running_jobs_reports_the_launch_not_startable_here(env, http_files):
+    """The 1 MB cache is held by a running job: another version that would fit an empty cache is
+    reported not startable on this node (requeued elsewhere), not failed; a portal before protocol
+    1.5 gets the plain failure it understands."""
+    held = entry(http_files, "held", b"h" * 700 * 1024)
+    assert env.agent.launch("j1", 1, {**SPEC, "datasets": [held]}) == "started"
+    other = entry(http_files, "other", b"o" * 600 * 1024)
+    assert env.agent.launch("j2", 1, {**SPEC, "datasets": [other]}) == "failed"
+    ((job, attempt, why),) = env.portal.not_startable
+    assert (job, attempt) == ("j2", 1) and why.startswith("dataset cache full on node n1: this node's dataset cache "
+                                                          "is full: dataset other@1 needs 600.0 KB"), why
+    assert env.cache.refs == {held["digest"]: {"j1:1"}}  # nothing of other@1 kept or held
+
+    env.agent.says_not_startable = False
+    assert env.agent.launch("j3", 1, {**SPEC, "datasets": [other]}) == "failed"
+    assert len(env.portal.not_startable) == 1
+    assert "dataset cache is full" in [e for e in env.portal.events if e[0] == "j3"][-1][4]
+    # Larger than the whole cache: no node like this one could take it, so it fails as before.
+    env.agent.says_not_startable = True
+    big = entry(http_files, "big", b"b" * 2 * 1024 * 1024)
+    assert env.agent.launch("j4", 1, {**SPEC, "datasets": [big]}) == "failed"
+    assert len(env.portal.not_startable) == 1

@@ -284,3 +284,22 @@ def test_the_cli_reports_bytes_moved_and_staging(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["data_bytes_moved"] > 0 and 0 < out["data_local_starts"] < out["data_starts"]
     assert out["data_staging_mean_s"] > 0
+
+
+def test_a_job_avoids_the_nodes_that_could_not_start_it_and_says_so():
+    """A node reported the job not startable there (its dataset cache full): even holding the job's
+    data it is not taken, whole GPUs or a share, and with no other node the job waits saying why."""
+    c = cluster(2)
+    c[0].datasets = {IMAGENET.digest}
+    plain = schedule(snapshot(c, [job("j", 2, datasets=(IMAGENET,))]))
+    assert {g.split("-")[0] for g in started(plain)["j"]} == {"n0"}
+    avoid = frozenset({"n0"})
+    plan = schedule(snapshot(c, [replace(job("j", 2, datasets=(IMAGENET,)), avoid_nodes=avoid)]))
+    assert {g.split("-")[0] for g in started(plan)["j"]} == {"n1"}
+    shared = nodes(2, shared=True)
+    plan = schedule(snapshot(shared, [replace(job("f", 0.5, datasets=(IMAGENET,)), avoid_nodes=avoid)]))
+    assert {g.split("-")[0] for g in started(plan)["f"]} == {"n1"}
+    alone = snapshot(c[:1], [replace(job("j", 2, datasets=(IMAGENET,)), avoid_nodes=frozenset({"n0"}))])
+    on, off = both_modes(alone)
+    assert started(on) == started(off) == {}
+    assert "not on n0 for now: it could not start there" in on.waiting["j"].message

@@ -78,3 +78,28 @@ def test_jobs_read_cached_datasets_and_bad_ones_fail_with_reasons(stack, http_fi
     job = s.wait_state(s.submit(command=["true"], datasets=["big"]), "failed")
     assert "does not fit in this node's dataset cache (limit 1.0 MB)" in job["reason"]["message"], job
     s.wait_state(s.submit(command=["true"], datasets=["tiny"]), "succeeded")
+
+
+def test_a_node_whose_cache_is_held_by_running_jobs_requeues_the_job_without_failing_it(stack, http_files, settings):
+    """The node's cache (1 MB) is full of what a running job reads: a job naming another dataset is
+    not failed there but requeued (no failure counted: one attempt allowed), with the reason, kept off
+    that node a while; once the room is back and the while is over it runs there."""
+    settings.JOB_MAX_ATTEMPTS = 1
+    settings.SCHEDULER_NOT_STARTABLE_AVOID_S = 4
+    s = stack
+    _dataset(s, "held", http_files.put("held.bin", b"h" * 700 * 1024))
+    _dataset(s, "other", http_files.put("other.bin", b"o" * 600 * 1024))
+    holder = s.submit(command=["sleep", "300"], datasets=["held"])
+    s.wait_state(holder, "running")
+    job_id = s.submit(command=["sh", "-c", "wc -c < /datasets/other/other.bin"], datasets=["other"])
+    requeued = wait_for(lambda: (j := s.job(job_id))["attempt"] >= 2 and j, 60,
+                        f"job {job_id} to be requeued; agent log:\n{s.log('agent')[-3000:]}")
+    assert requeued["state"] in ("queued", "assigned", "starting"), requeued
+    moved = [e for e in requeued["events"] if e["state"] == "queued" and "Not startable" in e["message"]]
+    assert moved and f"dataset cache full on node {s.name}" in moved[0]["message"], requeued["events"]
+    assert "failed" not in [e["state"] for e in requeued["events"]]
+    assert s.client.post(f"/api/v1/jobs/{holder}/cancel/").status_code == 202
+    done = s.wait_state(job_id, {"succeeded", "failed", "node_fail"}, timeout=120)
+    assert done["state"] == "succeeded", done
+    logs = s.client.get(f"/api/v1/jobs/{job_id}/logs/").json()["data"]
+    assert logs.strip() == str(600 * 1024), logs
