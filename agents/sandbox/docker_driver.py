@@ -30,6 +30,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +38,7 @@ import docker
 import docker.errors
 import docker.types
 import requests
+from docker.models.containers import _create_container_args  # the SDK's own translation of create's options
 
 from agents import supervisor
 from agents.datasets import MOUNT_ROOT as DATASETS_MOUNT
@@ -95,13 +97,15 @@ class DockerDriver:
                  installation: str | None = None, job_uids: str | None = None, volumes_root: str | None = None,
                  state_dir: str | None = None, supervise: bool = False, image_cache_gb: float | None = None):
         self.node = node
-        # supervise (the agent sets it): each container gets a supervisor process that outlives the agent
-        # and kills it when the node's lease file, in the agent's state folder, runs out (agents/supervisor/);
-        # lease_s and fence_grace_s (set by the agent from its registration) stand in until the file exists.
+        # supervise (the agent sets it): the node's containers have one supervisor process that outlives
+        # the agent and kills them when the node's lease file, in the agent's state folder, runs out
+        # (agents/supervisor/__main__.py, docker-node); lease_s and fence_grace_s (set by the agent from
+        # its registration) stand in until the file exists.
         self.lease_path = driver_dir("docker", node, state_dir) / "lease" if supervise else None
         self.state_dir = state_dir  # the agent's; each job's outputs folder is made in our folder there
         self.lease_s, self.fence_grace_s = 60.0, 3.0
-        self._supervisors: dict[str, subprocess.Popen] = {}
+        self.node_supervisor: subprocess.Popen | None = None  # the one this driver started last
+        self._supervisor_lock = threading.Lock()
         # The operator's tree of project volumes, at the same path as on the portal (docs/storage.md).
         self.volumes_root = volumes_root if volumes_root is not None else os.environ.get("GPUPORTAL_VOLUMES_ROOT", "")
         # Several installations may share one engine: names and adoption go by installation and node.
@@ -208,6 +212,7 @@ class DockerDriver:
             raise SandboxError(NO_GPU_MESSAGE)
         if spec.network:
             self._prepare_egress(gang=gang_rank(spec) is not None)
+        self.ensure_supervisor()  # before the container exists: no moment without a fence
         kwargs = self._create_kwargs(spec)
         sessions_dir = kwargs.pop("_sessions_dir", None)
         try:
@@ -220,9 +225,9 @@ class DockerDriver:
     def _create_and_start(self, spec: LaunchSpec, kwargs: dict, sessions_dir: str | None) -> SandboxHandle:
         try:
             if gang_rank(spec) is not None:
-                c = self._create_in_gang_network(spec, kwargs)
+                cid = self._create_in_gang_network(spec, kwargs).id
             else:
-                c = self.client.containers.create(**kwargs)
+                cid = self._create(kwargs)
         except docker.errors.ImageNotFound:
             raise SandboxError(f"image {spec.image!r} is not present on node {self.node}") from None
         except docker.errors.APIError as exc:
@@ -231,24 +236,29 @@ class DockerDriver:
             raise SandboxError(f"could not create the sandbox: {exc.explanation or exc}") from None
         try:
             if sessions_dir:
-                self._write_session_record(c.id, spec, sessions_dir)
-            c.start()
+                self._write_session_record(cid, spec, sessions_dir)
+            self.client.api.start(cid)
         except (docker.errors.APIError, OSError, SandboxError) as exc:
             # A failed start leaves a "Created" container behind; it must go, or
             # the next attempt of this job would find its name taken.
-            self._force_remove(c.id)
-            self._forget_session_record(c.id)
+            self._force_remove(cid)
+            self._forget_session_record(cid)
             if not isinstance(exc, docker.errors.APIError):
                 raise SandboxError(f"could not record the job's sessions: {exc}") from None
             msg = exc.explanation or str(exc)
             if "could not select device driver" in msg:
                 raise SandboxError(f"{NO_GPU_MESSAGE} (engine said: {msg})") from None
             raise SandboxError(f"could not start the sandbox: {msg}") from None
-        log.info("job %s attempt %s: container %s started", spec.job_id, spec.attempt, c.short_id)
-        self._start_supervisor(c.id)
-        return SandboxHandle(driver=self.name, ref=c.id, job_id=spec.job_id, attempt=spec.attempt,
+        log.info("job %s attempt %s: container %s started", spec.job_id, spec.attempt, cid[:12])
+        return SandboxHandle(driver=self.name, ref=cid, job_id=spec.job_id, attempt=spec.attempt,
                              started_at=time.time(), time_limit_s=spec.time_limit_s,
                              gpu_indexes=list(spec.gpu_indexes))
+
+    def _create(self, kwargs: dict) -> str:
+        """The container's id: one engine call, where the docker SDK's ``containers.create`` adds an
+        inspect to build its object (a launch needs only the id)."""
+        args = _create_container_args({**kwargs, "version": self.client.api._version})
+        return self.client.api.create_container(**args)["Id"]
 
     def job_uid(self, spec: LaunchSpec) -> int:
         """The uid (and gid) the job runs as: its project's own, or nobody when the launch names none."""
@@ -681,14 +691,12 @@ class DockerDriver:
             out.append((job_id, attempt, SandboxHandle(
                 driver=self.name, ref=c.id, job_id=job_id, attempt=attempt,
                 started_at=started, time_limit_s=limit, gpu_indexes=gpus)))
+        if out:
+            self.ensure_supervisor()  # adopted containers are fenced too, even if their supervisor was killed
         return out
 
     def remove(self, handle: SandboxHandle) -> None:
         self._force_remove(handle.ref)
-        sup = self._supervisors.pop(handle.ref, None)
-        if sup is not None:  # its container is gone: it has nothing left to guard
-            sup.kill()
-            sup.wait()
         self._logs.pop(handle.ref, None)
         self._polled.pop(handle.ref, None)
         outputs = self.outputs_dir(handle)
@@ -709,10 +717,29 @@ class DockerDriver:
 
     # -- helpers --------------------------------------------------------------
 
-    def _start_supervisor(self, container_id: str) -> None:
-        if self.lease_path is not None:
-            self._supervisors[container_id] = supervisor.start("docker", container_id, self.lease_path,
-                                                               self.lease_s, self.fence_grace_s)
+    def ensure_supervisor(self) -> None:
+        """Start the node's supervisor unless one holds its lock (``supervisor.lock`` beside the lease
+        file): a flock, taken here and handed to the new process, so a check costs no engine call and
+        no process, and a supervisor about to end (lease out, no container left) either sees the lease
+        the agent renewed before this check or leaves the lock free for it."""
+        if self.lease_path is None:
+            return
+        import fcntl
+
+        with self._supervisor_lock:
+            fd = os.open(self.lease_path.parent / "supervisor.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return  # running
+                if self.node_supervisor is not None:
+                    self.node_supervisor.poll()  # the last one ended: reap it
+                self.node_supervisor = supervisor.start(
+                    "docker-node", self.node, self.lease_path, self.lease_s, self.fence_grace_s,
+                    "--installation", self.installation, "--lock-fd", str(fd), pass_fds=(fd,))
+            finally:
+                os.close(fd)  # the supervisor holds the lock through its own copy
 
     def _get(self, handle_or_id):
         ref = handle_or_id.ref if isinstance(handle_or_id, SandboxHandle) else handle_or_id

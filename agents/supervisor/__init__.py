@@ -1,5 +1,5 @@
-"""Per-job supervisors that fence a node's jobs without a live agent (the role containerd-shim or
-conmon play for a container).
+"""Supervisors that fence a node's jobs without a live agent (the role containerd-shim or conmon play
+for a container): one per process-sandbox job and per VM, one per node for the docker sandbox.
 
 The agent writes the node's lease to a file (``lease.write_lease``) after every heartbeat the portal
 took (and on its outage answer): the wall-clock deadline, the moment the last renewing request was
@@ -30,7 +30,8 @@ def __getattr__(name: str) -> str:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def start(kind: str, ref: str, lease_path, lease_s: float, grace_s: float, *extra: str) -> "subprocess.Popen":
+def start(kind: str, ref: str, lease_path, lease_s: float, grace_s: float, *extra: str,
+          pass_fds: tuple[int, ...] = ()) -> "subprocess.Popen":
     """Start ``python -m agents.supervisor KIND REF`` detached (a session of its own, so it outlives the
     agent and a signal to the agent's group); its messages go to ``supervisors.log`` beside the lease."""
     import subprocess  # here: the supervisor process imports this package and needs none of it
@@ -40,4 +41,4 @@ def start(kind: str, ref: str, lease_path, lease_s: float, grace_s: float, *extr
             [sys.executable, "-m", "agents.supervisor", kind, ref, "--lease-file", str(lease_path),
              "--lease-s", str(lease_s), "--grace-s", str(grace_s), *extra],
             env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=errf, start_new_session=True)
+            stdout=subprocess.DEVNULL, stderr=errf, start_new_session=True, pass_fds=pass_fds)

@@ -1,9 +1,13 @@
-"""``python -m agents.supervisor docker CONTAINER --lease-file PATH --lease-s S --grace-s G``: the
-per-container supervisor of the docker sandbox, a detached process of its own session that outlives
-the agent. It waits on the container and, once the node's lease file says the lease ran out, stops it
-(SIGTERM, SIGKILL after the fence grace), first noting it in ``fenced/<container>`` beside the lease
-file (the engine keeps the exit code; the marker tells a returning agent the lease ended it).
-It ends when the container has ended or is gone.
+"""``python -m agents.supervisor docker-node NODE --lease-file PATH --lease-s S --grace-s G
+[--installation I]``: the docker sandbox's node supervisor, one detached process per node (its own
+session, so it outlives the agent) for all of that node's containers, as containerd is one daemon for
+all its tasks. While the node's lease holds it only re-reads the lease file every half second: no
+request to the engine, nothing per container. Once the lease has run out it lists the node's live
+containers and stops each (SIGTERM, SIGKILL after the fence grace), first noting it in
+``fenced/<container>`` beside the lease file (the engine keeps the exit code; the marker tells a
+returning agent the lease ended it), and does so again for any that appears while the lease stays
+out. It holds ``supervisor.lock`` beside the lease file, so a node has one; it ends when the lease has
+run out and no live container of the node is left (the agent starts it again before its next launch).
 
 ``python -m agents.supervisor kvm DOMAIN --uri URI ...`` does the same for a kvm sandbox's VM: the
 ACPI power button (the guest's acpid SIGTERMs the job), then ``virsh destroy`` after the grace."""
@@ -14,8 +18,11 @@ import time
 
 from agents.supervisor.lease import CHECK_S, Lease, mark_fenced
 
+# The docker sandbox's labels (agents/sandbox/__init__.py), repeated: this process imports nothing of it.
+LABEL_NODE, LABEL_INSTALLATION = "gpuportal.node", "gpuportal.installation"
+
 LIVE = ("created", "running", "paused", "restarting")
-STATUS_EVERY = 4  # the container's state is asked every STATUS_EVERY * CHECK_S; the lease file every CHECK_S
+STATUS_EVERY = 4  # a VM's state is asked every STATUS_EVERY * CHECK_S; the lease file every CHECK_S
 
 
 def watch(alive, lease: Lease, what: str) -> bool:
@@ -38,10 +45,8 @@ def _say_fenced(lease: Lease, what: str) -> None:
 
 
 class EngineSocket:
-    """The three Docker Engine API calls a supervisor makes (wait, inspect, kill), over the engine's
-    UNIX socket with the standard library: importing the docker SDK cost every job's supervisor about
-    0.1 s of CPU, and asking for the container's state every 2 s some more. ``wait`` is one request
-    the engine answers when the container ends, so a running job costs its supervisor nothing."""
+    """The Docker Engine API calls the node supervisor makes (list, kill), over the engine's UNIX socket
+    with the standard library: it needs two calls, and only once the lease has run out."""
 
     def __init__(self, path: str):
         self.path = path
@@ -74,79 +79,120 @@ def engine_socket() -> EngineSocket | None:
     return EngineSocket(host[len("unix://"):]) if host.startswith("unix://") else None
 
 
-def supervise_container_socket(container_id: str, lease: Lease, engine: EngineSocket) -> str:
-    """``supervise_container`` on the engine's socket: a thread waits for the container's end (one
-    request; asked again after a broken connection, as when the engine restarts), the main loop reads
-    the lease file every CHECK_S."""
-    import json
-    import threading
+class SocketContainers:
+    """A node's containers through the engine's socket (``EngineSocket``): list the live ones, signal one."""
 
-    ended = threading.Event()
+    def __init__(self, engine: EngineSocket, node: str, installation: str):
+        self.engine, self.node, self.installation = engine, node, installation
 
-    def wait_for_end():
-        while True:
-            try:
-                status, _ = engine.call("POST", f"/containers/{container_id}/wait?condition=not-running", None)
-                if status == 404:
-                    break  # gone
-                if status == 200:
-                    code, body = engine.call("GET", f"/containers/{container_id}/json")
-                    if code == 404 or json.loads(body or b"{}").get("State", {}).get("Status") not in LIVE:
-                        break
-            except (OSError, ValueError):  # the engine restarts, or answered nonsense: ask again
-                pass
-            time.sleep(1.0)
-        ended.set()
+    def live(self) -> list[str]:
+        import json
+        from urllib.parse import quote
 
-    threading.Thread(target=wait_for_end, daemon=True).start()
-    while not ended.wait(CHECK_S):
-        if lease.expired():
-            _say_fenced(lease, f"container {container_id[:12]}")
-            break
-    else:
-        return "exited"
-    mark_fenced(lease.path, container_id)
-    for signal, wait_s in (("SIGTERM", lease.grace_s), ("SIGKILL", 0.0)):
+        filters = json.dumps({"label": [f"{LABEL_NODE}={self.node}"]})
+        status, body = self.engine.call("GET", f"/containers/json?all=1&filters={quote(filters)}")
+        if status != 200:
+            raise OSError(f"the engine answered {status} to the container list")
+        return [c["Id"] for c in json.loads(body) if c.get("State") in LIVE
+                and (c.get("Labels") or {}).get(LABEL_INSTALLATION, "") == self.installation]
+
+    def kill(self, container_id: str, signal: str) -> None:
+        self.engine.call("POST", f"/containers/{container_id}/kill?signal={signal}")  # 404/409: it ended meanwhile
+
+
+class SdkContainers(SocketContainers):
+    """The same through the docker SDK, for an engine reached over tcp, TLS or ssh."""
+
+    def __init__(self, node: str, installation: str):
+        import docker
+
+        self.client, self.node, self.installation = docker.from_env(timeout=30), node, installation
+
+    def live(self) -> list[str]:
+        return [c.id for c in self.client.containers.list(all=True, filters={"label": [f"{LABEL_NODE}={self.node}"]})
+                if c.status in LIVE and c.labels.get(LABEL_INSTALLATION, "") == self.installation]
+
+    def kill(self, container_id: str, signal: str) -> None:
+        import docker.errors
+
         try:
-            engine.call("POST", f"/containers/{container_id}/kill?signal={signal}")  # 404/409: it ended meanwhile
-        except OSError:
-            pass
-        if ended.wait(wait_s):
-            break
-    return "fenced"
+            self.client.api.kill(container_id, signal=signal)
+        except docker.errors.APIError:
+            pass  # 404/409: it ended meanwhile
 
 
-def supervise_container(container_id: str, lease: Lease, client=None) -> str:
-    """Returns how it ended: ``exited`` (the container ended or went) or ``fenced``."""
-    engine = engine_socket() if client is None else None
-    if engine is not None:
-        return supervise_container_socket(container_id, lease, engine)
-    import docker
-    import docker.errors
+class NodeLock:
+    """``supervisor.lock`` beside the lease file, held (flock) by the node's one docker supervisor. The
+    agent takes it before starting one and hands its descriptor over (``--lock-fd``), so there is no
+    moment in which a launch could find it free while a supervisor runs."""
 
-    client = client or docker.from_env(timeout=30)
+    def __init__(self, path: str, fd: int | None = None):
+        self.path, self.fd = path, fd
 
-    def alive() -> bool:
+    def take(self) -> bool:
+        import fcntl
+        import os
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            return client.containers.get(container_id).status in LIVE
-        except docker.errors.NotFound:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
             return False
-    if not watch(alive, lease, f"container {container_id[:12]}"):
-        return "exited"
-    mark_fenced(lease.path, container_id)
+        self.fd = fd
+        return True
+
+    def release(self) -> None:
+        import os
+
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def supervise_node(containers, lease: Lease, lock: NodeLock) -> str:
+    """Fence every live container of the node once its lease has run out (see the module's docstring);
+    return once the lease is out and none is left. The lock is given up first and the lease read again:
+    an agent that renewed it meanwhile either found the lock held (and this supervisor goes on) or free
+    (and started another)."""
+    import os
+
+    folder = os.path.dirname(str(lease.path))
+    signalled: dict[str, float] = {}  # container -> when its SIGTERM went (monotonic)
+    while True:
+        expired = lease.expired()
+        if not expired and os.path.isdir(folder):
+            signalled.clear()  # renewed: a later expiry fences afresh
+            time.sleep(CHECK_S)
+            continue
+        try:  # the lease ran out, or the agent's state folder is gone (then end once no container is left)
+            live = containers.live()
+        except Exception:  # the engine restarts, or answered nonsense: ask again next turn
+            time.sleep(CHECK_S)
+            continue
+        now = time.monotonic()
+        for cid in live if expired else ():
+            if cid not in signalled:
+                _say_fenced(lease, f"container {cid[:12]}")
+                mark_fenced(lease.path, cid)
+                signalled[cid] = now
+                _kill(containers, cid, "SIGTERM")
+            elif now - signalled[cid] >= lease.grace_s:
+                _kill(containers, cid, "SIGKILL")
+        if not live:
+            lock.release()
+            if lease.expired() or not os.path.isdir(folder) or not lock.take():
+                return "fenced" if signalled else "idle"
+        # Wake for the next SIGKILL that falls due, else in CHECK_S.
+        due = [t + lease.grace_s - time.monotonic() for c, t in signalled.items() if c in live]
+        time.sleep(min([CHECK_S, *[d for d in due if d > 0]]))
+
+
+def _kill(containers, cid: str, signal: str) -> None:
     try:
-        c = client.containers.get(container_id)
-        c.kill(signal="SIGTERM")
-        c.wait(timeout=lease.grace_s)
-    except docker.errors.NotFound:
-        return "fenced"
-    except Exception:  # still running after the grace (a read timeout), or exited between look and signal
-        pass
-    try:
-        c.kill(signal="SIGKILL")
-    except docker.errors.APIError:
-        pass  # 404/409: it ended meanwhile
-    return "fenced"
+        containers.kill(cid, signal)
+    except OSError:
+        pass  # the engine restarts: the next turn signals again
 
 
 def supervise_domain(name: str, uri: str, lease: Lease) -> str:
@@ -177,16 +223,26 @@ def supervise_domain(name: str, uri: str, lease: Lease) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m agents.supervisor", description=__doc__)
-    ap.add_argument("kind", choices=["docker", "kvm"])
-    ap.add_argument("sandbox", help="the container id, or the VM's domain name")
+    ap.add_argument("kind", choices=["docker-node", "kvm"])
+    ap.add_argument("sandbox", help="the node's name (docker-node), or the VM's domain name (kvm)")
+    ap.add_argument("--installation", default="", help="docker-node: the containers' installation label")
+    ap.add_argument("--lock-fd", type=int, default=None, help="docker-node: supervisor.lock, already held")
     ap.add_argument("--uri", default="qemu:///system", help="libvirt's (kvm)")
     ap.add_argument("--lease-file", required=True)
     ap.add_argument("--lease-s", type=float, default=60.0, help="the deadline from now while the file is missing")
     ap.add_argument("--grace-s", type=float, default=3.0, help="SIGTERM grace while the file is missing")
     args = ap.parse_args(argv)
     lease = Lease(args.lease_file, args.lease_s, args.grace_s)
-    if args.kind == "docker":
-        supervise_container(args.sandbox, lease)
+    if args.kind == "docker-node":
+        import os
+
+        lock = NodeLock(os.path.join(os.path.dirname(args.lease_file), "supervisor.lock"), args.lock_fd)
+        if lock.fd is None and not lock.take():
+            return 0  # the node has its supervisor
+        engine = engine_socket()
+        containers = (SocketContainers(engine, args.sandbox, args.installation) if engine is not None
+                      else SdkContainers(args.sandbox, args.installation))
+        supervise_node(containers, lease, lock)
     else:
         supervise_domain(args.sandbox, args.uri, lease)
     return 0

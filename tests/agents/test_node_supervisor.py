@@ -167,38 +167,69 @@ def supervised_docker(docker_client, node_name, tmp_path):
     yield d
     for c in docker_client.containers.list(all=True, filters={"label": [f"gpuportal.node={node_name}"]}):
         c.remove(force=True)
-    for sup in d._supervisors.values():
-        sup.kill()
-        sup.wait()
+    if d.node_supervisor is not None:
+        d.node_supervisor.kill()
+        d.node_supervisor.wait()
 
 
-def test_a_container_is_killed_at_its_lease_deadline_by_its_own_supervisor(supervised_docker, docker_client):
-    """The container's supervisor is a process of its own session: the driver object (the agent) does
-    nothing after the launch, yet the container ends at the deadline, SIGTERM ignored, SIGKILL after the grace."""
+def test_the_nodes_containers_are_killed_at_its_lease_deadline_by_one_supervisor(supervised_docker, docker_client):
+    """The node's supervisor is one process of its own session for all its containers: the driver object
+    (the agent) does nothing after the launches, yet both containers end at the deadline, SIGTERM ignored,
+    SIGKILL after the grace; then the supervisor ends, its node having nothing left to guard."""
     d = supervised_docker
     write_lease(d.lease_path, time.time() + 3.0, GRACE_S)
-    h = d.launch(make_spec(command=["sh", "-c", "trap '' TERM; sleep 300"]))
-    sup = d._supervisors[h.ref]
-    assert os.getsid(sup.pid) == sup.pid  # outlives the agent's session
-    assert d.poll(h)[0] == RUNNING
+    hs = [d.launch(make_spec(command=["sh", "-c", "trap '' TERM; sleep 300"])) for _ in range(2)]
+    sup = d.node_supervisor
+    assert sup is not None and os.getsid(sup.pid) == sup.pid  # outlives the agent's session
+    assert all(d.poll(h)[0] == RUNNING for h in hs)
     deadline = read_lease(d.lease_path)[0]
-    wait_for(lambda: d.poll(h)[0] != RUNNING, deadline - time.time() + GRACE_S + CHECK_S + 10,
-             "the supervisor to kill the container")
+    for h in hs:
+        wait_for(lambda: d.poll(h)[0] != RUNNING, deadline - time.time() + GRACE_S + CHECK_S + 10,
+                 "the supervisor to kill the container")
     assert time.time() >= deadline + GRACE_S - 0.2
-    # Polled as the lease's doing (the supervisor's marker), so the agent reports a node fault.
-    assert d.poll(h) == (FENCED, 128 + signal.SIGKILL)
+    for h in hs:
+        # Polled as the lease's doing (the supervisor's marker), so the agent reports a node fault.
+        assert d.poll(h) == (FENCED, 128 + signal.SIGKILL)
     assert sup.wait(10) == 0  # and then it ends itself
-    d.remove(h)
-    assert not os.path.exists(fenced_marker(d.lease_path, h.ref))  # the marker goes with its container
+    for h in hs:
+        d.remove(h)
+        assert not os.path.exists(fenced_marker(d.lease_path, h.ref))  # the marker goes with its container
 
 
-def test_a_container_whose_lease_is_renewed_runs_to_its_end(supervised_docker):
+def test_one_supervisor_serves_every_launch_and_outlives_the_containers_while_the_lease_holds(supervised_docker):
     d = supervised_docker
     with renewing(d.lease_path, 1.5):
         h = d.launch(make_spec(command=["sh", "-c", "sleep 5; exit 4"]))  # three leases long
+        sup = d.node_supervisor
+        h2 = d.launch(make_spec(command=["true"]))
+        assert d.node_supervisor is sup  # its lock is held: no second process
         wait_for(lambda: d.poll(h)[0] != RUNNING, 30, "the container to end")
-        assert d.poll(h) == (EXITED, 4)
-        assert d._supervisors[h.ref].wait(10) == 0
+        assert d.poll(h) == (EXITED, 4) and d.poll(h2) == (EXITED, 0)
+        d.remove(h)
+        d.remove(h2)
+        time.sleep(1.0)  # several of its turns: it stays for the node's next launch
+        assert sup.poll() is None
+
+
+def test_an_agent_adopting_containers_starts_a_supervisor_when_theirs_is_gone(supervised_docker, docker_client):
+    from agents.sandbox.docker_driver import DockerDriver
+
+    d = supervised_docker
+    write_lease(d.lease_path, time.time() + 3600, GRACE_S)
+    h = d.launch(make_spec(command=["sleep", "300"]))
+    d.node_supervisor.kill()  # by hand
+    d.node_supervisor.wait()
+    again = DockerDriver(node=d.node, client=docker_client, state_dir=d.state_dir, supervise=True)
+    assert [x[2].ref for x in again.list_own()] == [h.ref]
+    try:
+        assert again.node_supervisor is not None and again.node_supervisor.poll() is None
+        write_lease(d.lease_path, time.time() + 1.0, GRACE_S)
+        wait_for(lambda: d.poll(h)[0] != RUNNING, 1.0 + GRACE_S + CHECK_S + 10, "the new supervisor to fence")
+        assert d.poll(h)[0] == FENCED
+        assert again.node_supervisor.wait(10) == 0
+    finally:
+        again.node_supervisor.kill()
+        again.node_supervisor.wait()
 
 
 def test_a_vm_is_destroyed_at_its_lease_deadline_by_its_own_supervisor(kvm_image, docker_client):
@@ -218,9 +249,10 @@ def test_a_vm_is_destroyed_at_its_lease_deadline_by_its_own_supervisor(kvm_image
         close_vm_driver(d)
 
 
-def test_a_containers_supervisor_starts_on_the_standard_library_alone():
-    """Every docker job starts a supervisor process, so its start-up is node CPU per job: it loads no
-    docker SDK, no requests and no pathlib (with fnmatch and urllib, a third of its imports)."""
+def test_a_supervisor_starts_on_the_standard_library_alone():
+    """Every VM starts a supervisor process (and every process job its wrapper), so its start-up is node
+    CPU per job: it loads no docker SDK, no requests and no pathlib (with fnmatch and urllib, a third of
+    its imports)."""
     out = subprocess.run([sys.executable, "-c", "import sys, agents.supervisor.__main__, agents.supervisor as s; "
                           "print(len(s.SOURCE) > 0, *sorted(sys.modules))"],
                          capture_output=True, text=True, check=True, cwd=os.path.dirname(os.path.dirname(
