@@ -82,7 +82,7 @@ class Published:
     targets: dict[str, tuple]  # name -> ("unix", path) | ("tcp", host, port)
     shell: tuple | None = None  # (argv, env, cwd) for terminal sessions
     reported: set[str] = field(default_factory=set)
-    relays: dict = field(default_factory=dict)  # name -> NetnsRelay: closed when the job is withdrawn
+    relays: dict = field(default_factory=dict)  # name -> Relay: closed when the job is withdrawn
     problems: dict = field(default_factory=dict)  # name -> why the gateway cannot reach its app
 
 
@@ -158,17 +158,18 @@ class Gateway:
 
     def publish(self, job_id: str, attempt: int, sessions: list[dict], targets: dict[str, tuple],
                 shell: tuple | None = None) -> None:
-        """Serve a job's sessions. A target is ("unix", path), ("tcp", host, port), or ("netns",
+        """Serve a job's sessions. A target is ("unix", path), ("tcp", host, port), ("netns",
         "/proc/<pid>/ns/net", port): a port on the loopback of a sandbox with a network namespace of its
-        own (a docker container with network none), reached through a relay (NetnsRelay)."""
+        own (a docker container with network none), reached through a relay (NetnsRelay), or ("relay",
+        a Relay not yet started) for one the driver makes (the docker sandbox's ExecRelay)."""
         pub = Published(str(job_id), int(attempt), {s["name"]: s for s in sessions}, dict(targets), shell)
         for name, target in list(pub.targets.items()):
-            if target[0] == "netns":
+            if target[0] in ("netns", "relay"):
                 relay = None
                 try:
                     if self._loop is None:
                         raise RuntimeError("the gateway is not started")
-                    relay = NetnsRelay(target[1], int(target[2]))
+                    relay = NetnsRelay(target[1], int(target[2])) if target[0] == "netns" else target[1]
                     asyncio.run_coroutine_threadsafe(relay.start(), self._loop).result(15)
                 except (OSError, RuntimeError) as exc:
                     log.warning("job %s session %s: no way into the sandbox's network: %s", job_id, name, exc)
@@ -238,12 +239,7 @@ class Gateway:
     @staticmethod
     async def _relay_answers(relay) -> bool:
         """Whether the app listens behind a relay (the relay's own socket always does)."""
-        try:
-            sock = await asyncio.to_thread(relay.connect)
-        except OSError:
-            return False
-        sock.close()
-        return True
+        return await relay.answers()
 
     @staticmethod
     async def _answers(target) -> bool:
@@ -457,21 +453,31 @@ class Gateway:
 CLONE_NEWNET = 0x40000000
 
 
-class NetnsRelay:
-    """A unix socket on the host, in a private folder, whose every connection is carried to a TCP port
-    on the loopback of another network namespace (a container's with network none). The namespace is
-    held open from the start, so a pid reused after the container ends can never lead elsewhere.
-    Entering it takes CAP_SYS_ADMIN: the agent runs as root where it runs docker jobs."""
+class Relay:
+    """A unix socket on the host, in a private (0700) folder only the agent reaches, whose every
+    connection is carried to the app's TCP port inside a sandbox that has no route from the host.
+    A subclass says how it opens the way in (``open_upstream``)."""
 
-    def __init__(self, ns_path: str, port: int):
+    def __init__(self):
         import tempfile
 
-        self.port = port
-        self.ns_fd = os.open(ns_path, os.O_RDONLY | os.O_CLOEXEC)
         self.folder = tempfile.mkdtemp(prefix="gpr-")  # 0700: only the agent connects
         self.path = os.path.join(self.folder, "relay.sock")
         self.server = None
         self.carrying: set = set()  # the connections' tasks, ended with the relay
+
+    async def open_upstream(self):
+        """(reader, writer) of one connection to the app; OSError when there is no way in."""
+        raise NotImplementedError
+
+    async def answers(self) -> bool:
+        """Whether the app accepts a connection now."""
+        try:
+            _, writer = await self.open_upstream()
+        except OSError:
+            return False
+        writer.close()
+        return True
 
     async def start(self) -> None:
         self.server = await asyncio.start_unix_server(self._carry, self.path)
@@ -488,9 +494,59 @@ class NetnsRelay:
         import shutil
 
         shutil.rmtree(self.folder, ignore_errors=True)
+
+    async def _carry(self, reader, writer) -> None:
+        task = asyncio.current_task()
+        self.carrying.add(task)
+        try:
+            await self._carry_one(reader, writer)
+        finally:
+            self.carrying.discard(task)
+
+    async def _carry_one(self, reader, writer) -> None:
+        try:
+            up_reader, up_writer = await self.open_upstream()
+        except OSError:
+            writer.close()
+            return
+
+        async def pump(src, dst):
+            try:
+                while data := await src.read(CHUNK):
+                    dst.write(data)
+                    await dst.drain()
+                if dst.can_write_eof():
+                    dst.write_eof()
+            except (ConnectionError, OSError):
+                dst.close()
+
+        try:
+            await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer), return_exceptions=True)
+        finally:  # also when the relay closes under a connection
+            for w in (writer, up_writer):
+                w.close()
+
+
+class NetnsRelay(Relay):
+    """Carried to a TCP port on the loopback of another network namespace (a container's with network
+    none), entered with setns. The namespace is held open from the start, so a pid reused after the
+    container ends can never lead elsewhere. Entering it takes CAP_SYS_ADMIN: a root agent's way (a
+    non-root one uses the docker sandbox's ExecRelay)."""
+
+    def __init__(self, ns_path: str, port: int):
+        self.port = port
+        self.ns_fd = os.open(ns_path, os.O_RDONLY | os.O_CLOEXEC)
+        super().__init__()
+
+    def cleanup(self) -> None:
+        super().cleanup()
         if self.ns_fd >= 0:
             os.close(self.ns_fd)
             self.ns_fd = -1
+
+    async def open_upstream(self):
+        sock = await asyncio.to_thread(self.connect)
+        return await asyncio.open_connection(sock=sock)
 
     def connect(self):
         """A TCP socket connected to the port inside the namespace: made by a thread that enters the
@@ -520,38 +576,6 @@ class NetnsRelay:
         if "error" in box:
             raise box["error"]
         return box["sock"]
-
-    async def _carry(self, reader, writer) -> None:
-        task = asyncio.current_task()
-        self.carrying.add(task)
-        try:
-            await self._carry_one(reader, writer)
-        finally:
-            self.carrying.discard(task)
-
-    async def _carry_one(self, reader, writer) -> None:
-        try:
-            sock = await asyncio.to_thread(self.connect)
-            up_reader, up_writer = await asyncio.open_connection(sock=sock)
-        except OSError:
-            writer.close()
-            return
-
-        async def pump(src, dst):
-            try:
-                while data := await src.read(CHUNK):
-                    dst.write(data)
-                    await dst.drain()
-                if dst.can_write_eof():
-                    dst.write_eof()
-            except (ConnectionError, OSError):
-                dst.close()
-
-        try:
-            await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer), return_exceptions=True)
-        finally:  # also when the relay closes under a connection
-            for w in (writer, up_writer):
-                w.close()
 
 
 async def _write_all(fd: int, data: bytes) -> None:

@@ -458,12 +458,18 @@ class DockerDriver:
     def session_targets(self, handle: SandboxHandle, sessions: list[dict]) -> dict[str, tuple]:
         """JupyterLab on its unix socket in the job's session folder, which the gateway reaches from the
         host side of the mount; an HTTP app on its port on the container's own loopback, which the
-        gateway reaches by entering the container's network namespace (agents/sessions.py NetnsRelay):
+        gateway reaches by entering the container's network namespace (agents/sessions.py NetnsRelay), or,
+        for an agent not run as root, through ``docker exec`` of a forwarder (docker_sessions.ExecRelay):
         the container itself keeps network none."""
         rec = self._session_record(handle.ref) or {}
         out: dict[str, tuple] = {s["name"]: ("unix", os.path.join(rec["dir"], "s", s["name"] + ".sock"))
                                  for s in sessions if s["kind"] == "jupyter" and rec.get("dir")}
-        if any(s["kind"] == "http" for s in sessions):
+        if os.geteuid() != 0:  # no entering namespaces: the engine carries it (docker_sessions.ExecRelay)
+            from agents.sandbox.docker_sessions import ExecRelay
+
+            out.update({s["name"]: ("relay", ExecRelay(self.client, handle.ref, int(s["port"])))
+                        for s in sessions if s["kind"] == "http"})
+        elif any(s["kind"] == "http" for s in sessions):
             try:
                 pid = (self.client.api.inspect_container(handle.ref).get("State") or {}).get("Pid") or 0
             except (docker.errors.APIError, requests.RequestException):
@@ -770,14 +776,14 @@ class DockerShell:
         exec_id = api.exec_create(self.container_id, self.ARGV, stdin=True, tty=True, workdir="/work",
                                   environment={"TERM": "xterm-256color"})["Id"]
         sock = api.exec_start(exec_id, tty=True, socket=True)
-        return DockerTerminal(api, exec_id, getattr(sock, "_sock", sock))
+        return DockerTerminal(api, exec_id, getattr(sock, "_sock", sock), self.container_id)
 
 
 class DockerTerminal:
     """One ``docker exec`` with a TTY: its attach socket carries the terminal's bytes both ways."""
 
-    def __init__(self, api, exec_id: str, sock):
-        self.api, self.exec_id, self.sock = api, exec_id, sock
+    def __init__(self, api, exec_id: str, sock, container_id: str):
+        self.api, self.exec_id, self.sock, self.container_id = api, exec_id, sock, container_id
         self.fd = sock.fileno()
 
     def resize(self, cols: int, rows: int) -> None:
@@ -794,12 +800,11 @@ class DockerTerminal:
         except OSError:
             pass
         self.sock.close()
-        try:  # the shell does not notice the attach going away: hang it up as a terminal would
-            info = self.api.exec_inspect(self.exec_id)
-            if info.get("Running") and info.get("Pid"):
-                os.kill(info["Pid"], signal.SIGHUP)
-        except (docker.errors.APIError, requests.RequestException, OSError) as exc:
-            log.debug("exec %s: hang-up: %s", self.exec_id[:12], exc)
+        # The shell does not notice the attach going away: hang it up as a terminal would (from inside the
+        # container where the agent is not root).
+        from agents.sandbox.docker_sessions import signal_exec
+
+        signal_exec(self.api, self.container_id, self.exec_id, signal.SIGHUP)
 
 
 def _give(path: str, uid: int, mode: int) -> bool:

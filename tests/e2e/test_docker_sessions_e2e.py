@@ -246,3 +246,71 @@ def test_a_restarted_agent_serves_the_containers_sessions_again(docker_node):
     finally:
         gateway.stop()
     assert not os.path.exists(relays[0])  # a stopped gateway leaves no relay behind (the container runs on)
+
+
+# An agent that is only in the docker group: it publishes the running container's HTTP app and terminal
+# on a gateway of its own, and prints the gateway's URL and its uid.
+NON_ROOT_AGENT = """
+import json, os, sys, time
+import docker
+from agents.sandbox import SandboxHandle
+from agents.sandbox.docker_driver import DockerDriver
+from agents.sessions import Gateway
+arg = json.loads(sys.argv[1])
+gateway = Gateway(listen="127.0.0.1:0").start()
+driver = DockerDriver(node=arg["node"], client=docker.from_env(), simulated_gpus=True, state_dir=arg["state"])
+handle = SandboxHandle(driver="docker", ref=arg["ref"], job_id=arg["job"], attempt=1, started_at=time.time())
+targets = driver.session_targets(handle, arg["sessions"])
+gateway.publish(arg["job"], 1, arg["sessions"], targets, driver.session_shell(handle))
+print(json.dumps({"url": gateway.url, "uid": os.geteuid(), "targets": {k: v[0] for k, v in targets.items()}}),
+      flush=True)
+sys.stdin.read()
+gateway.stop()
+"""
+
+
+def test_an_agent_not_run_as_root_serves_the_http_app_and_hangs_up_its_shells(docker_node, tmp_path):
+    """No entering namespaces without root: the relay carries each connection with docker exec of a
+    forwarder in the container (its network stays none), and a closed terminal's shell is hung up from
+    inside the container; no exec is left running after either."""
+    import grp
+
+    from websockets.sync.client import connect
+
+    state = tmp_path / "agent"
+    state.mkdir()
+    os.chown(state, 65534, 65534)
+    sessions = [{"name": "sh", "kind": "terminal", "port": None, "secret": SECRET, "base_url": SHELL},
+                {"name": "web", "kind": "http", "port": WEB_PORT, "secret": SECRET, "base_url": WEB}]
+    arg = {"node": docker_node.name, "state": str(state), "ref": docker_node.handle.ref, "job": str(JOB),
+           "sessions": sessions}
+    docker_gid = grp.getgrnam("docker").gr_gid
+    agent = subprocess.Popen(
+        ["setpriv", "--reuid=65534", "--regid=65534", f"--groups={docker_gid}", "--inh-caps=-all",
+         sys.executable, "-c", NON_ROOT_AGENT, json.dumps(arg)],
+        cwd=os.getcwd(), env={**os.environ, "HOME": str(state)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True)
+    try:
+        said = json.loads(agent.stdout.readline())
+        assert said["uid"] == 65534 and said["targets"] == {"web": "relay"}
+        key = {"X-Gpuportal-Session-Secret": SECRET}
+        for _ in range(3):  # each request its own connection, its own forwarder
+            r = requests.get(said["url"] + WEB + "hello.txt", headers=key, timeout=30)
+            assert r.status_code == 200 and r.text == "hello from the container\n"
+        big = requests.get(said["url"] + WEB + "", headers=key, timeout=30)
+        assert big.status_code == 200 and "hello.txt" in big.text
+        with connect(said["url"].replace("http://", "ws://") + SHELL + "ws", additional_headers=key,
+                     open_timeout=30) as ws:
+            ws.send(json.dumps({"type": "input", "data": "echo nonroot-$((6*7))\n"}))
+            seen, deadline = b"", time.monotonic() + 30
+            while b"nonroot-42" not in seen and time.monotonic() < deadline:
+                seen += ws.recv(timeout=30)
+        assert b"nonroot-42" in seen
+        container = docker_node.client.containers.get(docker_node.handle.ref)
+        wait_for(lambda: not _running_execs(docker_node.client, container), 20,
+                 "the forwarders and the shell to end")
+        attrs = container.attrs
+        assert attrs["HostConfig"]["NetworkMode"] == "none"
+    finally:
+        agent.stdin.close()
+        agent.wait(30)
