@@ -20,20 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-os.environ.setdefault("LOG_LEVEL", "WARNING")
-os.environ.setdefault("SECRET_KEY", "bench-" + "abcdefghij" * 6)
-os.environ.setdefault("ALLOWED_HOSTS", "testserver,127.0.0.1,localhost")
-os.environ.setdefault("SECURE_SSL_REDIRECT", "0")  # the test client speaks plain HTTP
+from benchdb import PRODUCTION, django_setup, throwaway_database
 
-import django  # noqa: E402
-
-django.setup()
-
-from benchdb import throwaway_database  # noqa: E402
+django_setup(PRODUCTION, SECURE_SSL_REDIRECT="0")  # the test client speaks plain HTTP
 
 DB_NAME = "gpuportal_bench_artifacts"
 

@@ -11,20 +11,10 @@ Django's test client, so without network or browser time).
 import argparse
 import os
 import statistics
-import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-os.environ.setdefault("DEBUG", "0")
-os.environ.setdefault("SECRET_KEY", "bench-" + "x" * 60)
-os.environ.setdefault("ALLOWED_HOSTS", "testserver")
-os.environ.setdefault("SECURE_SSL_REDIRECT", "0")
-
-from benchdb import throwaway_database  # noqa: E402
+from benchdb import PRODUCTION, django_setup, throwaway_database
 
 
 def main() -> None:
@@ -33,9 +23,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=15)
     args = parser.parse_args()
 
-    import django
-
-    django.setup()
+    django_setup(PRODUCTION, SECURE_SSL_REDIRECT="0")  # the test client speaks plain HTTP
     with throwaway_database("gpuportal_bench_console"):
         run(args)
 

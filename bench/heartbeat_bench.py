@@ -36,18 +36,11 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-os.environ.setdefault("DEBUG", "1")
+from benchdb import DEVELOPMENT, ROOT, django_setup, throwaway_database
 
-import django  # noqa: E402
-
-django.setup()
+django_setup(DEVELOPMENT)
 
 import requests  # noqa: E402
-from benchdb import throwaway_database  # noqa: E402
 from django.db import connection  # noqa: E402
 
 DB_NAME = "gpuportal_bench_hb"

@@ -14,25 +14,11 @@ agent that samples each second sends. The CPU a heartbeat costs bounds the rate 
 absorb: 200 heartbeats/s on 2 cores leaves 10 ms each, for gunicorn, PostgreSQL and Redis.
 """
 import argparse
-import os
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-os.environ.setdefault("LOG_LEVEL", "WARNING")
-# Production settings (DEBUG off: no query log, which would cost CPU of its own).
-os.environ.setdefault("SECRET_KEY", "bench-" + "abcdefghij" * 6)
-os.environ.setdefault("ALLOWED_HOSTS", "testserver,127.0.0.1,localhost")
+from benchdb import PRODUCTION, django_setup, throwaway_database
 
-import django  # noqa: E402
-
-django.setup()
-
-from benchdb import throwaway_database  # noqa: E402
+django_setup(PRODUCTION)
 
 DB_NAME = "gpuportal_bench_hbcpu"
 

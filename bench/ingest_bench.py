@@ -13,18 +13,10 @@ Reports three paths:
 import argparse
 import os
 import statistics
-import sys
 import time
 from datetime import datetime, timedelta, timezone as dt_timezone
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-os.environ.setdefault("DEBUG", "1")
-
-
-from benchdb import throwaway_database  # noqa: E402
+from benchdb import DEVELOPMENT, django_setup, throwaway_database
 
 
 def main() -> None:
@@ -33,9 +25,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=125)
     args = parser.parse_args()
 
-    import django
-
-    django.setup()
+    django_setup(DEVELOPMENT)
     with throwaway_database("gpuportal_bench_ingest"):
         run(args)
 

@@ -29,20 +29,11 @@ import time
 from decimal import Decimal
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-os.environ.setdefault("LOG_LEVEL", "WARNING")
-os.environ.setdefault("SECRET_KEY", "bench-" + "abcdefghij" * 6)
-os.environ.setdefault("ALLOWED_HOSTS", "127.0.0.1,localhost")
+from benchdb import PRODUCTION, ROOT, django_setup, throwaway_database
 
-import django  # noqa: E402
-
-django.setup()
+django_setup(PRODUCTION)
 
 import requests  # noqa: E402
-from benchdb import throwaway_database  # noqa: E402
 from django.db import connection  # noqa: E402
 
 

@@ -17,26 +17,18 @@ Targets (issue #14): steady pass under 0.2 s; first pass under 2 s including pub
 """
 import os
 import random
-import sys
 import time
 import uuid
 from decimal import Decimal
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-os.environ.setdefault("DEBUG", "1")
-os.environ.setdefault("LAUNCH_RESEND_S", "3600")  # measure passes, not re-sends of the first pass
-os.environ.setdefault("LAUNCH_LOST_S", "7200")  # must exceed LAUNCH_RESEND_S
+from benchdb import DEVELOPMENT, django_setup, throwaway_database
 
-import django  # noqa: E402
-
-django.setup()
+# Measure passes, not re-sends of the first pass (LAUNCH_LOST_S must exceed LAUNCH_RESEND_S).
+django_setup(DEVELOPMENT, LAUNCH_RESEND_S="3600", LAUNCH_LOST_S="7200")
 
 from django.core.management import call_command  # noqa: E402
 from agents.protocol import PROTOCOL_VERSION  # noqa: E402
-from benchdb import throwaway_database  # noqa: E402
 from django.utils import timezone  # noqa: E402
 
 NODES, GPUS_PER_NODE, QUEUED = 1000, 8, 10_000

@@ -17,20 +17,10 @@ import time
 import uuid
 from datetime import timedelta
 from decimal import Decimal
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-os.environ.setdefault("DEBUG", "1")
-os.environ.setdefault("LAUNCH_RESEND_S", "3600")
-os.environ.setdefault("LAUNCH_LOST_S", "7200")  # must exceed LAUNCH_RESEND_S
+from benchdb import DEVELOPMENT, django_setup, throwaway_database
 
-import django  # noqa: E402
-
-django.setup()
-
-from benchdb import throwaway_database  # noqa: E402
+django_setup(DEVELOPMENT, LAUNCH_RESEND_S="3600", LAUNCH_LOST_S="7200")  # LOST must exceed RESEND
 from django.core.management import call_command  # noqa: E402
 from django.db import connection  # noqa: E402
 from django.utils import timezone  # noqa: E402

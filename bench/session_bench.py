@@ -32,18 +32,9 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-os.environ.setdefault("LOG_LEVEL", "WARNING")
-os.environ.setdefault("SECRET_KEY", "bench-" + "abcdefghij" * 6)
-os.environ.setdefault("ALLOWED_HOSTS", "testserver,127.0.0.1,localhost")
+from benchdb import PRODUCTION, django_setup, throwaway_database
 
-import django  # noqa: E402
-
-django.setup()
-
-from benchdb import throwaway_database  # noqa: E402
+django_setup(PRODUCTION)
 
 DB_NAME = "gpuportal_bench_sessions"
 JOB = 424242

@@ -12,18 +12,10 @@ import os
 import sys
 import time
 from decimal import Decimal
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "portal.settings")
-os.environ.setdefault("DEBUG", "1")
+from benchdb import DEVELOPMENT, django_setup, throwaway_database
 
-import django  # noqa: E402
-
-django.setup()
-
-from benchdb import throwaway_database  # noqa: E402
+django_setup(DEVELOPMENT)
 from django.core.management import call_command  # noqa: E402
 from django.test.utils import override_settings  # noqa: E402
 
