@@ -99,6 +99,41 @@ class Tracked:
         return (self.job_id, self.attempt)
 
 
+class GroupSender:
+    """Reports of several threads in one request (group commit): a thread whose report finds no request
+    in flight sends it with every report queued meanwhile, up to ``EVENTS_MAX``; the others wait for its
+    answer, so launches that go together share their ``starting`` and ``running`` requests and none
+    waits for a timer. ``send_many(reports)`` returns one outcome a report (a result, or the exception)."""
+
+    def __init__(self, send_many):
+        self._send_many = send_many
+        self._cond = threading.Condition()
+        self._queue: list[dict] = []
+        self._busy = False
+
+    def send(self, report: dict):
+        slot = {"report": report, "done": False, "outcome": None}
+        with self._cond:
+            self._queue.append(slot)
+        while True:
+            with self._cond:
+                while self._busy and not slot["done"]:
+                    self._cond.wait()
+                if slot["done"]:
+                    return slot["outcome"]
+                self._busy = True
+                batch, self._queue = self._queue[:EVENTS_MAX], self._queue[EVENTS_MAX:]
+            try:
+                outcomes = self._send_many([s["report"] for s in batch])
+            except Exception as exc:  # a bug must not leave the other launches waiting for good
+                outcomes = [exc] * len(batch)
+            with self._cond:
+                for s, outcome in zip(batch, outcomes):
+                    s["outcome"], s["done"] = outcome, True
+                self._busy = False
+                self._cond.notify_all()
+
+
 class Agent:
     def __init__(self, *, name: str, client, driver, probe, stop_grace_s: float = 10.0,
                  log_chunk_bytes: int = 256 * 1024, background: bool = True, scrub_gpus: bool = True,
@@ -155,6 +190,9 @@ class Agent:
         self._early_ends: dict[str, float] = {}
         # Ends of several jobs go up in one request (protocol 1.2); off for a portal that speaks an older one.
         self.batch_events = True
+        # `starting` and `running` reports of launches that go together share requests (protocol 1.2).
+        self._launch_reports = GroupSender(self._send_launch_reports)
+        self._supervising = False  # run_supervisor's loop runs: stop threads hand their ends to its passes
         self.says_not_startable = True  # the portal takes not_startable (protocol 1.5); register says
 
     # -- start-up ---------------------------------------------------------------
@@ -266,7 +304,7 @@ class Agent:
         for t in older:  # the portal moved on, so the older attempt is stale here
             self._begin_stop(t, "cancelled", f"superseded by attempt {attempt}", self.stop_grace_s)
         try:
-            self.client.event(job_id, attempt, "starting")
+            self._report_state(job_id, attempt, "starting")
         except StaleAttempt:
             return "stale"
         except PortalUnreachable:
@@ -384,12 +422,46 @@ class Agent:
                              min(self.stop_grace_s, self.fence_grace_s), lease_expired=True)
             return "started"
         try:
-            self.client.event(job_id, attempt, "running")
+            self._report_state(job_id, attempt, "running")
         except StaleAttempt:
             self._begin_stop(t, "cancelled", "stale attempt", self.stop_grace_s)
         except PortalUnreachable:
             log.warning("job %s attempt %s: could not report running; the heartbeat will", job_id, attempt)
         return "started"
+
+    def _report_state(self, job_id: str, attempt: int, state: str) -> None:
+        """Report a launch's ``starting`` or ``running``; launches that report together share one request
+        (``GroupSender``). Raises as ``client.event`` does (StaleAttempt: the portal moved on)."""
+        outcome = self._launch_reports.send({"job_id": job_id, "attempt": attempt, "state": state})
+        if outcome == "stale":
+            raise StaleAttempt(f"job {job_id} attempt {attempt}: stale")
+        if isinstance(outcome, Exception):
+            raise outcome
+
+    def _send_launch_reports(self, reports: list[dict]) -> list:
+        """Launch reports in one request where the portal takes batches (protocol 1.2), else one by one:
+        each one's "applied", "duplicate" or "stale", or what its request raised."""
+        if len(reports) > 1 and self.batch_events and hasattr(self.client, "event_batch"):
+            try:
+                results = self.client.event_batch(reports)
+            except PortalUnreachable as exc:
+                return [exc] * len(reports)
+            except PortalError as exc:
+                if exc.status in (404, 405):
+                    self.batch_events = False
+                results = []
+            if len(results) == len(reports):
+                return [r.get("result") or "applied" for r in results]
+        return [self._send_one_launch_report(r) for r in reports]
+
+    def _send_one_launch_report(self, report: dict):
+        try:
+            self.client.event(report["job_id"], report["attempt"], report["state"])
+        except StaleAttempt:
+            return "stale"
+        except PortalError as exc:
+            return exc
+        return "applied"
 
     def _prepare_image(self, ls: LaunchSpec) -> str | None:
         """Have the driver make the job's image present (docker: pulled with the project's registry
@@ -584,12 +656,12 @@ class Agent:
         if wait or not self.background:
             self._do_stop(t, grace_s, signal)
         else:
-            th = threading.Thread(target=self._do_stop, args=(t, grace_s, signal), daemon=True,
+            th = threading.Thread(target=self._do_stop, args=(t, grace_s, signal, True), daemon=True,
                                   name=f"stop-{t.job_id}-{t.attempt}")
             th.start()
             self._stop_threads = [x for x in self._stop_threads if x.is_alive()] + [th]
 
-    def _do_stop(self, t: Tracked, grace_s: float, signal: str | None = None) -> None:
+    def _do_stop(self, t: Tracked, grace_s: float, signal: str | None = None, handover: bool = False) -> None:
         try:
             if signal:
                 self._checkpoint_then_wait(t, signal, grace_s)
@@ -613,6 +685,11 @@ class Agent:
             reason = f"{reason}; {t.node_problem}"
         with self._lock:
             t.terminal = (t.stop_state, code, reason)
+        if handover and self._supervising:
+            # The supervisor's next pass reports it, with every other end noticed by then, in one request
+            # (many stops together: a cancelled array, a fence).
+            self.sandbox_ended(t.handle.ref)
+            return
         self._finish(t)
 
     def _checkpoint_then_wait(self, t: Tracked, signal: str, grace_s: float) -> None:
@@ -990,8 +1067,8 @@ class Agent:
         return resp
 
     def write_lease(self) -> None:
-        """Write the lease's wall-clock deadline to the node's lease file, which every job's supervisor
-        reads (agents/supervisor/): it fences the jobs when the deadline passes, even with this agent
+        """Write the lease's wall-clock deadline to the node's lease file, which the jobs' supervisors
+        read (agents/supervisor/): they fence the jobs when the deadline passes, even with this agent
         dead or frozen. Drivers without such supervisors have no ``lease_path``."""
         path = getattr(self.driver, "lease_path", None)
         if path is None:
@@ -1056,6 +1133,13 @@ class Agent:
             except Exception:  # the ticks still notice every exit
                 log.exception("watching sandbox exits failed; noticing them every %ss", interval_s)
         next_full = time.monotonic() + interval_s
+        self._supervising = True
+        try:
+            self._supervise_loop(stop, interval_s, next_full)
+        finally:
+            self._supervising = False
+
+    def _supervise_loop(self, stop: threading.Event, interval_s: float, next_full: float) -> None:
         while not stop.is_set():
             self._wake.wait(max(0.0, min(interval_s, next_full - time.monotonic())))
             if stop.is_set():

@@ -105,3 +105,60 @@ def test_a_portal_answering_404_to_batches_gets_single_reports_from_then_on(env)
     launch_and_end(env, {"a": 0, "b": 0})
     env.agent.supervise_once()
     assert len(ends(env)) == 2 and env.agent.batch_events is False
+
+
+def test_ends_of_stops_made_on_stop_threads_go_up_together_through_the_supervisors_pass(env):
+    """A stop runs on its own thread; with the supervisor's loop running, the thread hands the end to
+    it instead of reporting it alone, so many stops together (a cancelled array, a fence) make one request."""
+    env.agent.background = True
+    env.agent._supervising = True  # as while run_supervisor's loop runs
+    for job_id in "abc":
+        assert env.agent.launch(job_id, 1, SPEC) == "started"
+    for job_id in "abc":
+        assert env.agent.stop(job_id, 1, "cancelled by its owner", wait=False)
+    env.agent.join_stops()
+    assert ends(env) == [] and env.agent._ended == {t.handle.ref for t in env.agent.jobs().values()}
+    env.agent.supervise_once(only=set(env.agent._ended))
+    assert env.portal.batches == [[("a", 1, "cancelled"), ("b", 1, "cancelled"), ("c", 1, "cancelled")]]
+    assert env.agent.jobs() == {} and env.driver.sandboxes == {}
+
+
+def test_a_stop_with_no_supervisor_loop_reports_its_end_itself(env):
+    env.agent.background = True
+    assert env.agent.launch("a", 1, SPEC) == "started"
+    assert env.agent.stop("a", 1, "cancelled by its owner", wait=False)
+    env.agent.join_stops()
+    assert ends(env) == [("a", 1, "cancelled", 143)] and env.agent.jobs() == {} and env.portal.batches == []
+
+
+def test_reports_queued_while_one_is_in_flight_go_up_together_in_the_next_request():
+    """GroupSender: the first report goes at once; those that come while it is in flight wait for it and
+    then go in one request, each answered with its own outcome."""
+    import threading
+
+    from agents.worker import GroupSender
+    from tests.procs import wait_for
+
+    sent, first_in_flight, release = [], threading.Event(), threading.Event()
+
+    def send_many(reports):
+        sent.append([r["job_id"] for r in reports])
+        if len(sent) == 1:
+            first_in_flight.set()
+            release.wait(10)
+        return ["stale" if r["job_id"] == "c" else "applied" for r in reports]
+
+    sender = GroupSender(send_many)
+    outcomes = {}
+    threads = [threading.Thread(target=lambda j=j: outcomes.__setitem__(j, sender.send({"job_id": j})))
+               for j in "abcd"]
+    threads[0].start()
+    assert first_in_flight.wait(10)
+    for th in threads[1:]:
+        th.start()
+    wait_for(lambda: len(sender._queue) == 3, 10, "three reports queued behind the first")
+    release.set()
+    for th in threads:
+        th.join(10)
+    assert sent[0] == ["a"] and sorted(sent[1]) == ["b", "c", "d"] and len(sent) == 2
+    assert outcomes == {"a": "applied", "b": "applied", "c": "stale", "d": "applied"}
