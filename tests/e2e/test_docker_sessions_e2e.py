@@ -184,6 +184,19 @@ def test_the_terminal_and_gpuctl_shell_run_commands_in_the_container(job, portal
     wait_for(lambda: not _running_execs(docker_node.client, container), 20, "the terminals' shells to end")
 
 
+def _shell_says(gateway_url: str, key: dict, command: str, marker: bytes) -> bytes:
+    """What a terminal straight from the gateway prints for ``command`` until ``marker`` (or 30 s)."""
+    from websockets.sync.client import connect
+
+    with connect(gateway_url.replace("http://", "ws://") + SHELL + "ws", additional_headers=key,
+                 open_timeout=30) as ws:
+        ws.send(json.dumps({"type": "input", "data": command + "\n"}))
+        seen, deadline = b"", time.monotonic() + 30
+        while marker not in seen and time.monotonic() < deadline:
+            seen += ws.recv(timeout=30)
+    return seen
+
+
 def _running_execs(client, container) -> list:
     container.reload()
     return [e for e in container.attrs.get("ExecIDs") or [] if client.api.exec_inspect(e).get("Running")]
@@ -220,8 +233,6 @@ def test_the_node_refuses_a_connection_without_the_secret_and_the_container_has_
 def test_a_restarted_agent_serves_the_containers_sessions_again(docker_node):
     """A new agent (its own driver and gateway) adopts the running container and publishes its sessions
     from the record the first one left in its folder, the HTTP app's way in included."""
-    from websockets.sync.client import connect
-
     from agents.sandbox.docker_driver import DockerDriver
     from agents.sessions import Gateway, SessionDriver
 
@@ -234,13 +245,7 @@ def test_a_restarted_agent_serves_the_containers_sessions_again(docker_node):
         assert requests.get(gateway.url + LAB + "api/status", headers=key, timeout=30).status_code == 200
         r = requests.get(gateway.url + WEB + "hello.txt", headers=key, timeout=30)
         assert r.status_code == 200 and r.text == "hello from the container\n"
-        with connect(gateway.url.replace("http://", "ws://") + SHELL + "ws", additional_headers=key,
-                     open_timeout=30) as ws:
-            ws.send(json.dumps({"type": "input", "data": "echo again-$((6*7))\n"}))
-            seen, deadline = b"", time.monotonic() + 30
-            while b"again-42" not in seen and time.monotonic() < deadline:
-                seen += ws.recv(timeout=30)
-        assert b"again-42" in seen
+        assert b"again-42" in _shell_says(gateway.url, key, "echo again-$((6*7))", b"again-42")
         relays = [r.folder for pub in gateway._published.values() for r in pub.relays.values()]
         assert len(relays) == 1 and os.path.isdir(relays[0])
     finally:
@@ -275,8 +280,6 @@ def test_an_agent_not_run_as_root_serves_the_http_app_and_hangs_up_its_shells(do
     inside the container; no exec is left running after either."""
     import grp
 
-    from websockets.sync.client import connect
-
     state = tmp_path / "agent"
     state.mkdir()
     os.chown(state, 65534, 65534)
@@ -299,13 +302,7 @@ def test_an_agent_not_run_as_root_serves_the_http_app_and_hangs_up_its_shells(do
             assert r.status_code == 200 and r.text == "hello from the container\n"
         big = requests.get(said["url"] + WEB + "", headers=key, timeout=30)
         assert big.status_code == 200 and "hello.txt" in big.text
-        with connect(said["url"].replace("http://", "ws://") + SHELL + "ws", additional_headers=key,
-                     open_timeout=30) as ws:
-            ws.send(json.dumps({"type": "input", "data": "echo nonroot-$((6*7))\n"}))
-            seen, deadline = b"", time.monotonic() + 30
-            while b"nonroot-42" not in seen and time.monotonic() < deadline:
-                seen += ws.recv(timeout=30)
-        assert b"nonroot-42" in seen
+        assert b"nonroot-42" in _shell_says(said["url"], key, "echo nonroot-$((6*7))", b"nonroot-42")
         container = docker_node.client.containers.get(docker_node.handle.ref)
         wait_for(lambda: not _running_execs(docker_node.client, container), 20,
                  "the forwarders and the shell to end")
