@@ -17,7 +17,8 @@ portal.asgi under uvicorn (the proxy). It prints:
 With --sandbox docker the job runs in the docker sandbox (network none) from the JupyterLab image the
 tests build (tests/interactive/jupyter_image.py), its HTTP app on the container's loopback, reached
 through the gateway's relay into the container's network namespace; the host has no direct way to
-it, so there is no "direct" figure.
+it, so there is no "direct" figure. --relay exec carries the HTTP app's connections as an agent not
+run as root does (agents/sandbox/docker_sessions.py: a docker exec of a forwarder per connection).
 """
 import argparse
 import asyncio
@@ -89,6 +90,8 @@ def main():
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--websockets", type=int, default=200)
     ap.add_argument("--sandbox", choices=["process", "docker"], default="process")
+    ap.add_argument("--relay", choices=["netns", "exec"], default="netns",
+                    help="docker: the HTTP app's way in (exec: as an agent not run as root)")
     args = ap.parse_args()
 
     import uvicorn
@@ -176,6 +179,12 @@ def main():
                     pass
                 time.sleep(0.1)
             print(f"launch to JupyterLab usable through the portal: {time.perf_counter() - t0:.1f} s")
+            if docker and args.relay == "exec":  # the app's way in as a non-root agent's gateway has it
+                from agents.sandbox.docker_sessions import ExecRelay
+
+                pub = gateway._published[str(JOB)]
+                gateway.publish(str(JOB), 1, list(pub.sessions.values()),
+                                {**pub.targets, "web": ("relay", ExecRelay(engine, handle.ref, web_port))})
 
             # 2. Latency of a small GET.
             secret = {"X-Gpuportal-Session-Secret": key}
