@@ -1093,9 +1093,10 @@ class Agent:
         renewed = getattr(self.client, "lease_renewed_at", None)
         last = renewed if renewed is not None else self._started
         silent = self._clock() - last
-        if not self.fenced and silent > self.lease_s - min(SLOW_PROBE_AHEAD_S, self.lease_s / 3):
+        if not self.fenced and self.lease_s - min(SLOW_PROBE_AHEAD_S, self.lease_s / 3) < silent <= self.lease_s:
             # Before the deadline, not at it: a portal that is slow, not gone, renews the lease in time for
-            # the lease file too (agents/client.py, renew_if_slow).
+            # the lease file too (agents/client.py, renew_if_slow). Never past it: a lease that ran out (this
+            # agent frozen through its probe window) is not revived, since the portal may have reaped the node.
             renew_if_slow = getattr(self.client, "renew_if_slow", None)
             if renew_if_slow is not None and renew_if_slow():
                 silent = self._clock() - self.client.lease_renewed_at

@@ -189,3 +189,37 @@ def test_a_sandbox_whose_start_outlasts_the_lease_is_stopped_as_the_fence_stops_
     portal.unreachable = False
     agent.supervise_once()
     assert ("j1", 1) in portal.lease_expired  # reported as the lease's doing: the portal requeues, never fails it
+
+
+class SlowPortal(HeartbeatsLost):
+    """Heartbeats unanswered, the portal's host accepting connections: renew_if_slow renews, as PortalClient's."""
+
+    def __init__(self, clock):
+        super().__init__(clock)
+        self.probes = 0
+
+    def renew_if_slow(self):
+        self.probes += 1
+        self.lease_renewed_at = self.clock()
+        return True
+
+
+def test_a_slow_portal_renews_the_lease_before_its_deadline_but_never_revives_one_run_out():
+    """The lease check asks renew_if_slow only in the last seconds before the deadline: there a slow portal
+    extends the lease. An agent frozen through that window (its lease already out when it checks again) fences
+    without asking: the portal may have reaped the node meanwhile, and the jobs' supervisors have fenced."""
+    clock, wall = Clock(), Clock(1000.0)
+    portal = SlowPortal(clock)
+    driver = FakeDriver()
+    agent = Agent(name="n1", client=portal, driver=driver, probe=SimProbe("2xH100-80GB", node_name="n1", clock=wall),
+                  stop_grace_s=10.0, background=False, clock=clock, wall=wall)
+    agent.register()
+    agent.lease_s, agent.fence_grace_s = 15.0, 3.0
+    agent.launch("j1", 1, {**JOB, "gpu_indexes": [0]})
+    renewed = portal.lease_renewed_at
+    clock.t = renewed + 12.0  # 3 s before the deadline: not yet asked
+    assert not agent.check_lease() and portal.probes == 0
+    clock.t = renewed + 14.0  # within the last 2 s: asked, renewed from now
+    assert not agent.check_lease() and portal.probes == 1 and portal.lease_renewed_at == clock.t
+    clock.t += 15.5  # frozen past the renewed deadline in one step
+    assert agent.check_lease() and portal.probes == 1 and driver.running() == []
