@@ -6,6 +6,7 @@ caller answers 409 and the agent stops that sandbox. Retries of a report already
 are no-ops, so agents may retry freely.
 """
 import logging
+import time
 
 from django.conf import settings
 from django.db import IntegrityError, OperationalError, transaction
@@ -18,6 +19,8 @@ from portal.core.queue import SCHEDULE_PASS, request_schedule_pass, send
 
 from .models import HOLDING, TERMINAL, Allocation, Job, JobLogChunk, JobState
 from .node_effects import gpus_scrub_failed, job_requeue_after_node_fault, node_drain_for_fault, node_settle_drain
+from .selectors import log_end, utf8_whole_len
+from .states import transition
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +57,6 @@ def job_confirm(*, node, job_id, attempt: int) -> Job:
     """The agent asks before starting anything: the job turns starting, or Conflict (409). The agent
     API answers with its launch spec (portal.launch, which composes it above jobs)."""
     job = held_job(node=node, job_id=job_id, attempt=attempt)
-    from .states import transition
-
     transition(job.pk, to=JobState.STARTING, from_states={JobState.ASSIGNED}, attempt=attempt,
                message=f"Confirmed by {node.name}")
     return job
@@ -88,8 +89,6 @@ def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None 
     not be killed is drained, first, and even when the report itself is stale: the state of a
     GPU or a node does not depend on which attempt left it so.
     """
-    from .states import transition
-
     if scrub_failures:
         gpus_scrub_failed(node=node, failures=scrub_failures, job_id=job_id)
     if node_problem:
@@ -194,10 +193,6 @@ def requeue_not_startable(job: Job, node_name: str, why: str) -> bool:
     """Send a job its node could not start back to the queue as a new attempt (its old attempt's
     reports turn stale), whatever JOB_MAX_ATTEMPTS says (nothing failed), with that node in its
     ``avoid_nodes`` until SCHEDULER_NOT_STARTABLE_AVOID_S from now. False when it no longer held the node."""
-    import time
-
-    from .states import transition
-
     now = time.time()
     until = now + settings.SCHEDULER_NOT_STARTABLE_AVOID_S
     avoid = {n: t for n, t in (job.avoid_nodes or {}).items() if isinstance(t, (int, float)) and t > now}
@@ -240,8 +235,6 @@ def job_append_log(*, node, job_id, attempt: int, offset: int, data: bytes) -> d
     Returns {stored: any byte kept, size: bytes stored, full: the cap is reached}: a full log
     tells the agent to stop shipping this attempt.
     """
-    from .selectors import log_end, utf8_whole_len
-
     job = _load(job_id, attempt, node)
     if node.name not in job_nodes(job) and job.node_id != node.pk:
         raise Conflict(f"Job {job_id} does not run on {node.name}.", code="stale")

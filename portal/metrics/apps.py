@@ -16,7 +16,7 @@ class MetricsConfig(AppConfig):
 def _flush_at_exit() -> None:
     """A process stopping cleanly writes the samples it buffered."""
     try:
-        from .services import BUFFER, samples_flush
+        from .services import BUFFER, samples_flush  # apps.py loads before the models: not at its top
 
         if BUFFER.rows:
             samples_flush()

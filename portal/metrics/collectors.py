@@ -1,6 +1,8 @@
 """The Prometheus collector behind /metrics: everything is computed at scrape time from
 PostgreSQL and the latest sample per GPU in the cache, so any web process can answer a
 scrape and nothing is lost when one restarts."""
+from datetime import timedelta
+
 from django.core.cache import cache
 from django.db.models import Count, DurationField, ExpressionWrapper, F, Q, Sum
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
@@ -81,8 +83,6 @@ class PortalCollector:
         # Cumulative over every job that ever started (first start), so it only grows like a
         # histogram must; one aggregate query whatever the number of jobs.
         wait = ExpressionWrapper(F("started_at") - F("submitted_at"), output_field=DurationField())
-        from datetime import timedelta
-
         started = Job.objects.filter(started_at__isnull=False, is_array_parent=False).annotate(w=wait)
         agg = started.aggregate(
             n=Count("id"), total=Sum("w"),

@@ -1,11 +1,13 @@
 """Writes for GPU metrics: sample ingest, health rules, rollups, pruning."""
 import json
 import logging
+import threading
+import time
 from datetime import datetime, timedelta, timezone as dt_timezone
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Avg, Count, Max, Sum
+from django.db.models import Avg, Count, F, Max, Q, Sum
 from django.db.models.functions import TruncHour, TruncMinute
 from django.utils import timezone
 
@@ -106,15 +108,11 @@ class _Buffer:
     A process that dies loses what it buffered (seconds of informational samples)."""
 
     def __init__(self):
-        import threading
-
         self.rows: list[tuple] = []
         self.since = 0.0
         self.lock = threading.Lock()
 
     def add(self, rows: list[tuple]) -> list[tuple]:
-        import time
-
         with self.lock:
             if not self.rows:
                 self.since = time.monotonic()
@@ -148,8 +146,6 @@ def _node_gpus(node_id: int, uuids=()) -> dict[str, tuple]:
     then costs no query. Health this process changes is written through; a change made
     elsewhere (an operator) is seen within the TTL; a UUID the map lacks (a re-registered
     node) reloads it at once."""
-    import time
-
 
     hit = _GPU_MAPS.get(node_id)
     if hit is not None and hit[0] > time.monotonic() and all(u in hit[1] for u in uuids):
@@ -280,8 +276,6 @@ def rollup_hours(*, now: datetime | None = None, lookback_hours: int = 2) -> int
 
 
 def _weighted(field: str):
-    from django.db.models import F
-
     return F(field) * F("samples")
 
 
@@ -295,8 +289,6 @@ def _upsert_gpu(rollups: list[GpuRollup]) -> None:
 
 def _fleet(buckets: list[datetime], resolution: int, now: datetime) -> None:
     """Fleet figures per bucket: allocated GPUs from Allocation overlap, used GPUs from rollups."""
-    from django.db.models import Q
-
 
     if not buckets:
         return

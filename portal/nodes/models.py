@@ -53,7 +53,7 @@ class Node(models.Model):
     @property
     def waiting_for(self) -> str:
         """Why the node takes no jobs yet, in words an operator can act on ("" once it does)."""
-        from portal.celery import node_queue
+        from portal.celery import node_queue  # the Celery app loads after the models (portal/__init__.py)
 
         if self.queue_verified_at is not None:
             return ""

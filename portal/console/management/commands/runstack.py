@@ -18,6 +18,9 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 from django.utils import timezone
 
+from portal.autoscale import localnode
+from portal.autoscale.models import NodePool
+from portal.autoscale.services import release_all
 from portal.core.context import Actor
 from portal.nodes.models import Node
 from portal.nodes.services import node_add, node_rotate_token
@@ -106,8 +109,6 @@ DEMO_POOL = "sim"
 def demo_pool(host: str, port: int, *, sandbox: str):
     """With LOCAL_AUTOSCALE_NODES=N (N > 0): a `local` node pool of up to N nodes, so the demo shows
     autoscaling (docs/autoscaling.md); None otherwise. Its nodes are released when the stack stops."""
-    from portal.autoscale.models import NodePool
-
     count = int(os.getenv("LOCAL_AUTOSCALE_NODES", "0") or 0)
     if count <= 0:
         NodePool.objects.filter(name=DEMO_POOL).update(enabled=False)
@@ -216,10 +217,6 @@ class Command(BaseCommand):
                     break
             time.sleep(0.5)
         if pool is not None:  # the pool's agents first: they are this command's too
-            from portal.autoscale import localnode
-            from portal.autoscale.models import NodePool
-            from portal.autoscale.services import release_all
-
             NodePool.objects.filter(pk=pool.pk).update(enabled=False)
             release_all(pool)  # idle nodes are released; busy ones stop like the local agent, jobs left to adopt
             for name in localnode.running():
