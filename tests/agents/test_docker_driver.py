@@ -7,6 +7,7 @@ import pytest
 
 from agents.sandbox import EXITED, OOM, RUNNING, SandboxError
 from agents.sandbox.docker_driver import SandboxExists
+from agents.sandbox.kvm_domain import driver_dir
 from tests.agents.conftest import make_spec
 from tests.agents.node_services import node_services, probe_command, probe_lines  # noqa: F401
 
@@ -97,7 +98,11 @@ def test_container_is_hardened(docker_driver, docker_client, node_name):
     assert hc["Memory"] == 96 * 1024 * 1024 and hc["MemorySwap"] == hc["Memory"]
     assert hc["PidsLimit"] == 77 and hc["NanoCpus"] == 1_500_000_000
     assert hc["RestartPolicy"]["Name"] in ("", "no")
-    assert not hc["Binds"] and not a["Mounts"]  # nothing of the host, least of all docker.sock
+    # Nothing of the host, least of all docker.sock: only the driver's read-only hosts file (localhost).
+    assert not hc["Binds"] and [(m["Destination"], m["RW"]) for m in a["Mounts"]] == [("/etc/hosts", False)]
+    assert a["Mounts"][0]["Source"] == str(driver_dir("docker", node_name) / "hosts")
+    # No network at all: not the engine's "none" network (its start hook re-runs dockerd), runc's loopback.
+    assert cfg["NetworkDisabled"] is True
     assert set(hc["Tmpfs"]) == {"/work", "/tmp"}
     assert not hc.get("DeviceRequests") and not hc["Devices"]
     assert cfg["Labels"] == {"gpuportal.job": "hard-1", "gpuportal.attempt": "3",
@@ -117,6 +122,15 @@ def test_inside_the_container_nothing_is_allowed(docker_driver):
     assert "CapEff:\t0000000000000000" in out and "NoNewPrivs:\t1" in out and "Seccomp:\t2" in out
     assert "65534" in out and "ROOT-WRITABLE" not in out and "work-ok" in out
     assert out.split()[-1] == "lo"  # network none: loopback only
+
+
+def test_a_job_without_network_has_loopback_and_resolves_localhost(docker_driver):
+    h = docker_driver.launch(make_spec(command=["sh", "-c", (
+        "cat /etc/hosts; ip -o addr show lo; nc -l -p 5005 >/dev/null & "
+        "for i in $(seq 100); do echo hi | nc localhost 5005 && { echo loopback-ok; break; }; sleep 0.1; done")]))
+    assert wait_done(docker_driver, h) == (EXITED, 0)
+    out = docker_driver.read_logs(h, 0).decode()
+    assert "127.0.0.1\tlocalhost" in out and "inet 127.0.0.1/8" in out and "loopback-ok" in out
 
 
 def test_job_env_is_ours_not_the_tenants(docker_driver):
