@@ -39,13 +39,14 @@ from portal.core.passes import pass_begins
 from portal.jobs.models import (HOLDING, QOS_VALUE, TERMINAL, Allocation, Job, JobState, ProjectFairshare,
                                 ProjectMonthUsage)
 from portal.jobs.selectors import usage_for_pass
-from portal.jobs.states import transition
+from portal.jobs.states import allocate_whole_gpus, assign_many, requeue_holding, transition
 from portal.jobs.usage import usage_fold
 from portal.launch import launch_specs
 from portal.nodes.models import GPU, GPUHealth, GPUMode, Node, NodeState
 from portal.storage.selectors import prefetch_entries
 from portal.tenancy.models import Organization, Project, Quota
 from scheduler import core
+from scheduler.core.autoscale import wants_capacity
 
 from .dispatch import send_launches, send_prefetch, send_stop
 
@@ -370,8 +371,6 @@ def _apply_whole_starts(starts, context, start_times):
     refuses the bulk insert (a double-booked GPU), the savepoint rolls back and every start
     is retried one by one, so only the offending job stays queued.
     """
-    from portal.jobs.states import allocate_whole_gpus, assign_many
-
     shared = context.setdefault("shared_gpus", set(
         str(g) for g in GPU.objects.filter(mode=GPUMode.SHARED).values_list("pk", flat=True)))
     bulk = [s for s in starts if s.gpu_ids and not shared.intersection(s.gpu_ids)]
@@ -400,8 +399,6 @@ def _apply_whole_starts(starts, context, start_times):
 def _apply_preemption(pre: core.Preemption, context) -> list[tuple] | None:
     """Requeue a preempted job as its next attempt; returns its stops (node, job, attempt, grace,
     signal): a checkpointing job gets its signal and grace to save, any other SIGTERM."""
-    from portal.jobs.states import requeue_holding
-
     job_id = int(pre.job_id)
     row = Job.objects.filter(pk=job_id, state__in=HOLDING).values("attempt").first()
     if row is None:
@@ -418,8 +415,6 @@ REASON_NOTES: list = []
 
 
 def _notes(plan: core.Plan) -> dict[str, str]:
-    from scheduler.core.autoscale import wants_capacity
-
     ids = [j for j, r in plan.waiting.items() if wants_capacity(r)]
     notes: dict[str, str] = {}
     for source in REASON_NOTES if ids else ():
