@@ -9,7 +9,6 @@ import json
 import os
 import stat
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +57,8 @@ def save(*, url: str, token: str, path: Path | None = None) -> Path:
     """Write url and token, readable by the owner only. Returns the path written."""
     path = path or config_path()
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    import tempfile  # only a login writes the file; its import (with random) is start-up time
+
     # mkstemp creates the file 0600 already; the data never sits in a wider-open file.
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".config-", suffix=".tmp")
     try:

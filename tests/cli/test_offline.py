@@ -101,3 +101,19 @@ def test_logs_follow_with_json_is_refused():
 def test_table_pads_columns_and_cuts_long_cells():
     text = output.table([[1, "a-very-long-name"], [22, "b"]], ["ID", "NAME"], max_width={1: 8})
     assert text.splitlines() == ["ID  NAME", "1   a-very-…", "22  b"]
+
+
+@pytest.mark.parametrize("args", [["submit", "--help"], ["volumes", "--help"], ["volumes", "list", "--help"],
+                                  ["list", "--limit", "x"], ["port-forward", "--help"], ["sumbit"], ["--help"]])
+def test_a_process_builds_only_the_command_it_runs_and_says_the_same(args):
+    """main() hands typer only the named command (start-up time); help and errors stay the same."""
+    from portal.cli.app import only_the_invoked_command
+
+    runner = CliRunner()
+    env = {"GPUCTL_URL": "http://127.0.0.1:1", "GPUCTL_TOKEN": "t", "COLUMNS": "100"}
+    pruned = only_the_invoked_command(["gpuctl", *args])
+    whole = runner.invoke(app, args, prog_name="gpuctl", env=env)
+    assert (pruned is app) == (args[0] in ("sumbit", "--help"))
+    assert len(pruned.registered_commands) + len(pruned.registered_groups) == (21 if pruned is app else 1)
+    assert runner.invoke(pruned, args, prog_name="gpuctl", env=env).output == whole.output
+    assert whole.exit_code in (0, 2) and whole.output
