@@ -132,7 +132,8 @@ GPU_FIELDS = ("id", "node__name", "index", "model", "memory_mb", "health", "mode
 # What the snapshot reads of a job as it is stored; JOB_TIMES below adds the columns it reads computed.
 JOB_FIELDS = ("id", "project__slug", "project__organization__slug", "user__username", "gpus", "time_limit_s",
               "gpu_type", "gpu_memory_mb", "priority", "preemptible", "array_parent_id", "array_limit", "sandbox",
-              "nodes", "cpus", "memory_mb", "node__name", "checkpoint_signal", "checkpoint_grace_s")
+              "nodes", "cpus", "memory_mb", "node__name", "checkpoint_signal", "checkpoint_grace_s",
+              "checkpoint_interval_s")
 # Read as computed columns: times as epoch floats (Epoch), and datasets and avoided nodes as NULL where
 # there are none (most jobs), so only the jobs naming some have their JSON decoded.
 JOB_TIMES = {"submit_s": Epoch("submitted_at"), "changed_s": Epoch("state_changed_at"),
@@ -208,6 +209,10 @@ def build_snapshot(now=None):
             array_limit=row["array_limit"], deps_satisfied=deps_ok, sandbox=row["sandbox"], nodes=row["nodes"],
             attained_gpu_s=attained.get(job_id, 0.0), cpus=float(row["cpus"]), memory_mb=row["memory_mb"],
             checkpoint_grace_s=float(row["checkpoint_grace_s"] or 0) if row["checkpoint_signal"] else None,
+            # A job that says it saves every interval_s is taken as keeping only those saves (its
+            # signal's save may not finish in its grace), as the simulator replays it.
+            checkpoint_interval_s=float(row["checkpoint_interval_s"])
+            if row["checkpoint_signal"] and row["checkpoint_interval_s"] else None,
             datasets=_core_datasets(row["datasets_or_none"]),
             avoid_nodes=_avoided(row["avoid_or_none"], now_s),
         )

@@ -75,6 +75,9 @@ class LaunchSpec:
     # agent sends it before stopping the job to move it, and grace_s before its time limit.
     checkpoint_signal: str | None = None
     checkpoint_grace_s: float | None = None
+    # Its spec's `checkpoint.interval_s`: how often it should save on its own, told to it in
+    # GPUPORTAL_CHECKPOINT_INTERVAL_S. None: it saves only when signalled.
+    checkpoint_interval_s: int | None = None
     # Outputs (agents/artifacts.py): a writable /outputs whose files the agent uploads to the portal when
     # the attempt ends. False (an older portal's launch): no /outputs.
     outputs: bool = False
@@ -185,6 +188,8 @@ def job_env(spec: LaunchSpec, *, visible_devices: list[str]) -> dict[str, str]:
     env["GPUPORTAL_ATTEMPT"] = str(spec.attempt)
     if spec.array_index is not None:
         env["GPUPORTAL_ARRAY_INDEX"] = str(spec.array_index)
+    if spec.checkpoint_signal and spec.checkpoint_interval_s:
+        env["GPUPORTAL_CHECKPOINT_INTERVAL_S"] = str(int(spec.checkpoint_interval_s))
     for k in RENDEZVOUS_KEYS:
         if spec.rendezvous and spec.rendezvous.get(k) is not None:
             env[k] = str(spec.rendezvous[k])

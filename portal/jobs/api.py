@@ -40,6 +40,8 @@ class JobResourcesSerializer(serializers.Serializer):
 class JobCheckpointSerializer(serializers.Serializer):
     signal = serializers.CharField()
     grace_s = serializers.IntegerField()
+    interval_s = serializers.IntegerField(required=False, help_text="Present when the job saves on its own every "
+                                                                    "this many seconds of its run.")
 
 
 class JobSerializer(serializers.ModelSerializer):
@@ -68,7 +70,7 @@ class JobSerializer(serializers.ModelSerializer):
     datasets = serializers.ListField(child=serializers.DictField(), read_only=True, help_text=(
         "The datasets it reads at /datasets/<name>, as resolved at submit: {name, version, digest, size, source}."))
     checkpoint = JobCheckpointSerializer(read_only=True, allow_null=True,
-                                         help_text="{signal, grace_s} when the job checkpoints, else null.")
+                                         help_text="{signal, grace_s[, interval_s]} when the job checkpoints, else null.")
 
     class Meta:
         model = Job

@@ -87,6 +87,10 @@ class Job(models.Model):
     # "" : it does not checkpoint (a preemption restarts it from zero).
     checkpoint_signal = models.CharField(max_length=8, blank=True)
     checkpoint_grace_s = models.PositiveIntegerField(null=True, blank=True)
+    # The spec's `checkpoint.interval_s`: it also saves on its own every this many seconds of its run
+    # (told so in GPUPORTAL_CHECKPOINT_INTERVAL_S), so a stop it gets no signal for loses at most
+    # that much. None: it saves only when signalled.
+    checkpoint_interval_s = models.PositiveIntegerField(null=True, blank=True)
     # Requeued while its last attempt saves its checkpoint: not scheduled before this time, or
     # before that attempt's end is reported, whichever comes first (so two attempts never share
     # the checkpoint folder).
@@ -146,10 +150,12 @@ class Job(models.Model):
 
     @property
     def checkpoint(self) -> dict | None:
-        """The spec's `checkpoint` ({signal, grace_s}), or None for a job that does not checkpoint."""
+        """The spec's `checkpoint` ({signal, grace_s[, interval_s]}), or None for a job that does not
+        checkpoint; `interval_s` only where the job gave one, as it was submitted."""
         if not self.checkpoint_signal:
             return None
-        return {"signal": self.checkpoint_signal, "grace_s": self.checkpoint_grace_s}
+        every = {"interval_s": self.checkpoint_interval_s} if self.checkpoint_interval_s else {}
+        return {"signal": self.checkpoint_signal, "grace_s": self.checkpoint_grace_s, **every}
 
     @property
     def gpus_per_node(self):

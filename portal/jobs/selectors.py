@@ -174,6 +174,7 @@ def job_launch_parts(pairs: list[tuple[str, int]]) -> dict[tuple[str, int], dict
             "project_id": job.project_id,  # the docker sandbox runs each project under a uid of its own
             "outputs": True,  # /outputs, uploaded as the attempt's artifacts when it ends (docs/storage.md)
             "checkpoint_signal": job.checkpoint_signal or None, "checkpoint_grace_s": job.checkpoint_grace_s,
+            "checkpoint_interval_s": job.checkpoint_interval_s,
             **_mounts(job.org_slug, job.project_slug, job.pk, job.volumes),
             "datasets": job.datasets or [],  # references here; the files to fetch in portal.launch
             "sessions": [],  # published ports: portal.launch

@@ -134,6 +134,7 @@ def job_fields(actor: Actor, project: Project, v: dict, template: JobTemplate | 
         datasets=v.get("datasets") or [],
         checkpoint_signal=(v["checkpoint"] or {}).get("signal", ""),
         checkpoint_grace_s=(v["checkpoint"] or {}).get("grace_s"),
+        checkpoint_interval_s=(v["checkpoint"] or {}).get("interval_s"),
         do_not_disrupt=v.get("do_not_disrupt", False),
     )
 

@@ -132,7 +132,8 @@ CHECKPOINT_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP")
 
 
 class CheckpointSerializer(StrictSerializer):
-    """The job saves its state to GPUPORTAL_CHECKPOINT_DIR when sent `signal` and resumes from it."""
+    """The job saves its state to GPUPORTAL_CHECKPOINT_DIR when sent `signal` (and every `interval_s`
+    of its run, if it says so) and resumes from it."""
 
     signal = serializers.ChoiceField(choices=CHECKPOINT_SIGNALS, default="SIGUSR1",
                                      help_text="Sent to the job when it must stop (preemption, migration, node "
@@ -140,6 +141,12 @@ class CheckpointSerializer(StrictSerializer):
     grace_s = serializers.IntegerField(min_value=1, default=120,
                                        help_text="Seconds it gets to save after the signal before it is stopped "
                                                  "(at most CHECKPOINT_MAX_GRACE_S, and under its time limit).")
+
+    interval_s = serializers.IntegerField(min_value=1, required=False, allow_null=True, default=None,
+                                         help_text="The job also saves on its own every this many seconds of "
+                                                   "its run (told so in GPUPORTAL_CHECKPOINT_INTERVAL_S): a stop "
+                                                   "it gets no signal for loses at most that much work. Omitted: it "
+                                                   "saves only when signalled.")
 
     def validate_grace_s(self, value):
         if value > settings.CHECKPOINT_MAX_GRACE_S:

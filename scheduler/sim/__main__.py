@@ -3,8 +3,9 @@
     python -m scheduler.sim --trace tests/scheduler/data/philly_dev.csv --start-day 48 --days 1 \
         --gpus 384 --gpus-per-node 8 --policy multifactor --quota tests/scheduler/data/philly_vc_quota.csv
 
-Preempted jobs restart from zero, or with --checkpoint-interval resume from their last
-checkpoint (every job checkpoints; the time since it and the grace are lost). With --datasets N jobs read
+Preempted jobs restart from zero, or resume from their last checkpoint (the time since it and the
+grace are lost) when they checkpoint: as their trace row's checkpoint_grace_s and
+checkpoint_interval_s say, or, with --checkpoint-interval, every job whose row names none. With --datasets N jobs read
 datasets of a Zipf popularity, staged to nodes over their links and cached (locality on unless
 --no-locality; docs/scheduler.md, "Dataset locality"). Prints the docs/design.md section 9 metrics,
 overall and per tenant, as a table or (--json) as one JSON object.
@@ -84,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                     help="processes for the isolated replays")
     ap.add_argument("--checkpoint-interval", type=float, default=None, metavar="S",
-                    help="every job checkpoints every S seconds of its run (0: only when signalled) and "
+                    help="every job whose trace row names no checkpoint saves every S seconds of its run "
+                         "(0: only when signalled) and "
                          "resumes from its last checkpoint when preempted")
     ap.add_argument("--checkpoint-grace", type=float, default=120.0, metavar="S",
                     help="seconds a preempted job gets to save (counted as lost GPU-time); with --checkpoint-interval")

@@ -154,6 +154,24 @@ def test_the_launch_spec_carries_the_checkpoint_signal(demo, sent, node):
     assert launch_spec(plain.pk, "gpu-01")["checkpoint_signal"] is None
 
 
+def test_a_save_interval_reaches_the_job_and_the_scheduler(demo, sent, node):
+    from agents.sandbox import LaunchSpec, job_env
+    from portal.launch import launch_spec
+
+    job = run(node, submit(demo, "saver", 1, {"grace_s": 30, "interval_s": 1800}))
+    spec = launch_spec(job.pk, "gpu-01")
+    env = job_env(LaunchSpec.from_dict(spec, job_id=str(job.pk), attempt=job.attempt), visible_devices=["0"])
+    assert env["GPUPORTAL_CHECKPOINT_INTERVAL_S"] == "1800"
+    # The core sees it as a job that keeps only its periodic saves (docs/scheduler.md).
+    held = {a.job.id: a.job for a in adapter.build_snapshot()[0].running}
+    assert held[str(job.pk)].checkpoint_interval_s == 1800 and held[str(job.pk)].checkpoint_grace_s == 30
+    signalled = run(node, submit(demo, "signalled", 1, {"grace_s": 30}))
+    spec = launch_spec(signalled.pk, "gpu-01")
+    env = job_env(LaunchSpec.from_dict(spec, job_id=str(signalled.pk), attempt=1), visible_devices=["1"])
+    assert "GPUPORTAL_CHECKPOINT_INTERVAL_S" not in env
+    assert {a.job.id: a.job for a in adapter.build_snapshot()[0].running}[str(signalled.pk)].checkpoint_interval_s is None
+
+
 def test_the_job_api_shows_no_checkpoint_for_a_job_without_one(demo, api, sent, node):
     job = submit(demo, "plain", 1)
     assert api("alice").get(f"/api/v1/jobs/{job.pk}/").json()["checkpoint"] is None
