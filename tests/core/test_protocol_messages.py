@@ -112,8 +112,13 @@ def answer_keys(schema: dict, path: str) -> set[str]:
     return set(content.get("properties", {}))
 
 
+def batch_result_keys(schema: dict) -> set[str]:
+    """The keys the real agent API documents for each report's result in a batch (POST events)."""
+    return set(schema["components"]["schemas"]["EventResult"]["properties"])
+
+
 def test_fake_portal_has_the_real_clients_methods_and_arguments():
-    for name in ("register", "heartbeat", "confirm", "event", "logs"):
+    for name in ("register", "heartbeat", "confirm", "event", "event_batch", "logs"):
         real = inspect.signature(getattr(PortalClient, name))
         fake = inspect.signature(getattr(FakePortal, name))
         real_names = [p for p in real.parameters if p != "self"]
@@ -128,16 +133,23 @@ def test_the_stand_ins_answer_only_what_the_real_agent_api_answers(client):
     stub = PortalStub()
     fake = FakePortal(clock=lambda: 0.0)
     try:
+        report = {"job_id": "7", "attempt": 1, "state": "running"}
         for path, body in (("register", {}), ("probe", {}), ("heartbeat", {}), ("jobs/7/confirm", {"attempt": 1}),
-                           ("jobs/7/events", {"attempt": 1}), ("jobs/7/logs", {"attempt": 1})):
+                           ("jobs/7/events", {"attempt": 1}), ("jobs/7/logs", {"attempt": 1}),
+                           ("events", {"events": [report]})):
             match = resolve(f"/api/agent/v1/{path}")  # the stub's route exists in the real API
             assert match.namespace == "agent", path
             status, answer = stub.answer(f"/api/agent/v1/{path}", body)
             assert status == 200
             documented = answer_keys(schema, re.sub(r"/7/", "/{job_id}/", path))
             assert set(answer) <= documented, (path, set(answer) - documented)
-        fake_answers = {"register": fake.register(name="n"), "heartbeat": fake.heartbeat(samples=[], jobs=[])}
+            if path == "events":
+                assert answer["results"] and all(set(r) <= batch_result_keys(schema) for r in answer["results"])
+        fake_answers = {"register": fake.register(name="n"), "heartbeat": fake.heartbeat(samples=[], jobs=[]),
+                        "jobs/{job_id}/logs": fake.logs("7", 1, 0, b"x")}
         for path, answer in fake_answers.items():
             assert set(answer) <= answer_keys(schema, path), path
+        # The client hands on the batch's "results"; the fake gives what the client gives.
+        assert all(set(r) <= batch_result_keys(schema) for r in fake.event_batch([report])), "event_batch"
     finally:
         stub.close()
