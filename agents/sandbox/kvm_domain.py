@@ -58,7 +58,8 @@ def check_gpu(bus_id: str, sysfs: str = "/sys/bus/pci/devices") -> None:
 def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: str, initrd: str,
                console_log: str, domain_type: str = "kvm", started_at: float | None = None,
                job_network: str | None = None, extra_memory_mb: int = 0, name: str | None = None,
-               qemu_user: tuple[int, int] | None = None, exit_log: str | None = None, installation: str = "") -> str:
+               qemu_user: tuple[int, int] | None = None, exit_log: str | None = None, installation: str = "",
+               terminal_socket: str | None = None) -> str:
     """The libvirt domain for one job attempt.
 
     ``qemu_user`` (uid, gid): QEMU runs as this user instead of libvirt's
@@ -68,7 +69,8 @@ def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: s
     image (unpacked) and, while booting, the initrd in RAM. The job itself
     gets no more than its ``memory_mb`` (a cgroup in the guest), and its
     CPU time is capped on the host at ``cpus`` (``<cputune>``), on
-    ``ceil(cpus)`` vCPUs. ``exit_log`` is the second serial port's file.
+    ``ceil(cpus)`` vCPUs. ``exit_log`` is the second serial port's file. ``terminal_socket``: a third
+    serial port on a unix socket libvirt makes, where the guest serves the job's terminal session.
 
     No NIC unless the job may use the network; then one virtio NIC on
     ``job_network`` (a libvirt network name; ``"user"`` is QEMU's user-mode
@@ -96,7 +98,8 @@ def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: s
     ET.SubElement(os_, "type", arch="x86_64", machine="q35").text = "hvm"
     ET.SubElement(os_, "kernel").text = kernel
     ET.SubElement(os_, "initrd").text = initrd
-    ET.SubElement(os_, "cmdline").text = f"{CMDLINE} gpuportal.job={spec.job_id}"
+    cmdline = CMDLINE.replace("8250.nr_uarts=2", "8250.nr_uarts=3") if terminal_socket else CMDLINE
+    ET.SubElement(os_, "cmdline").text = f"{cmdline} gpuportal.job={spec.job_id}"
     feats = ET.SubElement(d, "features")
     ET.SubElement(feats, "acpi")  # without it poweroff never ends the domain (docs/sandboxes.md section 2)
     if spec.gpu_uuids:
@@ -118,6 +121,10 @@ def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: s
         exit_port = ET.SubElement(dev, "serial", type="file")
         ET.SubElement(exit_port, "source", path=exit_log, append="off")
         ET.SubElement(exit_port, "target", port="1")
+    if terminal_socket:
+        term = ET.SubElement(dev, "serial", type="unix")
+        ET.SubElement(term, "source", mode="bind", path=terminal_socket)
+        ET.SubElement(term, "target", port="2")
     if spec.network and job_network:
         if job_network == "user":
             nic = ET.SubElement(dev, "interface", type="user")

@@ -52,6 +52,7 @@ imported lazily so the rest of the agent runs without it.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import logging
 import math
@@ -79,7 +80,7 @@ from agents.sandbox import kvm_image
 from agents.sandbox.egress import EgressError, Firewall, parse_allow
 from agents.sandbox.kvm_console import console_files, read_console
 from agents.sandbox.kvm_domain import (
-    METADATA_NS, check_gpu, create_private, domain_xml, driver_dir, kvm_works,
+    METADATA_NS, check_gpu, create_private, domain_xml, driver_dir, kvm_works, private_dir,
 )
 from agents.sandbox.kvm_image import EXIT_MARKER, START_MARKER
 from agents.supervisor.lease import FENCED, forget_fenced, was_fenced
@@ -332,7 +333,8 @@ class KvmDriver:
                              domain_type=self.domain_type, started_at=started,
                              job_network=self.job_network, extra_memory_mb=extra_mb, name=name,
                              installation=self.installation,
-                             qemu_user=None if uid is None else (uid, self.vm_gid))
+                             qemu_user=None if uid is None else (uid, self.vm_gid),
+                             terminal_socket=self._terminal_socket(name) if _has_terminal(spec) else None)
             try:
                 self.conn.createXML(xml, 0)
                 return
@@ -380,7 +382,7 @@ class KvmDriver:
                     with open(part, "rb") as src:
                         shutil.copyfileobj(src, f, 1 << 20)
                 overlay = kvm_image.job_overlay(image.entrypoint + list(spec.command), env, memory_mb=spec.memory_mb,
-                                                pids_limit=spec.pids_limit)
+                                                pids_limit=spec.pids_limit, terminal=_has_terminal(spec))
                 f.write(gzip.compress(overlay, mtime=0))
                 size = f.tell()
         except OSError as exc:  # a full disk, or the cached image pruned under us
@@ -687,6 +689,63 @@ class KvmDriver:
     def _remove_console(self, name: str) -> None:
         for f in [*console_files(self.state_dir / f"{name}.log"), self.state_dir / f"{name}.exit"]:
             _unlink(f)
+        shutil.rmtree(self._terminal_path(name).parent, ignore_errors=True)
+
+    # -- interactive sessions (agents/sessions.py): a terminal only --------------------
+
+    def _terminal_path(self, name: str) -> Path:
+        """The VM's third serial port: a unix socket libvirt makes, in a folder only the agent controls.
+        Not in the state folder: a socket's path has at most 107 bytes. Found again by the VM's name
+        (a restarted agent), and checked like the state folder (private_dir) before each use."""
+        digest = hashlib.sha256(f"{self.state_dir}/{name}".encode()).hexdigest()[:20]
+        return Path(tempfile.gettempdir()) / f"gpt-{digest}" / "t.sock"
+
+    def _terminal_socket(self, name: str) -> str:
+        path = self._terminal_path(name)
+        private_dir(path.parent, 0o700)
+        return str(path)
+
+    def session_targets(self, handle: SandboxHandle, sessions: list[dict]) -> dict[str, tuple]:
+        return {}  # no app to reach: the portal refuses jupyter and http sessions for kvm at submit
+
+    def session_shell(self, handle: SandboxHandle) -> "KvmShell":
+        return KvmShell(self._terminal_socket(handle.ref))
+
+
+def _has_terminal(spec: LaunchSpec) -> bool:
+    return any(s.get("kind") == "terminal" for s in spec.sessions or [])
+
+
+class KvmShell:
+    """The job's terminal in the VM: a shell the guest serves on its third serial port (its image's
+    ``sh -i``, as the job's user), reached through the port's unix socket on the host. One shell for
+    the VM, served again when it exits; a serial line has no window size."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def spawn(self) -> "KvmTerminal":
+        import socket
+
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.path)
+            sock.sendall(b"\n")  # the prompt again: what the shell printed before went to nobody
+        except OSError:
+            sock.close()
+            raise
+        return KvmTerminal(sock)
+
+
+class KvmTerminal:
+    def __init__(self, sock):
+        self.sock, self.fd = sock, sock.fileno()
+
+    def resize(self, cols: int, rows: int) -> None:
+        pass
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def _job_output(raw: bytes, final: bool) -> bytes:

@@ -269,7 +269,12 @@ class Cpio:
         return self.out.getvalue() if isinstance(self.out, io.BytesIO) else None
 
 
-def job_overlay(command: list[str], env: dict[str, str], *, memory_mb: int = 1024, pids_limit: int = 512) -> bytes:
+# The terminal session's serial line (docs/sessions.md): the guest's third port, which the job cannot open.
+TERMINAL_TTY = "/dev/ttyS2"
+
+
+def job_overlay(command: list[str], env: dict[str, str], *, memory_mb: int = 1024, pids_limit: int = 512,
+                terminal: bool = False) -> bytes:
     """The per-job cpio: ``/gpuportal/job.sh`` runs the command in the job's image, and
     ``/gpuportal/limits.sh`` holds the job cgroup's limits for INIT.
 
@@ -279,6 +284,10 @@ def job_overlay(command: list[str], env: dict[str, str], *, memory_mb: int = 102
     ``/image``, enters ``/work``, drops to uid/gid 65534 without supplementary
     groups and execs ``command`` (``$PATH`` searched inside the image), keeping
     the process id that the power button's SIGTERM goes to.
+
+    ``terminal``: job.sh first starts, in the background and in the job's cgroup, a loop that serves a
+    shell (``sh -i`` of the image, the same user, environment and chroot) on the third serial port,
+    its controlling terminal, again whenever it exits; it ends with the job.
     """
     pairs = []
     for k, v in env.items():
@@ -286,9 +295,17 @@ def job_overlay(command: list[str], env: dict[str, str], *, memory_mb: int = 102
             log.warning("dropping env name %r: not a shell variable name", k)
             continue
         pairs.append(f"{k}={v}")
-    argv = [BUSYBOX, "env", "-i", *pairs, BUSYBOX, "setpriv", "--nnp", BUSYBOX, "nsenter", f"-r/{IMAGE_ROOT}",
-            f"-w/{IMAGE_ROOT}/work", "-S", str(JOB_UID), "-G", str(JOB_UID), "--", *command]
-    script = "# written by the gpuportal kvm driver\nexec " + " ".join(shlex.quote(a) for a in argv) + "\n"
+    def as_job(argv: list[str], extra: tuple = ()) -> list[str]:
+        return [BUSYBOX, "env", "-i", *pairs, *extra, BUSYBOX, "setpriv", "--nnp", BUSYBOX, "nsenter",
+                f"-r/{IMAGE_ROOT}", f"-w/{IMAGE_ROOT}/work", "-S", str(JOB_UID), "-G", str(JOB_UID), "--", *argv]
+
+    script = "# written by the gpuportal kvm driver\n"
+    if terminal:
+        shell = " ".join(shlex.quote(a) for a in [BUSYBOX, "setsid", "-c",
+                                                 *as_job(["sh", "-i"], ("TERM=xterm-256color",))])
+        script += (f"while [ -e {TERMINAL_TTY} ]; do {shell} <>{TERMINAL_TTY} >&0 2>&0; sleep 1; done "
+                   ">/dev/null 2>&1 </dev/null &\n")
+    script += "exec " + " ".join(shlex.quote(a) for a in as_job(command)) + "\n"
     c = Cpio()
     c.file("gpuportal/job.sh", script.encode(), 0o755)
     c.file("gpuportal/limits.sh", f"MEMORY_MAX={int(memory_mb) * 2**20}\nPIDS_MAX={int(pids_limit)}\n".encode())

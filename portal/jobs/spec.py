@@ -405,8 +405,9 @@ class JobSpecSerializer(StrictSerializer):
                 errors["ports"] = ["An array's tasks cannot publish sessions; submit one job per session."]
             elif res is not None and res["nodes"] > 1:
                 errors["ports"] = ["A job on several nodes cannot publish sessions yet; use one node."]
-            elif data.get("sandbox") == "kvm":
-                errors["ports"] = ["The kvm sandbox cannot publish sessions yet; use the docker sandbox."]
+            elif data.get("sandbox") == "kvm" and any(p.get("kind") != "terminal" for p in data["ports"]):
+                errors["ports"] = ["The kvm sandbox publishes a terminal only (kind terminal); use the docker "
+                                   "sandbox for JupyterLab and HTTP apps."]
         return errors
 
 

@@ -340,3 +340,43 @@ def test_domain_xml_validates_against_libvirts_schema(tmp_path, domain_type, gpu
     (tmp_path / "d.xml").write_text(xml)
     r = subprocess.run(["virt-xml-validate", str(tmp_path / "d.xml"), "domain"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_terminal_session_is_a_shell_in_the_vm_as_the_job(vm_driver):
+    """The guest serves the job's terminal on its third serial port; the session gateway reaches it
+    through the port's unix socket on the host: the shell runs in the job's image as uid 65534."""
+    import json
+
+    from websockets.sync.client import connect
+
+    from agents.sessions import SECRET_HEADER, Gateway, SessionDriver
+
+    gateway = Gateway(listen="127.0.0.1:0").start()
+    secret = "kvm-terminal-key-0123456789"
+    spec = make_spec(command=["sleep", "300"], time_limit_s=400, sessions=[
+        {"name": "sh", "kind": "terminal", "port": None, "secret": secret, "base_url": "/sessions/1/sh/"}])
+    driver = SessionDriver(vm_driver, gateway)
+    h = driver.launch(spec)
+    seen = b""
+    try:
+        url = gateway.url.replace("http://", "ws://") + f"/sessions/{spec.job_id}/sh/ws"
+        with connect(url, additional_headers={SECRET_HEADER: secret}, open_timeout=30) as ws:
+            deadline, sent = time.monotonic() + 120, 0.0
+            while b"kvm-42 " not in seen and time.monotonic() < deadline:
+                if time.monotonic() - sent > 3:  # until the guest has booted and serves the shell
+                    ws.send(json.dumps({"type": "input", "data": "echo kvm-$((6*7)) $(id -u) $HOME\n"}))
+                    sent = time.monotonic()
+                try:
+                    seen += ws.recv(timeout=1)
+                except TimeoutError:
+                    pass
+            while b"\n" not in seen[seen.find(b"kvm-42 "):] and time.monotonic() < deadline:
+                seen += ws.recv(timeout=10)
+        assert vm_driver.poll(h)[0] == RUNNING
+    finally:
+        driver.remove(h)
+        gateway.stop()
+    assert b"kvm-42 " in seen, f"no answer from the VM's shell: {seen[-2000:]!r}; console: {vm_driver._console(h)[-2000:]!r}"
+    line = seen[seen.index(b"kvm-42 "):].split(b"\n")[0].decode().strip()
+    assert line.split() == ["kvm-42", "65534", "/work"], line
+    assert not os.path.exists(vm_driver._terminal_path(h.ref).parent)  # its socket goes with the VM

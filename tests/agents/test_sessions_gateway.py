@@ -86,7 +86,7 @@ def test_an_app_that_never_listens_is_reported_with_a_reason(gateway):
 
 
 def test_a_sandbox_without_sessions_says_so_and_runs_the_job(gateway):
-    class NoSessions:  # the kvm driver: the portal refuses its ports, an older portal may still send some
+    class NoSessions:  # a driver that publishes nothing (the kvm driver before its terminal)
         name = "kvm"
 
         def launch(self, spec):

@@ -63,6 +63,15 @@ def test_bad_ports_are_400_with_the_field(demo, api, ports, field, message):
     assert not Session.objects.exists()
 
 
+def test_the_kvm_sandbox_publishes_a_terminal_only(demo, api):
+    r = submit(api("alice"), sandbox="kvm", ports=[{"name": "sh", "kind": "terminal"},
+                                                   {"name": "lab", "kind": "jupyter"}])
+    assert r.status_code == 400 and "terminal only" in r.json()["error"]["fields"]["ports"][0]
+    r = submit(api("alice"), sandbox="kvm", ports=[{"name": "sh", "kind": "terminal"}])
+    assert r.status_code == 201, r.json()
+    assert list(Session.objects.filter(job_id=r.json()["id"]).values_list("kind", flat=True)) == ["terminal"]
+
+
 def test_an_array_or_a_gang_cannot_publish_ports(demo, api):
     r = submit(api("alice"), array="0-3", ports=[{"name": "lab", "kind": "jupyter"}])
     assert r.status_code == 400 and "array" in r.json()["error"]["fields"]["ports"][0]
