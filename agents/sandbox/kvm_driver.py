@@ -654,7 +654,9 @@ class KvmDriver:
         with create_private(self._record_path(name)) as f:
             f.write(json.dumps({"job_id": spec.job_id, "attempt": spec.attempt, "started_at": started,
                                 "time_limit_s": spec.time_limit_s, "gpu_indexes": list(spec.gpu_indexes),
-                                "node": self.node, "installation": self.installation}).encode())
+                                "node": self.node, "installation": self.installation,
+                                # 0600: a terminal session's key, for a restarted agent (session_specs)
+                                "sessions": [x for x in spec.sessions or [] if x.get("kind") == "terminal"]}).encode())
             f.flush()
             os.fsync(f.fileno())
 
@@ -704,6 +706,14 @@ class KvmDriver:
         path = self._terminal_path(name)
         private_dir(path.parent, 0o700)
         return str(path)
+
+    def session_specs(self, handle: SandboxHandle) -> list[dict]:
+        """A live VM's terminal session, from its record: a restarted agent serves it again."""
+        try:
+            rec = json.loads(self._record_path(handle.ref).read_bytes())
+        except (OSError, ValueError):
+            return []
+        return (rec.get("sessions") or []) if self._active(handle.ref) else []
 
     def session_targets(self, handle: SandboxHandle, sessions: list[dict]) -> dict[str, tuple]:
         return {}  # no app to reach: the portal refuses jupyter and http sessions for kvm at submit

@@ -623,3 +623,31 @@ def test_the_console_reads_whole_across_rotations_and_offsets_never_move(tmp_pat
     for f in console_files(live):
         f.unlink(missing_ok=True)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_restarted_agent_serves_a_live_vms_terminal_session_again(kvm, tmp_path):
+    """The launch's record keeps the VM's terminal session (0600, in the agent's folder): a restarted
+    agent's gateway publishes it for the live VM, on the VM's serial socket; an ended VM's is not."""
+    from agents.sandbox.kvm_driver import KvmDriver
+    from agents.sessions import Gateway, SessionDriver
+
+    sh = {"name": "sh", "kind": "terminal", "port": None, "secret": "k" * 32, "base_url": "/sessions/t1/sh/"}
+    live = kvm.launch(make_spec(job_id="t1", sessions=[sh]))
+    assert "type='unix'" in kvm.conn.lookupByName(live.ref).XMLDesc()
+    gone = kvm.launch(make_spec(job_id="t2", sessions=[{**sh, "base_url": "/sessions/t2/sh/"}]))
+    (kvm.state_dir / f"{gone.ref}.log").write_bytes(b"GPUPORTAL-JOB-START\n")
+    kvm.conn.lookupByName(gone.ref).destroy()
+    assert (kvm._record_path(live.ref).stat().st_mode & 0o777) == 0o600
+    gateway = Gateway(listen="127.0.0.1:0").start()
+    try:
+        driver = SessionDriver(KvmDriver(node="n1", uri="test:///default", domain_type="test",
+                                         state_dir=str(tmp_path)), gateway)
+        assert sorted(job for job, _, _ in driver.list_own()) == ["t1", "t2"]
+        assert sorted(gateway._published) == ["t1"]
+        pub = gateway._published["t1"]
+        assert pub.sessions == {"sh": sh} and pub.shell.path == str(kvm._terminal_path(live.ref))
+    finally:
+        gateway.stop()
+        for h in (live, gone):
+            kvm.remove(h)
+    assert not kvm._terminal_path(live.ref).parent.exists()
