@@ -127,6 +127,9 @@ class DatasetCache:
         self._reserved: dict[str, int] = {}  # digest -> bytes held for a fetch in progress
         for sub in ("entries", "staging", "refs"):
             os.makedirs(os.path.join(self.root, sub), mode=0o711, exist_ok=True)
+        for folder in (self.root, os.path.join(self.root, "entries")):
+            # Searchable whatever the umask: a kvm VM's QEMU (a uid of its own) reads the entries it is given.
+            os.chmod(folder, 0o711)
         shutil.rmtree(os.path.join(self.root, "staging"), ignore_errors=True)  # a fetch cut off by a restart
         os.makedirs(os.path.join(self.root, "staging"), mode=0o700, exist_ok=True)
         self.entries: dict[str, Entry] = {}

@@ -59,7 +59,7 @@ def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: s
                console_log: str, domain_type: str = "kvm", started_at: float | None = None,
                job_network: str | None = None, extra_memory_mb: int = 0, name: str | None = None,
                qemu_user: tuple[int, int] | None = None, exit_log: str | None = None, installation: str = "",
-               terminal_socket: str | None = None) -> str:
+               terminal_socket: str | None = None, filesystems: list[tuple[str, str, bool]] = ()) -> str:
     """The libvirt domain for one job attempt.
 
     ``qemu_user`` (uid, gid): QEMU runs as this user instead of libvirt's
@@ -74,7 +74,13 @@ def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: s
 
     No NIC unless the job may use the network; then one virtio NIC on
     ``job_network`` (a libvirt network name; ``"user"`` is QEMU's user-mode
-    NAT), or still none when the node has no job network. Memory is locked
+    NAT), or still none when the node has no job network. ``filesystems``: host folders
+    the guest mounts over virtio-9p, ``(folder, tag, read_only)``. A read-only one is shared in
+    libvirt's ``squash`` mode (the guest sees the host's owners and modes: 0444 files, 0555
+    folders); a writable one in ``mapped`` mode: QEMU's uid owns every file on the host (0600,
+    folders 0700) and keeps the guest's owner, mode and file type in ``user.virtfs.*`` extended
+    attributes, so the job owns what it makes there, and what it makes a symlink or a device is a
+    plain file on the host. Memory is locked
     when GPUs are passed through, because VFIO DMA needs pinned guest memory.
     """
     d = ET.Element("domain", type=domain_type)
@@ -132,6 +138,13 @@ def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: s
             nic = ET.SubElement(dev, "interface", type="network")
             ET.SubElement(nic, "source", network=job_network)
         ET.SubElement(nic, "model", type="virtio")
+    for folder, tag, read_only in filesystems:
+        fs = ET.SubElement(dev, "filesystem", type="mount", accessmode="squash" if read_only else "mapped")
+        ET.SubElement(fs, "driver", type="path")
+        ET.SubElement(fs, "source", dir=folder)
+        ET.SubElement(fs, "target", dir=tag)
+        if read_only:
+            ET.SubElement(fs, "readonly")
     for bus_id in pci_bus_ids:
         hd = ET.SubElement(dev, "hostdev", mode="subsystem", type="pci", managed="yes")
         ET.SubElement(hd, "driver", name="vfio")

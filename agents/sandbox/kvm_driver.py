@@ -244,7 +244,8 @@ class KvmDriver:
         cancel = self._cancels.setdefault((spec.job_id, spec.attempt), threading.Event())
         uid = self._claim_uid()
         try:
-            kernel, initrd, extra_mb = self._job_files(spec, name, cancel)
+            shares = self._shares(spec, name, uid)
+            kernel, initrd, extra_mb = self._job_files(spec, name, cancel, shares)
             if cancel.is_set():
                 raise SandboxError("stopped while its VM was being prepared")
             started = time.time()
@@ -253,9 +254,10 @@ class KvmDriver:
             try:
                 # Before the VM: a VM that ends while the agent is down leaves no domain to find, only this.
                 self._write_record(spec, name, started)
-                self._create(spec, name, buses, kernel, initrd, console, started, extra_mb, uid)
+                self._create(spec, name, buses, kernel, initrd, console, started, extra_mb, uid, shares)
             except (SandboxError, OSError) as exc:
                 self._remove_console(name)  # a failed start's console and exit files are litter too
+                shutil.rmtree(self._outputs_root(name), ignore_errors=True)  # nothing ran: no outputs
                 _unlink(self._record_path(name))
                 if isinstance(exc, OSError):  # the record could not be written (a full disk)
                     raise SandboxError(f"could not write the VM's record on node {self.node}: {exc}") from None
@@ -265,6 +267,9 @@ class KvmDriver:
                 for f in (kernel, initrd):
                     if f not in (self.kernel, self.initrd):
                         _unlink(f)
+        except SandboxError:
+            shutil.rmtree(self._outputs_root(name), ignore_errors=True)
+            raise
         finally:
             with self._uid_lock:  # the live domain's metadata holds it from now on
                 self._uids_starting.discard(uid)
@@ -325,14 +330,52 @@ class KvmDriver:
             self._uids_starting.add(uid)
             return uid
 
-    def _create(self, spec, name, buses, kernel, initrd, console, started, extra_mb, uid):
+    def _shares(self, spec: LaunchSpec, name: str, uid: int | None) -> list[tuple[str, str, bool, str]]:
+        """The host folders the guest mounts over virtio-9p, ``(host folder, tag, read_only, mount point
+        below /image)``: each dataset's folder in the node's cache read-only at /datasets/<name> (files
+        0444, folders 0555: QEMU's uid reads them, nobody writes), and this attempt's /outputs.
+
+        /outputs is ``<state>/outputs/<vm>/outputs``: its parent belongs to the VM's QEMU uid, mode 0700
+        (no other host user gets in), and the folder itself is 0777 so that the job (uid 65534 in the
+        guest, which checks the modes it is shown) may write it. QEMU shares it in libvirt's ``mapped``
+        mode (kvm_domain.domain_xml): what the job writes belongs to QEMU's uid on the node (its own
+        uid and modes kept in extended attributes), and a symlink it makes is a plain file holding the
+        target's name there, never a link; the agent (root) reads it without following any link
+        (agents/artifacts.py). The folder must be on a file system with user extended attributes."""
+        shares = [(path, f"ds{i}", True, f"datasets/{ds}") for i, (ds, path) in
+                  enumerate(sorted(spec.dataset_paths.items()))]
+        if spec.outputs and self.domain_type != "test":
+            root = self._outputs_root(name)
+            try:
+                private_dir(root.parent, 0o711)
+                shutil.rmtree(root, ignore_errors=True)  # an earlier start of this attempt that failed
+                root.mkdir(mode=0o700)
+                (root / "outputs").mkdir(mode=0o777)
+                os.chmod(root / "outputs", 0o777)  # past the umask
+                if uid is not None:
+                    for p in (root, root / "outputs"):
+                        os.chown(p, uid, self.vm_gid)
+            except OSError as exc:
+                raise SandboxError(f"could not make the job's outputs folder on node {self.node}: {exc}") from None
+            shares.append((str(root / "outputs"), "outputs", False, "outputs"))
+        return shares
+
+    def _outputs_root(self, name: str) -> Path:
+        return self.state_dir / "outputs" / name
+
+    def outputs_dir(self, handle: SandboxHandle) -> str | None:
+        """The host folder of the job's /outputs (agents/artifacts.py), None when it has none."""
+        folder = self._outputs_root(handle.ref) / "outputs"
+        return str(folder) if folder.is_dir() else None
+
+    def _create(self, spec, name, buses, kernel, initrd, console, started, extra_mb, uid, shares=()):
         libvirt = self._libvirt
         while True:
             xml = domain_xml(spec, node=self.node, pci_bus_ids=buses, kernel=kernel, initrd=initrd,
                              console_log=str(console), exit_log=str(console.with_suffix(".exit")),
                              domain_type=self.domain_type, started_at=started,
                              job_network=self.job_network, extra_memory_mb=extra_mb, name=name,
-                             installation=self.installation,
+                             installation=self.installation, filesystems=[sh[:3] for sh in shares],
                              qemu_user=None if uid is None else (uid, self.vm_gid),
                              terminal_socket=self._terminal_socket(name) if _has_terminal(spec) else None)
             try:
@@ -349,7 +392,8 @@ class KvmDriver:
                     raise SandboxError(f"VM {name} already exists") from None
                 raise SandboxError(f"could not start the VM: {msg}") from None
 
-    def _job_files(self, spec: LaunchSpec, name: str, cancel: threading.Event | None = None) -> tuple[str, str, int]:
+    def _job_files(self, spec: LaunchSpec, name: str, cancel: threading.Event | None = None,
+                   shares=()) -> tuple[str, str, int]:
         """This launch's own kernel and initrd (the initramfs, the job's image and its command and
         environment in one file), and the MiB the guest needs for them on top of the job's memory.
 
@@ -367,6 +411,8 @@ class KvmDriver:
         env.setdefault("PATH", DEFAULT_PATH)
         job = job_env(spec, visible_devices=[str(i) for i in range(len(spec.gpu_uuids))])
         job.setdefault("HOME", "/work")
+        if any(point == "outputs" for *_, point in shares):
+            job["GPUPORTAL_OUTPUTS_DIR"] = "/outputs"
         env.update(job)
         path, kernel = self.state_dir / f"{name}.initrd", self.state_dir / f"{name}.kernel"
         # 0600, created anew (never through a link): it holds the job's environment; libvirt gives it to the
@@ -382,10 +428,11 @@ class KvmDriver:
                     with open(part, "rb") as src:
                         shutil.copyfileobj(src, f, 1 << 20)
                 overlay = kvm_image.job_overlay(image.entrypoint + list(spec.command), env, memory_mb=spec.memory_mb,
-                                                pids_limit=spec.pids_limit, terminal=_has_terminal(spec))
+                                                pids_limit=spec.pids_limit, terminal=_has_terminal(spec),
+                                                mounts=[(tag, point, ro) for _, tag, ro, point in shares])
                 f.write(gzip.compress(overlay, mtime=0))
                 size = f.tell()
-        except OSError as exc:  # a full disk, or the cached image pruned under us
+        except (OSError, kvm_image.ImageError) as exc:  # a full disk, the cached image pruned under us
             _unlink(path)  # a partial file still holds the job's environment
             _unlink(kernel)
             raise SandboxError(f"could not prepare the VM's initrd on node {self.node}: {exc}") from None
@@ -638,6 +685,8 @@ class KvmDriver:
             sup.kill()
             sup.wait()
         self._remove_files(handle.ref)
+        # Uploaded (or given up) by now: the agent removes a sandbox after its end report.
+        shutil.rmtree(self._outputs_root(handle.ref), ignore_errors=True)
         forget_fenced(self.lease_path, handle.ref)
 
     def _remove_files(self, name: str) -> None:

@@ -77,8 +77,12 @@ POWER_MODULES = ("drivers/acpi/button.ko", "drivers/input/evdev.ko")
 NET_MODULES = ("drivers/virtio/virtio_ring.ko", "drivers/virtio/virtio.ko", "drivers/virtio/virtio_pci_legacy_dev.ko",
                "drivers/virtio/virtio_pci_modern_dev.ko", "drivers/virtio/virtio_pci.ko", "net/core/failover.ko",
                "drivers/net/net_failover.ko", "drivers/net/virtio_net.ko")
-MODULES = POWER_MODULES + NET_MODULES
+# virtio-9p's, for a job given host folders (its datasets read-only at /datasets/<name>, its /outputs):
+# the domain then has a <filesystem> per folder (kvm_domain.domain_xml).
+FS_MODULES = ("fs/netfs/netfs.ko", "fs/fscache/fscache.ko", "net/9p/9pnet.ko", "net/9p/9pnet_virtio.ko", "fs/9p/9p.ko")
+MODULES = POWER_MODULES + NET_MODULES + FS_MODULES
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_MOUNT_WORD = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_./-]{0,200}\Z")
 # Where the job's image lies in the guest, and who runs the job there (nobody:nogroup, as in the docker
 # sandbox); INIT spells both out too.
 IMAGE_ROOT = "image"
@@ -106,6 +110,25 @@ mount -t tmpfs -o mode=1777 tmpfs /image/tmp
 mount -t tmpfs -o mode=0700,uid=65534,gid=65534 tmpfs /image/work
 # The exit code's own channel: the job must not be able to open it.
 chown 0:0 /dev/ttyS1 && chmod 0600 /dev/ttyS1
+# Host folders over virtio-9p (job.sh's neighbour mounts.sh: "TAG MOUNT_POINT ro|rw" per line, mount points
+# below /image that the driver names: datasets/<name>, outputs). Before the job, as root: a mount point the
+# image made a symlink or a file is replaced first, as above, and a folder on the way too.
+if [ -s /gpuportal/mounts.sh ]; then
+  for m in virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci netfs fscache 9pnet \
+           9pnet_virtio 9p; do insmod /lib/modules/$m.ko 2>/dev/null; done
+  while read -r tag point mode; do
+    p=/image
+    for part in $(echo "$point" | tr / ' '); do
+      p=$p/$part
+      { [ -L $p ] || { [ -e $p ] && [ ! -d $p ]; }; } && rm -f $p
+      mkdir -p $p
+    done
+    i=0
+    until mount -t 9p -o trans=virtio,version=9p2000.L,cache=none,msize=262144,$mode "$tag" "$p" 2>/dev/null; do
+      i=$((i + 1)); [ $i -ge 50 ] && { echo "gpuportal: could not mount $point" > /dev/ttyS0; break; }; sleep 0.1
+    done
+  done < /gpuportal/mounts.sh
+fi
 # The job's limits (job.sh's neighbour limits.sh: MEMORY_MAX, PIDS_MAX) in a cgroup of its own.
 . /gpuportal/limits.sh
 mkdir -p /sys/fs/cgroup && mount -t cgroup2 cgroup2 /sys/fs/cgroup
@@ -176,7 +199,7 @@ esac
 """
 
 # Bump when INIT or the layout changes: invalidates every cache.
-BUILD_VERSION = 5
+BUILD_VERSION = 6
 
 
 @dataclass
@@ -274,9 +297,11 @@ TERMINAL_TTY = "/dev/ttyS2"
 
 
 def job_overlay(command: list[str], env: dict[str, str], *, memory_mb: int = 1024, pids_limit: int = 512,
-                terminal: bool = False) -> bytes:
-    """The per-job cpio: ``/gpuportal/job.sh`` runs the command in the job's image, and
-    ``/gpuportal/limits.sh`` holds the job cgroup's limits for INIT.
+                terminal: bool = False, mounts: list[tuple[str, str, bool]] = ()) -> bytes:
+    """The per-job cpio: ``/gpuportal/job.sh`` runs the command in the job's image,
+    ``/gpuportal/limits.sh`` holds the job cgroup's limits for INIT, and ``/gpuportal/mounts.sh`` the
+    host folders INIT mounts over virtio-9p before the job: ``(tag, mount point below /image,
+    read_only)``, tags and mount points of ``[A-Za-z0-9_./-]`` only (the driver makes them).
 
     The guest's own busybox makes the switch, so the image needs no shell:
     ``env -i`` leaves exactly ``env``; ``setpriv --nnp`` makes setuid bits
@@ -309,6 +334,12 @@ def job_overlay(command: list[str], env: dict[str, str], *, memory_mb: int = 102
     c = Cpio()
     c.file("gpuportal/job.sh", script.encode(), 0o755)
     c.file("gpuportal/limits.sh", f"MEMORY_MAX={int(memory_mb) * 2**20}\nPIDS_MAX={int(pids_limit)}\n".encode())
+    lines = []
+    for tag, point, read_only in mounts:
+        if not (_MOUNT_WORD.match(tag) and _MOUNT_WORD.match(point)) or ".." in point.split("/"):
+            raise ImageError(f"mount {tag!r} at {point!r}: not a plain tag and relative path")
+        lines.append(f"{tag} {point} {'ro' if read_only else 'rw'}\n")
+    c.file("gpuportal/mounts.sh", "".join(lines).encode())
     return c.finish()
 
 
@@ -558,7 +589,8 @@ def build(out: str | Path = DEFAULT_DIR, *, force: bool = False, kernel_deb: str
     else:
         log.warning("could not cut an ELF vmlinux out of %s: booting the bzImage (slower under TCG)", vmlinuz)
     for group, what in ((POWER_MODULES, "the ACPI power button will not reach the job"),
-                        (NET_MODULES, "jobs with network will have no NIC")):
+                        (NET_MODULES, "jobs with network will have no NIC"),
+                        (FS_MODULES, "jobs naming datasets or writing /outputs cannot mount them")):
         if any(os.path.basename(m) not in mods for m in group):
             log.warning("kernel %s lacks some of %s: %s", version, group, what)
     initrd = out / "initramfs.cpio.gz"

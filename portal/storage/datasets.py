@@ -342,11 +342,10 @@ def dataset_inspect_pending(older_than_s: float = 60.0) -> int:
 def resolve_job_datasets(project: Project, refs: list[str], sandbox: str | None) -> tuple[list[dict], dict]:
     """A job spec's `datasets` (["imagenet@3", "tiny"]: a version, or the latest ready one) as
     [{name, version, digest, size, source}], and field errors ({"datasets.<n>": [...]}). A dataset of
-    another project is not there: the same message as one that does not exist."""
+    another project is not there: the same message as one that does not exist. Every sandbox mounts
+    them (kvm over virtio-9p), so ``sandbox`` changes nothing."""
     if not refs:
         return [], {}
-    if sandbox == "kvm":
-        return [], {"datasets": ["The kvm sandbox cannot mount datasets yet; use the docker sandbox."]}
     errors: dict[str, list[str]] = {}
     parsed = []
     for index, ref in enumerate(refs):

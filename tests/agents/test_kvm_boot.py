@@ -335,8 +335,10 @@ def test_domain_xml_validates_against_libvirts_schema(tmp_path, domain_type, gpu
     buses = [f"{0x10000 * i:04x}:{0x18 + 16 * i:02x}:00.0" for i in range(gpus)]  # the second behind VMD
     xml = domain_xml(spec, node="n1", pci_bus_ids=buses,
                      kernel="/k", initrd="/i", console_log="/tmp/c.log", domain_type=domain_type,
-                     job_network="user")
+                     job_network="user", filesystems=[("/d/imagenet", "ds0", True), ("/o/outputs", "outputs", False)])
     assert ("<interface" in xml) == network and xml.count("<hostdev ") == gpus
+    assert xml.count('<filesystem type="mount" accessmode="squash">') == 1 and "<readonly />" in xml
+    assert xml.count('<filesystem type="mount" accessmode="mapped">') == 1
     (tmp_path / "d.xml").write_text(xml)
     r = subprocess.run(["virt-xml-validate", str(tmp_path / "d.xml"), "domain"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -380,3 +382,34 @@ def test_a_terminal_session_is_a_shell_in_the_vm_as_the_job(vm_driver):
     line = seen[seen.index(b"kvm-42 "):].split(b"\n")[0].decode().strip()
     assert line.split() == ["kvm-42", "65534", "/work"], line
     assert not os.path.exists(vm_driver._terminal_path(h.ref).parent)  # its socket goes with the VM
+
+
+def test_datasets_are_read_only_and_outputs_come_back_through_virtio_9p(vm_driver):
+    """Over virtio-9p: a dataset folder of the node's cache (files 0444, folders 0555) at
+    /datasets/<name>, read-only even for the guest's root; /outputs writable by the job (nobody), its
+    files in the host folder ``outputs_dir`` once the VM is gone, a symlink the job made a plain file
+    there holding the target's name (nothing to follow); the folder goes with the sandbox."""
+    d = vm_driver
+    data = tempfile.mkdtemp(prefix="gpuportal-dataset-")
+    os.makedirs(f"{data}/train")
+    with open(f"{data}/train/a.txt", "w") as f:
+        f.write("hello dataset\n")
+    for p, mode in ((f"{data}/train/a.txt", 0o444), (f"{data}/train", 0o555), (data, 0o555)):
+        os.chmod(p, mode)
+    try:
+        script = ("cat /datasets/tiny/train/a.txt; (echo x > /datasets/tiny/new) 2>/dev/null && echo writable"
+                  " || echo read-only; echo result > /outputs/r.txt && mkdir /outputs/sub"
+                  " && echo deep > /outputs/sub/d.txt && ln -s /etc/passwd /outputs/link; id -u; echo $GPUPORTAL_OUTPUTS_DIR")
+        h = d.launch(make_spec(command=["sh", "-c", script], dataset_paths={"tiny": data}, outputs=True))
+        assert wait_exit(d, h) == (EXITED, 0), d._console(h)[-3000:]
+        assert d.read_logs(h, 0) == b"hello dataset\nread-only\n65534\n/outputs\n", d.read_logs(h, 0)
+        out = d.outputs_dir(h)
+        assert open(f"{out}/r.txt").read() == "result\n" and open(f"{out}/sub/d.txt").read() == "deep\n"
+        assert not os.path.islink(f"{out}/link") and open(f"{out}/link").read() == "/etc/passwd"
+        assert sorted(os.listdir(data)) == ["train"]
+        d.remove(h)
+        assert d.outputs_dir(h) is None and not os.path.exists(out)
+    finally:
+        for folder, _, _ in os.walk(data):
+            os.chmod(folder, 0o755)
+        shutil.rmtree(data)

@@ -188,13 +188,15 @@ def test_bad_dataset_references_at_submit(api, demo, http_files, refs, key, mess
     assert r.status_code == 400 and message in r.json()["error"]["fields"][key][0], r.json()
 
 
-def test_kvm_jobs_cannot_name_datasets_yet(api, demo, http_files):
+def test_kvm_jobs_name_datasets_as_docker_jobs_do(api, demo, http_files):
+    """The kvm sandbox mounts them over virtio-9p (tests/agents/test_kvm_boot.py): resolved at submit alike."""
     d = dataset_create(actor=Actor(user=demo.users["alice"]), project=demo.vision, name="tiny",
                        source={"kind": "http", "url": http_files.put("t.bin", b"t")})
     dataset_version_inspect(d.versions.get().pk)
     r = api("alice").post("/api/v1/jobs/", {"project": "vision", "image": "gpuportal/busybox:latest", "sandbox": "kvm",
                                             "command": ["true"], "datasets": ["tiny"]}, format="json")
-    assert r.status_code == 400 and "kvm" in r.json()["error"]["fields"]["datasets"][0]
+    assert r.status_code == 201, r.json()
+    assert [(x["name"], x["version"]) for x in r.json()["datasets"]] == [("tiny", 1)]
 
 
 def test_an_upload_is_a_ready_version_served_only_to_a_node_running_it(api, demo, local_artifacts):

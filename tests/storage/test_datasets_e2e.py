@@ -2,7 +2,9 @@
 worker, a real agent process with the docker sandbox and its dataset cache, and a loopback HTTP server
 as the source. A job reads its dataset read-only at /datasets/<name>; the next job on the node finds it
 cached (no second download) and the node reports the digest; a source that changed fails the job saying
-so; a version larger than the node's cache fails it with the reason."""
+so; a version larger than the node's cache fails it with the reason; a cache full of what running jobs
+read sends the job back to the queue instead; a kvm job reads its dataset and leaves artifacts too."""
+import os
 import sys
 
 import pytest
@@ -12,6 +14,7 @@ from portal.storage.models import DatasetVersion
 from tests.e2e_agent.test_stack import Stack
 from tests.httpfiles import tar_archive
 from tests.procs import wait_for
+from tests.storage.test_artifacts_api import fetch
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -103,3 +106,46 @@ def test_a_node_whose_cache_is_held_by_running_jobs_requeues_the_job_without_fai
     assert done["state"] == "succeeded", done
     logs = s.client.get(f"/api/v1/jobs/{job_id}/logs/").json()["data"]
     assert logs.strip() == str(600 * 1024), logs
+
+
+@pytest.fixture
+def kvm_stack(live_server, tmp_path, demo, settings):
+    """The same parts with the kvm sandbox (libvirtd, domain type qemu here): its state folder outside
+    pytest's 0700 tmp_path, since each VM's QEMU (a uid of its own) must reach the dataset cache."""
+    import shutil
+    import tempfile
+
+    settings.NODE_HEARTBEAT_INTERVAL_S = 1.0
+    settings.STORAGES = {**settings.STORAGES, "artifacts": {
+        "BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(tmp_path / "art")}}}
+    state = tempfile.mkdtemp(prefix="gpuportal-kvm-datasets-")
+    os.chmod(state, 0o711)
+    s = Stack(live_server, tmp_path, demo, sandbox="kvm")
+    s.env["GPUPORTAL_AGENT_STATE_DIR"] = state
+    s.env["GPUPORTAL_DATASET_CACHE_MB"] = "1"
+    try:
+        s.start_all()
+        s.start("default", [sys.executable, "-m", "celery", "-A", "portal", "worker", "-Q", "default", "-P", "solo",
+                            "-n", f"default-{s.name}@%h", "--loglevel", "INFO"])
+        wait_for(lambda: "ready." in s.log("default"), 60, "the portal's default worker")
+        yield s
+    finally:
+        s.close()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def test_a_kvm_job_reads_its_dataset_read_only_and_its_outputs_become_artifacts(kvm_stack, http_files):
+    """In a VM: the dataset from the node's cache at /datasets/<name> over virtio-9p, read-only; what
+    the job writes to /outputs is uploaded as the attempt's artifacts when it ends."""
+    s = kvm_stack
+    _dataset(s, "tiny", http_files.put("tiny.tar.gz", tar_archive({"train/a.txt": b"hello dataset\n"})))
+    job_id = s.submit(sandbox="kvm", datasets=["tiny"], command=["sh", "-c", READ + (
+        "; mkdir /outputs/sub && cp /datasets/tiny/train/a.txt /outputs/sub/copy.txt && echo ok > /outputs/r.txt")])
+    job = s.wait_state(job_id, {"succeeded", "failed"}, timeout=240)
+    assert job["state"] == "succeeded", (job, s.log("agent")[-3000:])
+    logs = wait_for(lambda: (r := s.client.get(f"/api/v1/jobs/{job_id}/logs/").json()["data"]).endswith("read-only\n")
+                    and r, 30, "the log tail")
+    assert logs == "hello dataset\ntiny\nread-only\n", logs
+    listing = s.client.get(f"/api/v1/jobs/{job_id}/artifacts/").json()
+    got = {a["path"]: fetch(s.client, f"/api/v1/jobs/{job_id}/artifacts/{a['id']}/", "local") for a in listing}
+    assert got == {"r.txt": b"ok\n", "sub/copy.txt": b"hello dataset\n"}, got
