@@ -61,6 +61,12 @@ def sent(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def passes_here(monkeypatch):
+    """Pass requests go nowhere: the test runs its scheduling passes itself (run_pass)."""
+    monkeypatch.setattr("portal.core.queue._publish_schedule_pass", lambda: None)
+
+
 def agent_client(demo, name="gpu-01", gpus="2xH100-80GB", **node):
     """A new node added by the admin, and an APIClient holding its agent token (client.node)."""
     from portal.nodes.services import node_add

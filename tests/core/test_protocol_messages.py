@@ -69,10 +69,8 @@ def test_the_client_sends_no_key_outside_its_message():
 
 
 @pytest.mark.django_db(transaction=True)
-def test_the_real_agent_client_runs_a_job_through_the_real_agent_api(live_server, demo, monkeypatch):
+def test_the_real_agent_client_runs_a_job_through_the_real_agent_api(live_server, demo, sent, passes_here):
     """Register, heartbeat, confirm, events and a log chunk: PortalClient against the live portal."""
-    monkeypatch.setattr("scheduler.dispatch._send", lambda *a, **k: None)  # the test is the agent
-    monkeypatch.setattr("portal.core.queue._publish_schedule_pass", lambda: None)  # passes run here
     _, secret = node_add(actor=Actor(user=demo.users["admin"]), name="gpu-live")
     client = PortalClient(live_server.url, secret, retries=0)
     answer = client.register(name="gpu-live", cpus=8, memory_mb=32768, sandbox="process", gpus=[

@@ -15,14 +15,7 @@ from portal.tenancy.models import Quota
 from scheduler.adapter import run_pass
 
 # Samples, rollups and ages in minutes: every instant of --clock-instants (tests/clock.py).
-pytestmark = pytest.mark.clock
-
-
-@pytest.fixture
-def sent(sent, monkeypatch):
-    """The shared `sent`, and pass requests go nowhere (the tests run passes themselves)."""
-    monkeypatch.setattr("portal.core.queue._publish_schedule_pass", lambda: None)
-    return sent
+pytestmark = [pytest.mark.clock, pytest.mark.usefixtures("passes_here")]  # the tests run passes
 
 
 @pytest.fixture

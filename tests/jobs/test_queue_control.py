@@ -4,12 +4,10 @@ import pytest
 from portal.core.context import Actor
 from portal.core.models import AuditEvent
 from portal.jobs.models import Job, JobState
-from portal.jobs.services import job_submit
 from portal.jobs.states import transition
 from portal.nodes.services import node_add
 from scheduler.adapter import run_pass
-
-IMAGE = "gpuportal/busybox:latest"
+from tests.conftest import submit as submit_job
 
 
 @pytest.fixture
@@ -20,9 +18,7 @@ def cluster(demo, monkeypatch):
 
 
 def submit(demo, user="bob", project="vision", **over):
-    data = {"project": project, "name": "j", "image": IMAGE, "command": ["true"], **over}
-    job, _ = job_submit(actor=Actor(user=demo.users[user]), data=data)
-    return job
+    return submit_job(demo, user, project, **over)
 
 
 def url(job, action=""):

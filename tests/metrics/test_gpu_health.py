@@ -9,16 +9,10 @@ from portal.nodes.models import Node
 from portal.jobs.node_effects import node_drain
 from portal.nodes.services import node_add
 from scheduler.adapter import run_pass
-from tests.metrics.test_metrics import IMAGE, sample
+from tests.conftest import IMAGE
+from tests.metrics.test_metrics import sample
 
-pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def sent(sent, monkeypatch):
-    """The shared `sent`, and pass requests go nowhere (the tests run passes themselves)."""
-    monkeypatch.setattr("portal.core.queue._publish_schedule_pass", lambda: None)
-    return sent
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("passes_here")]  # the tests run passes
 
 
 def agent(demo, name, gpus="2xH100-80GB"):

@@ -7,15 +7,14 @@ from rest_framework.test import APIClient
 
 from portal.core.context import Actor
 from portal.jobs.models import Allocation, Job
-from portal.jobs.services import job_submit
 from portal.metrics.models import FleetRollup, GpuRollup, GpuSample
 from portal.metrics.services import metrics_prune, rollup_hours, rollup_minutes, samples_flush, samples_write
 from portal.nodes.models import GPU
 from portal.nodes.services import node_add
 from scheduler.adapter import run_pass
 from tests.conftest import make_token
+from tests.conftest import submit as submit_job
 
-IMAGE = "gpuportal/busybox:latest"
 SCRAPE = "s" * 40
 
 
@@ -44,9 +43,7 @@ def beat(client, samples):
 
 
 def submit(demo, gpus):
-    job, _ = job_submit(actor=Actor(user=demo.users["alice"]), data={
-        "project": "vision", "name": "j", "image": IMAGE, "command": ["true"], "resources": {"gpus": gpus}})
-    return job
+    return submit_job(demo, resources={"gpus": gpus})
 
 
 def test_heartbeat_samples_are_stored(node):

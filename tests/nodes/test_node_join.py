@@ -5,12 +5,11 @@ from rest_framework.test import APIClient
 
 from portal.core.context import Actor
 from portal.jobs.models import Job
-from portal.jobs.services import job_submit
 from portal.nodes.models import Node
 from portal.nodes.services import node_add
 from scheduler.adapter import run_pass
+from tests.conftest import submit as submit_job
 
-IMAGE = "gpuportal/busybox:latest"
 INVENTORY = [{"index": 0, "uuid": "GPU-join-0", "model": "NVIDIA H100 80GB HBM3", "memory_mb": 81559}]
 WAITING_QUEUE = "waiting for the agent to receive its queue node.gpu-01: check --broker and the queue folder"
 
@@ -53,8 +52,7 @@ def answer(agent, nonce):
 
 
 def submit(demo):
-    return job_submit(actor=Actor(user=demo.users["alice"]), data={
-        "project": "vision", "name": "j", "image": IMAGE, "command": ["true"], "resources": {"gpus": 1}})[0]
+    return submit_job(demo, resources={"gpus": 1})
 
 
 def node_api(api, demo):

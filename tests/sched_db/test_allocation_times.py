@@ -8,17 +8,15 @@ from django.db import connections
 from portal.core.context import Actor
 from portal.jobs.models import Allocation, Job
 from portal.jobs.reports import job_report
-from portal.jobs.services import job_submit
 from portal.nodes.services import node_add
 from scheduler import adapter
+from tests.conftest import submit as submit_job
 
-IMAGE = "gpuportal/busybox:latest"
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def submit(demo, name):
-    return job_submit(actor=Actor(user=demo.users["alice"]), data={
-        "project": "vision", "name": name, "image": IMAGE, "command": ["true"], "resources": {"gpus": 1}})[0]
+    return submit_job(demo, name=name, resources={"gpus": 1})
 
 
 def test_the_next_allocation_of_a_gpu_starts_after_the_last_one_ended(demo, quiet, monkeypatch):

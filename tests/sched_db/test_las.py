@@ -8,18 +8,15 @@ import pytest
 from portal.core.context import Actor
 from portal.jobs.models import Allocation, Job
 from portal.jobs.reports import job_report
-from portal.jobs.services import job_submit
 from portal.nodes.services import node_add
 from scheduler import adapter, core
+from tests.conftest import submit as submit_job
 
-IMAGE = "gpuportal/busybox:latest"
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 def submit(demo, name, gpus):
-    return job_submit(actor=Actor(user=demo.users["alice"]), data={
-        "project": "vision", "name": name, "image": IMAGE, "command": ["true"], "resources": {"gpus": gpus},
-        "time_limit": 86400})[0]
+    return submit_job(demo, name=name, resources={"gpus": gpus}, time_limit=86400)
 
 
 def started_ago(job, seconds: float) -> None:

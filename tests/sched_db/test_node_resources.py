@@ -5,11 +5,11 @@ import pytest
 
 from portal.core.context import Actor
 from portal.jobs.models import Job
-from portal.jobs.services import job_cancel, job_submit
+from portal.jobs.services import job_cancel
 from portal.nodes.services import node_add
 from scheduler.adapter import run_pass
+from tests.conftest import submit as submit_job
 
-IMAGE = "gpuportal/busybox:latest"
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
@@ -25,8 +25,7 @@ def reserve(settings):
 
 
 def submit(demo, name, **resources):
-    return job_submit(actor=Actor(user=demo.users["alice"]), data={
-        "project": "vision", "name": name, "image": IMAGE, "command": ["true"], "resources": resources})[0]
+    return submit_job(demo, name=name, resources=resources)
 
 
 def test_cpu_only_jobs_wait_for_cpus_on_a_full_node_and_start_when_they_free(demo, reserve):

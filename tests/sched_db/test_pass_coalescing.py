@@ -12,12 +12,10 @@ from portal.accounts.models import NotificationPreference
 from portal.core import locks, passes
 from portal.core.context import Actor
 from portal.jobs.models import HOLDING, Job, JobState
-from portal.jobs.services import job_submit
 from portal.jobs.states import transition
 from portal.nodes.services import node_add
 from scheduler.adapter import run_pass
-
-IMAGE = "gpuportal/busybox:latest"
+from tests.conftest import submit as submit_job
 
 
 @pytest.fixture
@@ -34,10 +32,8 @@ def published(monkeypatch):
 
 
 def submit(demo, n, **over):
-    actor = Actor(user=demo.users["alice"])
     for i in range(n):
-        job_submit(actor=actor, data={"project": "vision", "name": f"j{i}", "image": IMAGE, "command": ["true"],
-                                      "resources": {"gpus": 1}, **over})
+        submit_job(demo, name=f"j{i}", **{"resources": {"gpus": 1}, **over})
 
 
 def passes_queued(calls) -> list:

@@ -4,11 +4,11 @@ import pytest
 
 from portal.core.context import Actor
 from portal.jobs.models import Allocation
-from portal.jobs.services import job_cancel, job_submit
+from portal.jobs.services import job_cancel
 from portal.nodes.services import node_add
 from scheduler.adapter import run_pass
+from tests.conftest import submit as submit_job
 
-IMAGE = "gpuportal/busybox:latest"
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
@@ -19,8 +19,7 @@ def three_nodes(demo):
 
 
 def submit(demo, name, **resources):
-    return job_submit(actor=Actor(user=demo.users["alice"]), data={
-        "project": "vision", "name": name, "image": IMAGE, "command": ["true"], "resources": resources})[0]
+    return submit_job(demo, name=name, resources=resources)
 
 
 def nodes_of(job) -> list[str]:

@@ -10,21 +10,19 @@ from django.utils import timezone
 
 from portal.core.context import Actor
 from portal.jobs.models import Job, JobState
-from portal.jobs.services import job_submit, job_update
+from portal.jobs.services import job_update
 from portal.nodes.models import GPU, GPUHealth
 from portal.nodes.services import node_add
 from portal.tenancy.models import Quota
 from scheduler import adapter
 from scheduler.adapter import run_pass
+from tests.conftest import submit as submit_job
 
-IMAGE = "gpuportal/busybox:latest"
 pytestmark = pytest.mark.django_db(transaction=True)  # the plan is kept once its pass commits
 
 
 def submit(demo, n, user="alice", **resources):
-    actor = Actor(user=demo.users[user])
-    return [job_submit(actor=actor, data={"project": "vision", "name": f"j{i}", "image": IMAGE, "command": ["true"],
-                                          "resources": {"gpus": 1, **resources}})[0] for i in range(n)]
+    return [submit_job(demo, user, name=f"j{i}", resources={"gpus": 1, **resources}) for i in range(n)]
 
 
 def rows():

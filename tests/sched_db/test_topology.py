@@ -4,10 +4,10 @@ import pytest
 
 from portal.core.context import Actor
 from portal.jobs.models import Allocation
-from portal.jobs.services import job_submit
 from portal.nodes.models import GPU
 from portal.nodes.services import node_add
 from scheduler.adapter import run_pass
+from tests.conftest import submit as submit_job
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -18,9 +18,7 @@ def _quiet(quiet):
 
 
 def submit(demo, name, gpus):
-    return job_submit(actor=Actor(user=demo.users["alice"]), data={
-        "project": "vision", "name": name, "image": "gpuportal/busybox:latest", "command": ["true"],
-        "resources": {"gpus": gpus}})[0]
+    return submit_job(demo, name=name, resources={"gpus": gpus})
 
 
 def indexes(job) -> list[int]:
