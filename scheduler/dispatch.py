@@ -25,7 +25,7 @@ def send_launch(node_name: str, job_id: int, attempt: int, spec: dict | None) ->
 def send_launches(launches: list[tuple[str, int, int]], specs: dict[tuple[str, int], dict | None],
                   batched: frozenset[str] | set[str] = frozenset()) -> None:
     """Publish the launches of (node, job, attempt) triples with their specs by (node, job), as
-    portal.jobs.selectors.launch_specs reads them (this module imports no portal app: jobs and
+    portal.launch.launch_specs reads them (this module imports no portal app: jobs and
     nodes publish through it, docs/design.md section 2). A node in `batched` (its agent speaks
     agents.protocol.LAUNCHES_SINCE) gets all of its launches in one `agent.launches` message;
     any other one `agent.launch` each."""

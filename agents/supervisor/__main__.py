@@ -196,7 +196,8 @@ def _kill(containers, cid: str, signal: str) -> None:
 
 
 def supervise_domain(name: str, uri: str, lease: Lease) -> str:
-    """As ``supervise_container``, for a libvirt domain: the ACPI power button until the grace, then destroy."""
+    """A kvm sandbox's VM, until it ends or the lease runs out: then the ACPI power button until the
+    grace, then destroy (one supervisor per VM; docker's is ``supervise_node``, one per node)."""
     import libvirt
 
     conn = libvirt.open(uri)
