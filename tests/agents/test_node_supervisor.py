@@ -211,6 +211,21 @@ def test_one_supervisor_serves_every_launch_and_outlives_the_containers_while_th
         assert sup.poll() is None
 
 
+def test_a_launch_after_the_supervisor_ended_starts_another(supervised_docker):
+    """The supervisor ends once the lease is out and no container is left; the agent, back and renewed,
+    starts a new one with its next launch, which is then fenced as the first would have been."""
+    d = supervised_docker
+    write_lease(d.lease_path, time.time() - 1.0, GRACE_S)  # already out, nothing running
+    d.ensure_supervisor()
+    first = d.node_supervisor
+    assert first.wait(10) == 0
+    write_lease(d.lease_path, time.time() + 2.0, GRACE_S)
+    h = d.launch(make_spec(command=["sleep", "300"]))
+    assert d.node_supervisor is not first and d.node_supervisor.poll() is None
+    wait_for(lambda: d.poll(h)[0] != RUNNING, 2.0 + GRACE_S + CHECK_S + 10, "the new supervisor to fence")
+    assert d.poll(h)[0] == FENCED
+
+
 def test_an_agent_adopting_containers_starts_a_supervisor_when_theirs_is_gone(supervised_docker, docker_client):
     from agents.sandbox.docker_driver import DockerDriver
 
