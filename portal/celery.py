@@ -1,6 +1,7 @@
 """The portal's Celery app and its queues (docs/design.md section 1).
 
-- `scheduler`: schedule_pass, reap_nodes, meter_usage, rollup_metrics, autoscale.
+- `scheduler`: scheduler.schedule_pass, nodes.reap_nodes, billing.meter_usage, the metrics.* rollups,
+  prune and idle-job flags, interactive.cull_sessions and autoscale.tick (task_routes below).
   Run by the portal's own workers; one scheduling pass at a time (advisory lock).
 - `default`: everything else the portal queues (notifications, housekeeping).
 - `node.<name>`: one queue per GPU node, consumed only by that node's agent
@@ -49,12 +50,12 @@ app.conf.beat_schedule = {
     "flag-idle-jobs": {"task": "metrics.flag_idle_jobs", "schedule": 60.0, "options": {"queue": "scheduler"}},
     # Interactive sessions: warn the idle, stop those idle past the grace or past their lifetime.
     "cull-sessions": {"task": "interactive.cull_sessions", "schedule": 60.0, "options": {"queue": "scheduler"}},
-    # Node pools: scale up for waiting work, release idle nodes (docs/autoscaling.md); a no-op without pools.
     # Dataset versions whose reading task was lost or whose reader died (docs/storage.md, "Datasets").
     "inspect-datasets": {"task": "storage.dataset_inspect_pending", "schedule": 300.0,
                          "options": {"queue": "default"}},
     # Artifacts past their project's retention (docs/storage.md, "Artifacts"); none with retention 0.
     "expire-artifacts": {"task": "storage.artifacts_expire", "schedule": 3600.0, "options": {"queue": "default"}},
+    # Node pools: scale up for waiting work, release idle nodes (docs/autoscaling.md); a no-op without pools.
     "autoscale": {"task": "autoscale.tick", "schedule": settings.AUTOSCALE_INTERVAL_S,
                   "options": {"queue": "scheduler"}},
 }

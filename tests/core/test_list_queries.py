@@ -168,6 +168,14 @@ def add_artifacts(demo, n):
         Artifact.objects.create(job=job, attempt=1, path=path, size=1, sha256="0" * 64, storage_name=path)
 
 
+def add_registry_credentials(demo, n):
+    from portal.storage.services import registry_credential_set
+
+    for _ in range(n):
+        registry_credential_set(actor=Actor(user=demo.users["alice"]), project=demo.vision,
+                                registry=_name("registry") + ".example.org", username="ci", secret="s3cret")
+
+
 # (who looks, the URL, how to add rows to it)
 CASES = {
     "api tokens": ("alice", "/api/v1/tokens/", add_tokens),
@@ -184,6 +192,7 @@ CASES = {
     "api invoices": ("admin", "/api/v1/invoices/", add_invoices),
     "api sessions": ("alice", "/api/v1/sessions/", add_sessions),
     "api artifacts": ("alice", "/api/v1/jobs/{job}/artifacts/", add_artifacts),
+    "api registry-credentials": ("alice", "/api/v1/registry-credentials/", add_registry_credentials),
     "api usage by user": ("alice", "/api/v1/usage/?group_by=user", add_usage),
     "api usage by job": ("alice", "/api/v1/usage/jobs/", add_usage),
     "page home": ("alice", "/", add_projects),
@@ -220,3 +229,19 @@ def test_list_queries_do_not_grow_with_rows(case, demo, api, sent):
     many, many_size = count()
     assert many_size > few_size, f"{url} does not show the rows added"
     assert many == few, f"{url}: {few} queries with {FEW} more rows, {many} with {MANY}"
+
+
+def test_every_api_list_endpoint_has_a_case():
+    """A new list endpoint (a viewset's list action under /api/v1/) needs its row in CASES."""
+    from django.urls import URLResolver, get_resolver, resolve
+
+    def list_routes(patterns, prefix=""):
+        for p in patterns:
+            if isinstance(p, URLResolver):
+                yield from list_routes(p.url_patterns, prefix + str(p.pattern))
+            elif prefix.startswith("api/v1/") and (getattr(p.callback, "actions", None) or {}).get("get") == "list":
+                yield p.name
+
+    covered = {resolve(url.split("?")[0].format(job=1)).url_name for _, url, _ in CASES.values()}
+    missing = set(list_routes(get_resolver().url_patterns)) - covered
+    assert not missing, f"list endpoints without a query-count case: {sorted(missing)}"
