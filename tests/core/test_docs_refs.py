@@ -97,3 +97,21 @@ def test_docs_api_md_lists_every_api_v1_route():
     assert len(routes) > 30
     missing = sorted(routes - documented)
     assert not missing, "docs/api.md's endpoint table lacks these /api/v1/ routes:\n" + "\n".join(missing)
+
+
+def test_every_command_the_docs_run_exists():
+    """`python -m portal.cli`, `python -m tests.faults`, `manage.py runstack`: each names a module
+    of this repository that runs, or a management command Django knows."""
+    from django.core.management import get_commands
+
+    commands = get_commands()
+    missing = []
+    for where, line in doc_lines():
+        for m in re.finditer(r"python3? -m ((?:portal|scheduler|agents|tests)(?:\.\w+)*)", line):
+            base = REPO.joinpath(*m.group(1).split("."))
+            if not (base.with_suffix(".py").exists() or (base / "__main__.py").exists()):
+                missing.append(f"{where}: python -m {m.group(1)}")
+        for m in re.finditer(r"manage\.py ([a-z_]+)\b", line):
+            if m.group(1) not in commands and m.group(1) != "reads":  # "manage.py reads the same settings"
+                missing.append(f"{where}: manage.py {m.group(1)}")
+    assert not missing, "docs run commands that do not exist:\n" + "\n".join(missing)
