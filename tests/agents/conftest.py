@@ -70,6 +70,18 @@ def docker_driver(docker_client, node_name):
         c.remove(force=True)
 
 
+def wait_done(driver, handle, timeout=60.0):
+    """Poll a sandbox driver until the sandbox ends: its (state, exit code)."""
+    from agents.sandbox import RUNNING
+    from tests.procs import wait_for
+
+    def ended():
+        state, code = driver.poll(handle)
+        return None if state == RUNNING else (state, code)
+
+    return wait_for(ended, timeout, f"sandbox {handle.ref} to end", interval=0.02)
+
+
 def make_spec(**kw):
     from agents.sandbox import LaunchSpec
 

@@ -8,18 +8,8 @@ import pytest
 from agents.sandbox import EXITED, OOM, RUNNING, SandboxError
 from agents.sandbox.docker_driver import SandboxExists
 from agents.sandbox.kvm_domain import driver_dir
-from tests.agents.conftest import make_spec
+from tests.agents.conftest import make_spec, wait_done
 from tests.agents.node_services import node_services, probe_command, probe_lines  # noqa: F401
-
-
-def wait_done(driver, handle, timeout=30):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state, code = driver.poll(handle)
-        if state != RUNNING:
-            return state, code
-        time.sleep(0.05)
-    raise AssertionError(f"sandbox still running after {timeout}s")
 
 
 def wait_log(driver, handle, text, timeout=15):

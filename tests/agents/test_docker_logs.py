@@ -6,14 +6,7 @@ import pytest
 
 from agents.sandbox import RUNNING, docker_logs
 from agents.sandbox.docker_logs import READ_MAX_BYTES, _timestamp_ns
-from tests.agents.conftest import make_spec
-
-
-def wait_done(driver, handle, timeout=60):
-    deadline = time.monotonic() + timeout
-    while driver.poll(handle)[0] == RUNNING:
-        assert time.monotonic() < deadline, "sandbox still running"
-        time.sleep(0.05)
+from tests.agents.conftest import make_spec, wait_done
 
 
 def read_all(driver, handle, offset=0):

@@ -5,22 +5,12 @@ import pytest
 
 from agents.sandbox import EXITED, RUNNING, SandboxError
 from agents.sandbox.process_driver import ProcessDriver
-from tests.agents.conftest import make_spec
+from tests.agents.conftest import make_spec, wait_done
 
 
 @pytest.fixture
 def driver(tmp_path):
     return ProcessDriver(node="p", state_dir=str(tmp_path))
-
-
-def wait_done(driver, handle, timeout=15):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state, code = driver.poll(handle)
-        if state != RUNNING:
-            return state, code
-        time.sleep(0.02)
-    raise AssertionError("still running")
 
 
 def test_runs_a_command_and_returns_output_and_exit_code(driver, caplog):
