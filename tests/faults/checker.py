@@ -14,11 +14,16 @@ TERMINAL = ("succeeded", "failed", "cancelled", "timeout", "node_fail", "oom")
 TICK_S = 0.5
 
 
-def job_command(truth: Path, run_s: float) -> list[str]:
+def job_command(truth: Path, run_s: float, rerun_s: float | None = None) -> list[str]:
+    """`rerun_s`: how long a later attempt runs (default `run_s`). A short rerun proves as much: a
+    requeue while the old attempt still runs shows as the old attempt's records past the new start
+    (or past the requeue), however long the new attempt is; it only ends the case sooner."""
     ticks = max(1, int(run_s / TICK_S))
+    reticks = ticks if rerun_s is None else max(1, int(rerun_s / TICK_S))
     return ["sh", "-c",
-            f'f={truth}/$GPUPORTAL_JOB_ID; a=$GPUPORTAL_ATTEMPT; echo "start $a $(date +%s.%N) $$" >> $f; i=0; '
-            f'while [ $i -lt {ticks} ]; do sleep {TICK_S}; echo "tick $a $(date +%s.%N)" >> $f; i=$((i+1)); done; '
+            f'f={truth}/$GPUPORTAL_JOB_ID; a=$GPUPORTAL_ATTEMPT; n={ticks}; [ "$a" -gt 1 ] && n={reticks}; '
+            f'echo "start $a $(date +%s.%N) $$" >> $f; i=0; '
+            f'while [ $i -lt $n ]; do sleep {TICK_S}; echo "tick $a $(date +%s.%N)" >> $f; i=$((i+1)); done; '
             f'echo "end $a $(date +%s.%N)" >> $f']
 
 

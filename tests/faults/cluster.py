@@ -12,6 +12,7 @@ folder named on their command line.
 import glob
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -51,6 +52,25 @@ for i in range(1, %(agents)d + 1):
     out["nodes"]["fault-%%02d" %% i] = node_add(actor=Actor(user=admin), name="fault-%%02d" %% i)[1]
 out["token"] = token_issue(actor=Actor(user=alice), user=alice, name="faults", scopes=["read", "submit"])[1]
 print("BOOTSTRAP " + json.dumps(out))
+"""
+
+# The metering service run on request (one line on stdin, one line back), with a fresh database
+# connection each time: the database may have been restarted since the last run.
+# Anything else the portal prints (a log handler on stdout) goes to stderr, the process's log.
+METER = """
+import json, sys, traceback
+answer, sys.stdout = sys.stdout, sys.stderr
+import django
+django.setup()
+from django.db import connections
+from portal.billing.services import usage_meter
+for _ in sys.stdin:
+    try:
+        print("METER " + json.dumps(usage_meter()), file=answer, flush=True)
+    except Exception:
+        traceback.print_exc()
+        print("ERROR", file=answer, flush=True)
+    connections.close_all()
 """
 
 
@@ -168,6 +188,8 @@ class Cluster:
     def start_web(self) -> None:
         binds = [a for addr in self.listen_addrs() for a in ("-b", f"{addr}:{self.web_port}")]
         self.start("web", [PY, "-m", "gunicorn", "-c", "deploy/gunicorn.conf.py", *binds, "portal.wsgi:application"])
+
+    def wait_web(self) -> None:
         wait_for(self.api_ok, 60, f"gunicorn; log:\n{self.log('web')[-2000:]}")
 
     def start_worker(self, crashpoint: str = "") -> None:
@@ -180,10 +202,13 @@ class Cluster:
         self.start("beat", [PY, "-m", "celery", "-A", "portal", "beat", "-s", str(self.tmp / "beat-schedule"),
                             "--loglevel", "WARNING"])
 
-    def start_portal(self) -> None:
+    def start_portal(self, wait: bool = True) -> None:
+        """gunicorn, the worker and beat started at once (their start-ups overlap); `wait`: until the API answers."""
         self.start_web()
         self.start_worker()
         self.start_beat()
+        if wait:
+            self.wait_web()
 
     def stop_portal(self, kill: bool) -> None:
         for key in ("web", "worker", "beat"):
@@ -236,9 +261,13 @@ class Cluster:
         self.start_postgres()
         self.start_redis()
         self.bootstrap()
-        self.start_portal()
+        # Every process started at once, then waited for: their start-ups overlap (an agent that finds
+        # gunicorn not yet up retries its registration).
+        self.start_portal(wait=False)
         for name in self.nodes:
             self.start_agent(name)
+        self.start_meter()
+        self.wait_web()
         self.wait_nodes_ready(self.nodes, timeout=150)
 
     # -- database ----------------------------------------------------------------------------
@@ -249,13 +278,27 @@ class Cluster:
             rows = conn.execute(query, params).fetchall()
         return [r[col] for r in rows] if col is not None else rows
 
+    def start_meter(self) -> None:
+        """The process `meter()` asks, started once: Django's start-up costs a case seconds on a busy
+        machine, the metering itself milliseconds."""
+        log = open(self.tmp / "meter.log", "a+")
+        proc = start_process([PY, "-u", "-c", METER], cwd=ROOT, env=self.env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=log, text=True)
+        self.procs["meter"] = (proc, log)
+
     def meter(self) -> dict:
         """Run the metering service to now (what beat's billing.meter_usage does every minute)."""
-        out = subprocess.run([PY, "-c", "import django, json; django.setup()\n"
-                              "from portal.billing.services import usage_meter\nprint(json.dumps(usage_meter()))"],
-                             cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        if "meter" not in self.procs or self.procs["meter"][0].poll() is not None:
+            if "meter" in self.procs:
+                self.procs.pop("meter")[1].close()
+            self.start_meter()
+        proc = self.procs["meter"][0]
+        proc.stdin.write("meter\n")
+        proc.stdin.flush()
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        line = proc.stdout.readline() if ready else ""
+        assert line.startswith("METER "), f"the metering run failed: {line!r}; log:\n{self.log('meter')[-3000:]}"
+        return json.loads(line[len("METER "):])
 
     # -- cleanup -----------------------------------------------------------------------------
     def job_pids(self) -> list[int]:
@@ -280,8 +323,8 @@ class Cluster:
                     os.killpg(self.procs[key][0].pid, sig)
                 except ProcessLookupError:
                     pass
-        for key in list(self.procs):
-            self.stop(key, grace_s=5)
+        for key in list(self.procs):  # a throwaway cluster: nothing to finish, so a short grace
+            self.stop(key, grace_s=2)
         for pid in self.job_pids():
             try:
                 os.killpg(os.getpgid(pid), signal.SIGKILL)  # the sandbox's own session

@@ -82,6 +82,11 @@ class Watch:
         self._th.join(10)
 
 
+# A requeued job's later attempt runs 2 s: its overlap with the old one shows all the same, and the
+# case ends a first job's length sooner (tests/faults/checker.py, job_command).
+RERUN_S = 2.0
+
+
 class Load:
     def __init__(self, cluster: Cluster, seed: int):
         self.cluster = cluster
@@ -93,7 +98,7 @@ class Load:
     def submit(self, run_s: float | None = None, gpus: int | None = None) -> int | None:
         run_s = run_s or self.rng.uniform(2, 8)
         body = {"project": "vision", "name": "fault", "image": "gpuportal/busybox:latest",
-                "command": job_command(self.cluster.truth, run_s),
+                "command": job_command(self.cluster.truth, run_s, rerun_s=RERUN_S),
                 "resources": {"gpus": gpus or self.rng.choice([1, 1, 2, 2, 3, 4]), "cpus": 0.1, "memory_mb": 64},
                 "time_limit": max(300, int(2 * run_s))}
         try:
@@ -248,7 +253,9 @@ AGENT_KEPT_DOWN = {"agent-sigkill-kept-down"}
 KNOWN: dict[str, str] = {}
 
 
-def run_case(c: Cluster, fault: str, jobs: int = 10, seed: int = 1, drain_timeout: float = 150) -> Outcome:
+def run_case(c: Cluster, fault: str, jobs: int = 10, seed: int = 1, drain_timeout: float = 150,
+             submit_every_s: float = 1.0) -> Outcome:
+    """`submit_every_s`: how often a job is submitted during the fault (outside the 5-minute outages)."""
     out = Outcome(fault)
     load = Load(c, seed)
     c.extra_accepted = []
@@ -264,7 +271,7 @@ def run_case(c: Cluster, fault: str, jobs: int = 10, seed: int = 1, drain_timeou
     stop_submitting = threading.Event()
 
     def keep_submitting():  # accepted during the fault: must end too
-        while not stop_submitting.wait(SUBMIT_EVERY_S.get(fault, 1.0)):
+        while not stop_submitting.wait(SUBMIT_EVERY_S.get(fault, submit_every_s)):
             load.submit()
 
     submitter = threading.Thread(target=keep_submitting, daemon=True)
