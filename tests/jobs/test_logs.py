@@ -18,13 +18,6 @@ IMAGE = "gpuportal/busybox:latest"
 
 
 @pytest.fixture
-def launches(monkeypatch):
-    sent = []
-    monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args, **kw: sent.append((task, node, args)))
-    return sent
-
-
-@pytest.fixture
 def node(demo):
     node, secret = node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="2xH100-80GB")
     client = APIClient()
@@ -34,7 +27,7 @@ def node(demo):
 
 
 @pytest.fixture
-def placed(node, demo, launches):
+def placed(node, demo, sent):
     job, _ = job_submit(actor=Actor(user=demo.users["alice"]), data={
         "project": "vision", "name": "j", "image": IMAGE, "command": ["true"], "resources": {"gpus": 1}})
     run_pass()
@@ -217,14 +210,14 @@ def live_agent(live_server, demo, tmp_path, request):
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("live_agent", ["process", "docker"], indirect=True)
-def test_a_job_printing_nul_and_bad_utf8_ends_at_its_time_limit(live_agent, demo, launches):
+def test_a_job_printing_nul_and_bad_utf8_ends_at_its_time_limit(live_agent, demo, sent):
     job, _ = job_submit(actor=Actor(user=demo.users["alice"]), data={
         "project": "vision", "name": "nul", "image": IMAGE, "time_limit": 2,
         "resources": {"gpus": 0, "cpus": 0.5, "memory_mb": 64},
         "command": ["sh", "-c", r"printf 'a\000b\377\376\n'; while :; do printf 'x\000\200'; sleep 0.2; done"]})
     run_pass()
     # The agent registered speaking protocol 1.4: its launches come in one agent.launches message.
-    (_, node_name, ([(job_id, attempt, spec)],)), = [s for s in launches if s[0] == "agent.launches"]
+    (_, node_name, ([(job_id, attempt, spec)],)), = [s for s in sent if s[0] == "agent.launches"]
     assert node_name == live_agent.name
     assert live_agent.launch(job_id, attempt, spec) == "started"
     deadline = time.monotonic() + 60
@@ -242,7 +235,7 @@ def test_a_job_printing_nul_and_bad_utf8_ends_at_its_time_limit(live_agent, demo
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("live_agent", ["process", "docker"], indirect=True)
-def test_a_job_printing_past_the_cap_is_stored_capped_and_the_agent_stops_reading(live_agent, demo, launches,
+def test_a_job_printing_past_the_cap_is_stored_capped_and_the_agent_stops_reading(live_agent, demo, sent,
                                                                                    settings, monkeypatch):
     settings.JOB_LOG_MAX_BYTES = 64 * 1024
     read = []
@@ -252,7 +245,7 @@ def test_a_job_printing_past_the_cap_is_stored_capped_and_the_agent_stops_readin
         "project": "vision", "name": "chatty", "image": IMAGE, "resources": {"gpus": 0, "cpus": 0.5, "memory_mb": 128},
         "command": ["sh", "-c", "i=0; while [ $i -lt 40 ]; do head -c 100000 /dev/zero | tr '\\0' y; i=$((i+1)); done"]})
     run_pass()
-    (_, _, ([(job_id, attempt, spec)],)), = [s for s in launches if s[0] == "agent.launches"]
+    (_, _, ([(job_id, attempt, spec)],)), = [s for s in sent if s[0] == "agent.launches"]
     live_agent.launch(job_id, attempt, spec)
     deadline = time.monotonic() + 90
     while Job.objects.get(pk=job.pk).state not in ("succeeded", "failed", "timeout", "cancelled"):

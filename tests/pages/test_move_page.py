@@ -10,10 +10,7 @@ pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture
-def running(demo, submit, monkeypatch):
-    monkeypatch.setattr("portal.core.queue._publish_schedule_pass", lambda: None)
-    sent = []
-    monkeypatch.setattr("scheduler.dispatch._send", lambda task, node, args: sent.append((task, node, args)))
+def running(demo, submit, sent, passes_here):
     node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="2xH100-80GB")
     job = submit(resources={"gpus": 1}, checkpoint={"signal": "SIGUSR2", "grace_s": 30})
     run_pass()
