@@ -3,18 +3,24 @@
 The folder belongs to the tenant's job, and the agent reads it as root, so it is walked through
 directory descriptors without ever following a link: a symlink (to ``/etc/shadow``, to another
 tenant's volume) is skipped and named in the job's end message, never read; so are FIFOs, sockets
-and devices, and names that are not UTF-8. Regular files go up one by one, in path order, each as
-the body of ``PUT /api/agent/v1/jobs/<id>/artifacts?attempt=&path=`` (agents/client.py); the portal
-keeps them (portal/storage/artifacts.py) or refuses with 413 past its limits, after which the agent
-sends no more and says why.
+and devices, and names that are not UTF-8. Regular files go up one by one, in path order. Where the
+portal hands out a presigned URL of its S3-compatible storage for the file (protocol 1.6,
+portal/storage/artifact_direct.py), the bytes go straight there and the agent then confirms them;
+otherwise (a local storage, an older portal, or when the direct way fails: the storage unreachable from
+the node, a refused confirm) each is the body of ``PUT /api/agent/v1/jobs/<id>/artifacts?attempt=&path=``
+(agents/client.py), which the portal keeps (portal/storage/artifacts.py). Past the attempt's limits
+the portal refuses with 413, after which the agent sends no more and says why.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import stat
 from dataclasses import dataclass, field
+
+import requests
 
 from agents.client import PortalError, PortalUnreachable, StaleAttempt
 
@@ -115,6 +121,8 @@ class Upload:
     size: int = 0
     problems: list[str] = field(default_factory=list)
     done: bool = False
+    relay: bool = False  # through the portal: it offers no presigned URLs, or the direct way failed once
+    direct: int = 0  # files that went straight to the storage
 
     def note(self, skipped: dict[str, list[str]]) -> str:
         """What the job's end message says about its outputs ("" when all went up)."""
@@ -132,7 +140,7 @@ def upload(client, job_id: str, attempt: int, folder: str | os.PathLike, state: 
             continue
         try:
             with open_file(folder, relpath) as f:
-                client.artifact(job_id, attempt, relpath, f, size)
+                _send(client, job_id, attempt, relpath, f, size, state)
         except OSError as exc:  # changed under us: the job is over, so only a bug or the operator did that
             state.problems.append(f"{relpath} unreadable ({exc.strerror or exc})")
             state.sent.add(relpath)
@@ -154,5 +162,40 @@ def upload(client, job_id: str, attempt: int, folder: str | os.PathLike, state: 
         state.files += 1
         state.size += size
     state.done = True
-    log.info("job %s attempt %s: %d output file(s), %d bytes uploaded", job_id, attempt, state.files, state.size)
+    log.info("job %s attempt %s: %d output file(s) (%d straight to the storage), %d bytes uploaded", job_id,
+             attempt, state.files, state.direct, state.size)
     return state.note(found.skipped)
+
+
+def _send(client, job_id: str, attempt: int, relpath: str, f, size: int, state: Upload) -> None:
+    """One file: straight to the storage where the portal offers a presigned URL, else through the
+    portal. A failure of the direct way (other than the attempt's limits) sends this file, and the
+    rest of the attempt's, through the portal, whose answer then decides."""
+    if not state.relay:
+        try:
+            if _direct(client, job_id, attempt, relpath, f, size):
+                state.direct += 1
+                return
+        except PortalError as exc:
+            if exc.status == 413 or isinstance(exc, (StaleAttempt, PortalUnreachable)):
+                raise
+            log.warning("job %s attempt %s: %s not uploaded straight to the storage (%s): through the portal",
+                        job_id, attempt, relpath, exc)
+        except requests.RequestException as exc:  # the storage is out of the node's reach
+            log.warning("job %s attempt %s: the storage did not take %s (%s): through the portal",
+                        job_id, attempt, relpath, exc)
+        state.relay = True
+    client.artifact(job_id, attempt, relpath, f, size)
+
+
+def _direct(client, job_id: str, attempt: int, relpath: str, f, size: int) -> bool:
+    """Upload ``f`` at a presigned URL and confirm it; False when the portal says to relay."""
+    offer = client.artifact_upload_url(job_id, attempt, relpath, size)
+    if offer.get("relay", True) or not offer.get("url"):
+        return False
+    digest = hashlib.sha256()
+    while chunk := f.read(1024 * 1024):
+        digest.update(chunk)
+    client.storage_put(offer["url"], f, size)
+    client.artifact_confirm(job_id, attempt, relpath, size, digest.hexdigest())
+    return True

@@ -320,6 +320,27 @@ class PortalClient:
         return self._send("PUT", f"/jobs/{_q(job_id)}/artifacts", stream=f, params={"attempt": attempt, "path": path},
                           headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})
 
+    def artifact_upload_url(self, job_id: str, attempt: int, path: str, size: int) -> dict:
+        """Where to upload one file of an attempt's outputs straight to the storage (protocol 1.6): ->
+        {relay: false, url, method, expires_in}, or {relay: true} (send it with ``artifact``). PortalError
+        413 past the attempt's limits, 404 when this attempt did not run here (or an older portal)."""
+        return self._post(f"/jobs/{_q(job_id)}/artifacts/uploads", {"attempt": attempt, "path": path, "size": size})
+
+    def artifact_confirm(self, job_id: str, attempt: int, path: str, size: int, sha256: str) -> dict:
+        """Have the portal record a file PUT at its presigned URL: -> {path, size, sha256}; PortalError
+        400 when the storage holds no such object or one of another size (it is deleted), 413 past the limits."""
+        return self._post(f"/jobs/{_q(job_id)}/artifacts/confirm",
+                          {"attempt": attempt, "path": path, "size": size, "sha256": sha256})
+
+    def storage_put(self, url: str, f, size: int) -> None:
+        """PUT the binary file ``f`` of ``size`` bytes at a presigned URL of the storage, in one request
+        outside this client's session: the portal's token never goes to the storage. PortalError when
+        the storage refuses it; requests' errors when it cannot be reached."""
+        f.seek(0)
+        r = requests.put(url, data=f if size else b"", headers={"Content-Length": str(size)}, timeout=self.timeout_s)
+        if r.status_code >= 300:
+            raise PortalError(f"storage PUT: HTTP {r.status_code}: {r.text[:200]}", r.status_code)
+
 
 def event_body(attempt: int, state: str, *, exit_code: int | None = None, message: str = "",
                scrub_failures: list[dict] | None = None, node_problem: str = "", lease_expired: bool = False,

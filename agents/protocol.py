@@ -12,11 +12,13 @@ from dataclasses import dataclass
 # The version of the agent API's message shapes, "MAJOR.MINOR", sent at registration. The portal
 # refuses an agent whose major differs (its messages would be misread); a minor adds optional
 # fields only. An agent that sends no version predates this field and speaks 1.x.
-PROTOCOL_VERSION = "1.5"  # 1.1: a terminal event may say lease_expired; 1.2: POST events takes several at once
+PROTOCOL_VERSION = "1.6"  # 1.1: a terminal event may say lease_expired; 1.2: POST events takes several at once
 # 1.3: register and heartbeat may carry cached_datasets (the digests in the node's dataset cache)
 # 1.4: the agent takes agent.launches, a node's launches of one scheduling pass in one message
 # 1.5: a failed event may say not_startable: the node could not start the attempt for want of something
 #      it may have later or another node has now (its dataset cache full): requeued, not counted as failed
+# 1.6: the agent may upload artifacts straight to an S3-compatible storage (presigned PUTs the portal
+#      issues per file, then a confirm): POST jobs/<id>/artifacts/uploads and .../artifacts/confirm
 
 
 def protocol_major(version: str) -> int:
@@ -40,6 +42,10 @@ def speaks(version: str | None, least: tuple[int, int]) -> bool:
 # args [[job_id, attempt, spec], ...], each as ``agent.launch`` takes it; an agent before 1.4 gets
 # one ``agent.launch`` per job.
 LAUNCHES_SINCE = (1, 4)
+
+# Since 1.6 the portal may answer an agent's request to upload an artifact with a presigned URL of the
+# storage (portal/storage/artifact_direct.py); to older agents it never does (they PUT to the portal).
+DIRECT_ARTIFACTS_SINCE = (1, 6)
 
 
 # -- sandboxes -------------------------------------------------------------------------------------

@@ -262,6 +262,11 @@ ARTIFACTS_RETENTION_DAYS = env_int("ARTIFACTS_RETENTION_DAYS", 0, minimum=0)
 ARTIFACTS_PRESIGN_S = env_int("ARTIFACTS_PRESIGN_S", 300, minimum=0)
 if ARTIFACTS_PRESIGN_S > 7 * 24 * 3600:
     raise ImproperlyConfigured("ARTIFACTS_PRESIGN_S: at most 604800 (7 days, the longest a SigV4 URL lives)")
+# With ARTIFACTS_STORAGE=s3 a node (agent 1.6+) uploads artifacts straight to the storage at presigned
+# PUT URLs valid this many seconds (portal/storage/artifact_direct.py); 0 relays them through the portal.
+ARTIFACTS_UPLOAD_PRESIGN_S = env_int("ARTIFACTS_UPLOAD_PRESIGN_S", 300, minimum=0)
+if ARTIFACTS_UPLOAD_PRESIGN_S > 7 * 24 * 3600:
+    raise ImproperlyConfigured("ARTIFACTS_UPLOAD_PRESIGN_S: at most 604800 (7 days, the longest a SigV4 URL lives)")
 WHITENOISE_USE_FINDERS = True  # serve straight from static/ without collectstatic in development
 
 # Request bodies: the API takes JSON specs, never uploads. 1 MiB is generous.

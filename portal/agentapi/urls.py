@@ -3,7 +3,7 @@ from django.urls import path
 
 from portal.interactive.agent_api import SessionReportView
 from portal.nodes import agent_api as nodes
-from portal.storage.agent_api import ArtifactUploadView, DatasetFileView
+from portal.storage.agent_api import ArtifactConfirmView, ArtifactDirectUploadView, ArtifactUploadView, DatasetFileView
 
 from . import heartbeat, images, jobs
 
@@ -17,6 +17,8 @@ urlpatterns = [
     path("jobs/<str:job_id>/events", jobs.EventView.as_view(), name="events"),
     path("jobs/<str:job_id>/logs", jobs.LogView.as_view(), name="logs"),
     path("jobs/<str:job_id>/artifacts", ArtifactUploadView.as_view(), name="artifacts"),
+    path("jobs/<str:job_id>/artifacts/uploads", ArtifactDirectUploadView.as_view(), name="artifact-uploads"),
+    path("jobs/<str:job_id>/artifacts/confirm", ArtifactConfirmView.as_view(), name="artifact-confirm"),
     path("datasets/<str:digest>/file", DatasetFileView.as_view(), name="dataset-file"),
     path("jobs/<str:job_id>/sessions", SessionReportView.as_view(), name="sessions"),
     path("jobs/<str:job_id>/registry-auth", images.RegistryAuthView.as_view(), name="registry-auth"),

@@ -1,5 +1,7 @@
 """The agent API's artifact upload: PUT /api/agent/v1/jobs/<id>/artifacts?attempt=&path= with the file as
-the body (portal/storage/artifacts.py). Node tokens only, as the rest of the agent API."""
+the body (portal/storage/artifacts.py), or straight to an S3-compatible storage through POST
+.../artifacts/uploads and .../artifacts/confirm (portal/storage/artifact_direct.py). Node tokens only,
+as the rest of the agent API."""
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import serializers, status
@@ -31,6 +33,45 @@ class ArtifactUploadView(AgentView):
         stream = request._request  # the raw body, read in chunks: never parsed nor held in memory
         return Response(artifact_put(node=self.node, job_id=job_id, stream=stream, length=length,
                                      **query.validated_data), status=status.HTTP_201_CREATED)
+
+
+class ArtifactUploadRequestSerializer(ArtifactQuerySerializer):
+    size = serializers.IntegerField(min_value=0)
+
+
+class ArtifactConfirmSerializer(ArtifactUploadRequestSerializer):
+    sha256 = StrictCharField(min_length=64, max_length=64)
+
+
+class ArtifactDirectUploadView(AgentView):
+    """A presigned PUT URL of the storage for one file (agent 1.6+ with an S3-compatible storage), or
+    {"relay": true}: upload it through PUT .../artifacts instead (portal/storage/artifact_direct.py)."""
+
+    @extend_schema(request=ArtifactUploadRequestSerializer, responses={200: inline_serializer("ArtifactUploadUrl", {
+        "relay": serializers.BooleanField(), "path": serializers.CharField(required=False),
+        "size": serializers.IntegerField(required=False), "url": serializers.CharField(required=False),
+        "method": serializers.CharField(required=False), "expires_in": serializers.IntegerField(required=False)})})
+    def post(self, request, job_id):
+        from .artifact_direct import upload_issue
+
+        body = ArtifactUploadRequestSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        return Response(upload_issue(node=self.node, job_id=job_id, **body.validated_data))
+
+
+class ArtifactConfirmView(AgentView):
+    """Record a file the node PUT at its presigned URL: refused (400) when the storage has no object
+    there or one of another size."""
+
+    @extend_schema(request=ArtifactConfirmSerializer, responses={201: inline_serializer("ArtifactConfirmed", {
+        "path": serializers.CharField(), "size": serializers.IntegerField(), "sha256": serializers.CharField()})})
+    def post(self, request, job_id):
+        from .artifact_direct import upload_confirm
+
+        body = ArtifactConfirmSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        return Response(upload_confirm(node=self.node, job_id=job_id, **body.validated_data),
+                        status=status.HTTP_201_CREATED)
 
 
 class DatasetFileView(AgentView):

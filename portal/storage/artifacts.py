@@ -74,6 +74,23 @@ def _job_for_node(node, job_id, attempt: int):
     return job
 
 
+def _room(job, attempt: int, relpath: str, length: int, field: str = "file") -> tuple[int, str]:
+    """The bytes this attempt may still keep besides ``relpath`` (what it replaces does not count), and
+    how the refusal starts; TooLarge (413) when one more file, or ``length`` bytes, is past the limits."""
+    others = Artifact.objects.filter(job=job, attempt=attempt).exclude(path=relpath).aggregate(
+        n=Count("id"), size=Sum("size"))
+    if others["n"] >= settings.ARTIFACTS_MAX_FILES:
+        raise TooLarge(f"Job {job.pk} attempt {attempt} already has {others['n']} artifacts, the most one attempt "
+                       f"may keep (ARTIFACTS_MAX_FILES).", field="path", code="artifacts_too_many")
+    room = settings.ARTIFACTS_MAX_MB * MB - (others["size"] or 0)
+    over = (f"The artifacts of job {job.pk} attempt {attempt} would exceed the limit of "
+            f"{settings.ARTIFACTS_MAX_MB} MB per attempt (ARTIFACTS_MAX_MB)")
+    if length > room:
+        raise TooLarge(f"{over}: {relpath} has {length} bytes, {max(room, 0)} are left.", field=field,
+                       code="artifacts_too_large")
+    return room, over
+
+
 def artifact_put(*, node, job_id, attempt: int, path: str, stream, length: int | None) -> dict:
     """Store one file of an attempt's outputs from ``stream`` (replacing the same path: a retried
     upload). The bytes are spooled to a temporary file first (counted and hashed there), so a refused
@@ -83,18 +100,7 @@ def artifact_put(*, node, job_id, attempt: int, path: str, stream, length: int |
     if length is None:  # WSGI reads no body without it (a chunked one would be stored empty)
         raise LengthRequired("Send the file's size as Content-Length.", field="file")
     relpath = "/".join(parts)
-    others = Artifact.objects.filter(job=job, attempt=attempt).exclude(path=relpath).aggregate(
-        n=Count("id"), size=Sum("size"))
-    if others["n"] >= settings.ARTIFACTS_MAX_FILES:
-        raise TooLarge(f"Job {job.pk} attempt {attempt} already has {others['n']} artifacts, the most one attempt "
-                       f"may keep (ARTIFACTS_MAX_FILES).", field="path", code="artifacts_too_many")
-    limit = settings.ARTIFACTS_MAX_MB * MB
-    room = limit - (others["size"] or 0)
-    over = (f"The artifacts of job {job.pk} attempt {attempt} would exceed the limit of "
-            f"{settings.ARTIFACTS_MAX_MB} MB per attempt (ARTIFACTS_MAX_MB)")
-    if length > room:
-        raise TooLarge(f"{over}: {relpath} has {length} bytes, {max(room, 0)} are left.", field="file",
-                       code="artifacts_too_large")
+    room, over = _room(job, attempt, relpath, length)
     digest = hashlib.sha256()
     size = 0
     with tempfile.TemporaryFile() as spool:
