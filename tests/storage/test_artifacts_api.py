@@ -11,7 +11,7 @@ from portal.jobs.models import Job
 from portal.jobs.services import job_cancel, job_submit
 from portal.nodes.services import node_add
 from portal.storage.models import Artifact
-from tests.jobs.test_logs import launches, node, placed  # noqa: F401 (node gpu-01 and a job placed on it)
+from tests.jobs.test_logs import node, placed  # noqa: F401 (node gpu-01 and a job placed on it)
 
 pytestmark = pytest.mark.django_db
 IMAGE = "gpuportal/busybox:latest"

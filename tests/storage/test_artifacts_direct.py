@@ -12,7 +12,7 @@ import requests
 from agents import protocol
 from portal.nodes.models import Node
 from portal.storage.models import Artifact
-from tests.jobs.test_logs import launches, node, placed  # noqa: F401 (node gpu-01 and a job placed on it)
+from tests.jobs.test_logs import node, placed  # noqa: F401 (node gpu-01 and a job placed on it)
 from tests.storage.conftest import s3_artifacts
 from tests.storage.test_artifacts_api import _node, fetch, put
 
@@ -147,7 +147,7 @@ def test_the_attempts_limits_hold_when_issued_and_when_confirmed(node, placed, s
 
 @pytest.mark.django_db(transaction=True)
 def test_the_agent_uploads_straight_to_the_storage_and_falls_back_to_the_relay(live_server, demo, settings,
-                                                                               seaweedfs, launches, tmp_path):
+                                                                               seaweedfs, sent, tmp_path, request):
     """agents.artifacts.upload with the real PortalClient against the live portal: a 1.6 agent's files go
     straight to SeaweedFS; where the storage is out of the node's reach they go through the portal."""
     from agents.artifacts import Upload
@@ -172,6 +172,7 @@ def test_the_agent_uploads_straight_to_the_storage_and_falls_back_to_the_relay(l
     (outputs / "model.bin").write_bytes(b"w" * 300_000)
     (outputs / "sub" / "empty").write_bytes(b"")
     client = PortalClient(live_server.url, secret, retries=0)
+    request.addfinalizer(client.session.close)  # no kept-alive connection holds a server thread (and its database)
     state = Upload()
     assert agent_upload(client, str(job.pk), 1, outputs, state) == ""
     assert (state.files, state.direct, state.relay) == (2, 2, False)

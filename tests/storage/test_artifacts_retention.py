@@ -16,7 +16,7 @@ from portal.storage.models import Artifact
 from portal.storage.artifacts import artifacts_expire
 from portal.storage.tasks import artifacts_expire as expire_task
 from portal.tenancy.models import Quota
-from tests.jobs.test_logs import launches, node, placed  # noqa: F401 (node gpu-01 and a job placed on it)
+from tests.jobs.test_logs import node, placed  # noqa: F401 (node gpu-01 and a job placed on it)
 
 pytestmark = pytest.mark.django_db
 
