@@ -30,6 +30,12 @@ if [ -c /dev/kvm ] && [ "$(stat -c %G /dev/kvm)" != kvm ] && getent group kvm >/
   chgrp kvm /dev/kvm && chmod 0660 /dev/kvm || die "cannot give /dev/kvm to group kvm"
 fi
 
+# A VM that mounts project volumes runs QEMU as the project's uid/gid, outside libvirt's group: it must be
+# able to pass through libvirt's folder to its own per-domain one (each 0750, its QEMU's: docs/sandboxes.md).
+if [ -d /var/lib/libvirt/qemu ]; then
+  chmod o+x /var/lib/libvirt/qemu || die "cannot let QEMU pass through /var/lib/libvirt/qemu"
+fi
+
 running() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 if ! virsh -c "$URI" version >/dev/null 2>&1; then
   mkdir -p "$RUN_DIR"

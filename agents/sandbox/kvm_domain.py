@@ -59,7 +59,7 @@ def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: s
                console_log: str, domain_type: str = "kvm", started_at: float | None = None,
                job_network: str | None = None, extra_memory_mb: int = 0, name: str | None = None,
                qemu_user: tuple[int, int] | None = None, exit_log: str | None = None, installation: str = "",
-               terminal_socket: str | None = None, filesystems: list[tuple[str, str, bool]] = ()) -> str:
+               terminal_socket: str | None = None, filesystems: list[tuple] = ()) -> str:
     """The libvirt domain for one job attempt.
 
     ``qemu_user`` (uid, gid): QEMU runs as this user instead of libvirt's
@@ -80,7 +80,10 @@ def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: s
     folders); a writable one in ``mapped`` mode: QEMU's uid owns every file on the host (0600,
     folders 0700) and keeps the guest's owner, mode and file type in ``user.virtfs.*`` extended
     attributes, so the job owns what it makes there, and what it makes a symlink or a device is a
-    plain file on the host. Memory is locked
+    plain file on the host. A fourth item names another libvirt mode: ``passthrough`` for a
+    project volume, whose files must belong on the host to the uid/gid QEMU runs as (``qemu_user``,
+    the project's; the guest's job runs as the same uid, so QEMU's chown to it succeeds, and any
+    other owner fails). Memory is locked
     when GPUs are passed through, because VFIO DMA needs pinned guest memory.
     """
     d = ET.Element("domain", type=domain_type)
@@ -138,8 +141,9 @@ def domain_xml(spec: LaunchSpec, *, node: str, pci_bus_ids: list[str], kernel: s
             nic = ET.SubElement(dev, "interface", type="network")
             ET.SubElement(nic, "source", network=job_network)
         ET.SubElement(nic, "model", type="virtio")
-    for folder, tag, read_only in filesystems:
-        fs = ET.SubElement(dev, "filesystem", type="mount", accessmode="squash" if read_only else "mapped")
+    for folder, tag, read_only, *mode in filesystems:
+        fs = ET.SubElement(dev, "filesystem", type="mount",
+                           accessmode=mode[0] if mode else "squash" if read_only else "mapped")
         ET.SubElement(fs, "driver", type="path")
         ET.SubElement(fs, "source", dir=folder)
         ET.SubElement(fs, "target", dir=tag)

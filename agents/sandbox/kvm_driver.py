@@ -82,7 +82,8 @@ from agents.sandbox.kvm_console import console_files, read_console
 from agents.sandbox.kvm_domain import (
     METADATA_NS, check_gpu, create_private, domain_xml, driver_dir, kvm_works, private_dir,
 )
-from agents.sandbox.kvm_image import EXIT_MARKER, START_MARKER
+from agents.sandbox.kvm_image import EXIT_MARKER, JOB_UID, START_MARKER
+from agents.sandbox.volumes import VolumePathError, plan_mounts, project_uid
 from agents.supervisor.lease import FENCED, forget_fenced, was_fenced
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,11 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # cannot touch another's memory or files, and the egress policy matches a VM's traffic by its uid. Two
 # agents on one host need disjoint ranges.
 VM_UIDS = "3900000-3999999"
+# The projects' uids (= gids), as the docker sandbox's: a VM that mounts a project's volumes runs its QEMU
+# as the project's uid, so that what the job writes there is the project's on the node.
+JOB_UIDS = "2000000-2999999"
+# libvirt's folder of per-domain folders: such a QEMU (not in libvirt's group) passes through it to its own.
+LIBVIRT_QEMU_DIR = "/var/lib/libvirt/qemu"
 
 
 @dataclass
@@ -124,7 +130,7 @@ class KvmDriver:
                  image_cache_mb: int | None = None, vm_uids: str | None = None,
                  egress_allow: str | list[str] | None = None, installation: str | None = None,
                  max_image_entries: int | None = None, convert_timeout_s: int | None = None,
-                 supervise: bool = False):
+                 supervise: bool = False, volumes_root: str | None = None, job_uids: str | None = None):
         try:
             import libvirt
         except ImportError as exc:
@@ -177,11 +183,14 @@ class KvmDriver:
             log.warning("kvm sandbox: %s is not searchable by other users: QEMU (it runs as a uid of its own) "
                         "cannot open the VM's kernel and initrd under %s", blocked[0], self.state_dir)
         self.vm_uids = uid_range(vm_uids or os.environ.get("GPUPORTAL_KVM_VM_UIDS") or VM_UIDS, "GPUPORTAL_KVM_VM_UIDS")
+        # The operator's tree of project volumes (docs/storage.md), and the projects' uids on this node.
+        self.volumes_root = volumes_root if volumes_root is not None else os.environ.get("GPUPORTAL_VOLUMES_ROOT", "")
+        self.job_uids = uid_range(job_uids or os.environ.get("GPUPORTAL_JOB_UIDS") or JOB_UIDS, "GPUPORTAL_JOB_UIDS")
         self._uid_lock = threading.Lock()
         self._uids_starting: set[int] = set()
         # The group that lets QEMU into libvirt's per-domain folders (libvirt's own qemu group).
         try:
-            self.vm_gid = os.stat("/var/lib/libvirt/qemu").st_gid
+            self.vm_gid = os.stat(LIBVIRT_QEMU_DIR).st_gid
         except OSError:
             self.vm_gid = 0
         # Jobs with network: QEMU's user-mode network turns the guest's connections into the node's own
@@ -192,8 +201,10 @@ class KvmDriver:
         except EgressError as exc:
             raise SandboxError(str(exc)) from None
         lo, hi = self.vm_uids
-        self.firewall = Firewall(chain=f"GPUPORTAL-KVM-{lo}", allow=allow,
-                                 hooks=[("OUTPUT", ["-m", "owner", "--uid-owner", f"{lo}-{hi}"])])
+        hooks = [("OUTPUT", ["-m", "owner", "--uid-owner", f"{lo}-{hi}"])]
+        if self.volumes_root:  # a VM with the project's volumes: its QEMU (and user-mode network) is the project's uid
+            hooks.append(("OUTPUT", ["-m", "owner", "--uid-owner", "{}-{}".format(*self.job_uids)]))
+        self.firewall = Firewall(chain=f"GPUPORTAL-KVM-{lo}", allow=allow, hooks=hooks)
         self._egress_problem: str | None = None
         if job_network == "user" and not uri.startswith("test:"):
             self._egress_problem = self._install_egress()
@@ -223,8 +234,6 @@ class KvmDriver:
     # -- Driver interface -----------------------------------------------------
 
     def launch(self, spec: LaunchSpec) -> SandboxHandle:
-        if spec.volumes:  # the portal refuses such a submit; an older portal might still send one
-            raise SandboxError("volumes: the kvm sandbox cannot mount project volumes yet; use the docker sandbox")
         try:
             buses = [self.pci_bus_ids[i] for i in spec.gpu_indexes]
         except KeyError as exc:
@@ -242,10 +251,11 @@ class KvmDriver:
             self._check_egress()
         console = self.state_dir / f"{name}.log"
         cancel = self._cancels.setdefault((spec.job_id, spec.attempt), threading.Event())
-        uid = self._claim_uid()
+        volumes, checkpoint_dir, owner = self._volumes(spec)
+        uid = owner if owner is not None else self._claim_uid()
         try:
-            shares = self._shares(spec, name, uid)
-            kernel, initrd, extra_mb = self._job_files(spec, name, cancel, shares)
+            shares = self._shares(spec, name, uid, volumes)
+            kernel, initrd, extra_mb = self._job_files(spec, name, cancel, shares, owner, checkpoint_dir)
             if cancel.is_set():
                 raise SandboxError("stopped while its VM was being prepared")
             started = time.time()
@@ -254,7 +264,8 @@ class KvmDriver:
             try:
                 # Before the VM: a VM that ends while the agent is down leaves no domain to find, only this.
                 self._write_record(spec, name, started)
-                self._create(spec, name, buses, kernel, initrd, console, started, extra_mb, uid, shares)
+                self._create(spec, name, buses, kernel, initrd, console, started, extra_mb, uid, shares,
+                             gid=self.vm_gid if owner is None else owner)
             except (SandboxError, OSError) as exc:
                 self._remove_console(name)  # a failed start's console and exit files are litter too
                 shutil.rmtree(self._outputs_root(name), ignore_errors=True)  # nothing ran: no outputs
@@ -330,7 +341,32 @@ class KvmDriver:
             self._uids_starting.add(uid)
             return uid
 
-    def _shares(self, spec: LaunchSpec, name: str, uid: int | None) -> list[tuple[str, str, bool, str]]:
+    def _volumes(self, spec: LaunchSpec) -> tuple[list[tuple[str, str, bool]], str | None, int | None]:
+        """The project volumes and checkpoint folder this launch mounts (``plan_mounts``: host folder,
+        guest path, read-only; made and given to the project's uid first), the checkpoint folder's
+        path in the guest, and the project's uid (= gid), under which the VM's QEMU then runs: None
+        (a VM uid of its own) when it mounts none. A job names no checkpoint folder where the node
+        has no volumes root, as in the docker sandbox."""
+        if self.domain_type == "test" or spec.project_id is None and not spec.volumes:
+            return [], None, None
+        if spec.project_id is None:  # QEMU would write them as a uid of no project
+            raise SandboxError("volumes: the launch names no project, whose uid the volumes' files need")
+        try:
+            owner = project_uid(spec.project_id, self.job_uids)
+            binds, checkpoint_dir, _ = plan_mounts(self.volumes_root, spec.volumes, spec.checkpoint, owner=owner)
+        except (VolumePathError, OSError) as exc:
+            raise SandboxError(f"volumes: {exc}") from None
+        try:
+            blocked = binds and not os.stat(LIBVIRT_QEMU_DIR).st_mode & 0o001
+        except OSError:
+            blocked = False  # another layout: libvirt says what fails
+        if blocked:
+            raise SandboxError(f"volumes: node {self.node} cannot run a VM as its project's uid: {LIBVIRT_QEMU_DIR} "
+                               f"is not searchable by other users (chmod o+x it; .ci/kvm.sh does)")
+        return binds, checkpoint_dir, (owner if binds else None)
+
+    def _shares(self, spec: LaunchSpec, name: str, uid: int | None,
+                volumes: list[tuple[str, str, bool]] = ()) -> list[tuple]:
         """The host folders the guest mounts over virtio-9p, ``(host folder, tag, read_only, mount point
         below /image)``: each dataset's folder in the node's cache read-only at /datasets/<name> (files
         0444, folders 0555: QEMU's uid reads them, nobody writes), and this attempt's /outputs.
@@ -341,9 +377,17 @@ class KvmDriver:
         mode (kvm_domain.domain_xml): what the job writes belongs to QEMU's uid on the node (its own
         uid and modes kept in extended attributes), and a symlink it makes is a plain file holding the
         target's name there, never a link; the agent (root) reads it without following any link
-        (agents/artifacts.py). The folder must be on a file system with user extended attributes."""
+        (agents/artifacts.py). The folder must be on a file system with user extended attributes.
+
+        Project volumes and the checkpoint folder (``volumes``) in libvirt's ``passthrough`` mode:
+        QEMU runs as the project's uid/gid then, so what the job (the same uid in the guest) writes
+        there is the project's on the node, as from the docker sandbox; QEMU resolves every path
+        below the share without following a link out, and the node's permissions hold it to the
+        project's files whatever the guest asks."""
         shares = [(path, f"ds{i}", True, f"datasets/{ds}") for i, (ds, path) in
                   enumerate(sorted(spec.dataset_paths.items()))]
+        shares += [(host, f"vol{i}", ro, guest.lstrip("/"), "passthrough")
+                   for i, (host, guest, ro) in enumerate(volumes)]
         if spec.outputs and self.domain_type != "test":
             root = self._outputs_root(name)
             try:
@@ -354,7 +398,7 @@ class KvmDriver:
                 os.chmod(root / "outputs", 0o777)  # past the umask
                 if uid is not None:
                     for p in (root, root / "outputs"):
-                        os.chown(p, uid, self.vm_gid)
+                        os.chown(p, uid, uid if volumes else self.vm_gid)
             except OSError as exc:
                 raise SandboxError(f"could not make the job's outputs folder on node {self.node}: {exc}") from None
             shares.append((str(root / "outputs"), "outputs", False, "outputs"))
@@ -368,15 +412,16 @@ class KvmDriver:
         folder = self._outputs_root(handle.ref) / "outputs"
         return str(folder) if folder.is_dir() else None
 
-    def _create(self, spec, name, buses, kernel, initrd, console, started, extra_mb, uid, shares=()):
+    def _create(self, spec, name, buses, kernel, initrd, console, started, extra_mb, uid, shares=(), gid=None):
         libvirt = self._libvirt
         while True:
             xml = domain_xml(spec, node=self.node, pci_bus_ids=buses, kernel=kernel, initrd=initrd,
                              console_log=str(console), exit_log=str(console.with_suffix(".exit")),
                              domain_type=self.domain_type, started_at=started,
                              job_network=self.job_network, extra_memory_mb=extra_mb, name=name,
-                             installation=self.installation, filesystems=[sh[:3] for sh in shares],
-                             qemu_user=None if uid is None else (uid, self.vm_gid),
+                             installation=self.installation,
+                             filesystems=[(sh[0], sh[1], sh[2], *sh[4:]) for sh in shares],
+                             qemu_user=None if uid is None else (uid, self.vm_gid if gid is None else gid),
                              terminal_socket=self._terminal_socket(name) if _has_terminal(spec) else None)
             try:
                 self.conn.createXML(xml, 0)
@@ -393,7 +438,7 @@ class KvmDriver:
                 raise SandboxError(f"could not start the VM: {msg}") from None
 
     def _job_files(self, spec: LaunchSpec, name: str, cancel: threading.Event | None = None,
-                   shares=()) -> tuple[str, str, int]:
+                   shares=(), owner: int | None = None, checkpoint_dir: str | None = None) -> tuple[str, str, int]:
         """This launch's own kernel and initrd (the initramfs, the job's image and its command and
         environment in one file), and the MiB the guest needs for them on top of the job's memory.
 
@@ -411,8 +456,10 @@ class KvmDriver:
         env.setdefault("PATH", DEFAULT_PATH)
         job = job_env(spec, visible_devices=[str(i) for i in range(len(spec.gpu_uuids))])
         job.setdefault("HOME", "/work")
-        if any(point == "outputs" for *_, point in shares):
+        if any(sh[3] == "outputs" for sh in shares):
             job["GPUPORTAL_OUTPUTS_DIR"] = "/outputs"
+        if checkpoint_dir:
+            job["GPUPORTAL_CHECKPOINT_DIR"] = checkpoint_dir
         env.update(job)
         path, kernel = self.state_dir / f"{name}.initrd", self.state_dir / f"{name}.kernel"
         # 0600, created anew (never through a link): it holds the job's environment; libvirt gives it to the
@@ -429,7 +476,8 @@ class KvmDriver:
                         shutil.copyfileobj(src, f, 1 << 20)
                 overlay = kvm_image.job_overlay(image.entrypoint + list(spec.command), env, memory_mb=spec.memory_mb,
                                                 pids_limit=spec.pids_limit, terminal=_has_terminal(spec),
-                                                mounts=[(tag, point, ro) for _, tag, ro, point in shares])
+                                                mounts=[(tag, point, ro) for _, tag, ro, point, *_ in shares],
+                                                uid=JOB_UID if owner is None else owner)
                 f.write(gzip.compress(overlay, mtime=0))
                 size = f.tell()
         except (OSError, kvm_image.ImageError) as exc:  # a full disk, the cached image pruned under us

@@ -297,7 +297,7 @@ TERMINAL_TTY = "/dev/ttyS2"
 
 
 def job_overlay(command: list[str], env: dict[str, str], *, memory_mb: int = 1024, pids_limit: int = 512,
-                terminal: bool = False, mounts: list[tuple[str, str, bool]] = ()) -> bytes:
+                terminal: bool = False, mounts: list[tuple[str, str, bool]] = (), uid: int = JOB_UID) -> bytes:
     """The per-job cpio: ``/gpuportal/job.sh`` runs the command in the job's image,
     ``/gpuportal/limits.sh`` holds the job cgroup's limits for INIT, and ``/gpuportal/mounts.sh`` the
     host folders INIT mounts over virtio-9p before the job: ``(tag, mount point below /image,
@@ -313,6 +313,10 @@ def job_overlay(command: list[str], env: dict[str, str], *, memory_mb: int = 102
     ``terminal``: job.sh first starts, in the background and in the job's cgroup, a loop that serves a
     shell (``sh -i`` of the image, the same user, environment and chroot) on the third serial port,
     its controlling terminal, again whenever it exits; it ends with the job.
+
+    ``uid``: the job's uid and gid instead of 65534 (its project's, when it mounts the project's
+    volumes: the guest then checks their modes against the owner it is shown, and QEMU gives what
+    it writes that owner); job.sh first gives the job's ``/work`` to it.
     """
     pairs = []
     for k, v in env.items():
@@ -322,9 +326,11 @@ def job_overlay(command: list[str], env: dict[str, str], *, memory_mb: int = 102
         pairs.append(f"{k}={v}")
     def as_job(argv: list[str], extra: tuple = ()) -> list[str]:
         return [BUSYBOX, "env", "-i", *pairs, *extra, BUSYBOX, "setpriv", "--nnp", BUSYBOX, "nsenter",
-                f"-r/{IMAGE_ROOT}", f"-w/{IMAGE_ROOT}/work", "-S", str(JOB_UID), "-G", str(JOB_UID), "--", *argv]
+                f"-r/{IMAGE_ROOT}", f"-w/{IMAGE_ROOT}/work", "-S", str(int(uid)), "-G", str(int(uid)), "--", *argv]
 
     script = "# written by the gpuportal kvm driver\n"
+    if int(uid) != JOB_UID:
+        script += f"chown {int(uid)}:{int(uid)} /{IMAGE_ROOT}/work\n"
     if terminal:
         shell = " ".join(shlex.quote(a) for a in [BUSYBOX, "setsid", "-c",
                                                  *as_job(["sh", "-i"], ("TERM=xterm-256color",))])

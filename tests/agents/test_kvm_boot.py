@@ -20,6 +20,7 @@ import uuid
 import pytest
 
 from agents.sandbox import EXITED, RUNNING, SandboxError
+from agents.sandbox.volumes import prepare_dir
 from tests.agents.conftest import make_spec
 from tests.agents.node_services import node_services, probe_command, probe_lines  # noqa: F401
 
@@ -335,10 +336,12 @@ def test_domain_xml_validates_against_libvirts_schema(tmp_path, domain_type, gpu
     buses = [f"{0x10000 * i:04x}:{0x18 + 16 * i:02x}:00.0" for i in range(gpus)]  # the second behind VMD
     xml = domain_xml(spec, node="n1", pci_bus_ids=buses,
                      kernel="/k", initrd="/i", console_log="/tmp/c.log", domain_type=domain_type,
-                     job_network="user", filesystems=[("/d/imagenet", "ds0", True), ("/o/outputs", "outputs", False)])
+                     job_network="user", filesystems=[("/d/imagenet", "ds0", True), ("/o/outputs", "outputs", False),
+                                  ("/v/scratch", "vol0", False, "passthrough")])
     assert ("<interface" in xml) == network and xml.count("<hostdev ") == gpus
     assert xml.count('<filesystem type="mount" accessmode="squash">') == 1 and "<readonly />" in xml
     assert xml.count('<filesystem type="mount" accessmode="mapped">') == 1
+    assert xml.count('<filesystem type="mount" accessmode="passthrough">') == 1
     (tmp_path / "d.xml").write_text(xml)
     r = subprocess.run(["virt-xml-validate", str(tmp_path / "d.xml"), "domain"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -413,3 +416,52 @@ def test_datasets_are_read_only_and_outputs_come_back_through_virtio_9p(vm_drive
         for folder, _, _ in os.walk(data):
             os.chmod(folder, 0o755)
         shutil.rmtree(data)
+
+
+def test_project_volumes_and_checkpoints_are_the_projects_on_the_node(kvm_image, docker_client):
+    """A VM that mounts its project's volumes runs QEMU as the project's uid/gid and shares them over
+    virtio-9p in passthrough mode: what the job writes at /data/<volume> and in
+    GPUPORTAL_CHECKPOINT_DIR belongs on the node to the project's uid/gid, as from the docker sandbox;
+    a read-only volume stays unchanged; a link planted in the volume that points out of it is
+    resolved in the guest, never on the node; and the next attempt finds the checkpoint."""
+    root = tempfile.mkdtemp(prefix="gpuportal-volumes-")
+    os.chmod(root, 0o755)
+    outside = tempfile.mkdtemp(prefix="gpuportal-outside-")
+    first = 2_100_000 + int(uuid.uuid4().int % 800) * 1000
+    d = make_vm_driver(kvm_image, volumes_root=root, job_uids=f"{first}-{first + 999}")
+    project, uid = 7, first + 7
+    volumes = [{"name": "scratch", "read_only": False, "path": "org/proj/scratch"},
+               {"name": "ref", "read_only": True, "path": "org/proj/ref"}]
+    checkpoint = {"volume": "scratch", "path": "org/proj/scratch/.checkpoints/42"}
+    try:
+        for v in volumes:  # as the portal makes a volume: the project's folders
+            prepare_dir(root, v["path"], owner=uid)
+        with open(f"{root}/org/proj/ref/in.txt", "w") as f:
+            f.write("reference\n")
+        os.symlink(outside, f"{root}/org/proj/scratch/out")  # planted: must not lead the guest out
+        script = ("id -u; cat /data/ref/in.txt; (echo x > /data/ref/new) 2>/dev/null && echo writable || echo read-only;"
+                  " mkdir /data/scratch/run && echo result > /data/scratch/run/r.txt;"
+                  " (mkdir -p /data/scratch/out/d; echo esc > /data/scratch/out/x) 2>/dev/null;"
+                  " echo step-1 > $GPUPORTAL_CHECKPOINT_DIR/last; echo $GPUPORTAL_CHECKPOINT_DIR")
+        spec = make_spec(command=["sh", "-c", script], project_id=project, volumes=volumes, checkpoint=checkpoint)
+        h = d.launch(spec)
+        assert wait_exit(d, h) == (EXITED, 0), d._console(h)[-3000:]
+        assert d.read_logs(h, 0) == f"{uid}\nreference\nread-only\n/data/scratch/.checkpoints/42\n".encode(), \
+            d.read_logs(h, 0)
+        d.remove(h)
+        scratch = f"{root}/org/proj/scratch"
+        for p in (f"{scratch}/run", f"{scratch}/run/r.txt", f"{scratch}/.checkpoints/42/last"):
+            st = os.lstat(p)
+            assert (st.st_uid, st.st_gid) == (uid, uid), (p, st.st_uid, st.st_gid)
+        assert open(f"{scratch}/run/r.txt").read() == "result\n"
+        assert sorted(os.listdir(f"{root}/org/proj/ref")) == ["in.txt"] and os.listdir(outside) == []
+        # The next attempt (a requeue, on any node) finds the checkpoint where it left it.
+        again = make_spec(job_id=spec.job_id, attempt=2, command=["sh", "-c", "cat $GPUPORTAL_CHECKPOINT_DIR/last"],
+                          project_id=project, volumes=volumes, checkpoint=checkpoint)
+        h = d.launch(again)
+        assert wait_exit(d, h) == (EXITED, 0), d._console(h)[-3000:]
+        assert d.read_logs(h, 0) == b"step-1\n"
+    finally:
+        close_vm_driver(d)
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(outside, ignore_errors=True)
