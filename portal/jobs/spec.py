@@ -412,11 +412,9 @@ class JobSpecSerializer(StrictSerializer):
 
 
 def _volume_errors(project, mounts: list[dict], sandbox: str | None) -> dict[str, list[str]]:
-    """Each named volume must be one of the project's, named once; kvm mounts none yet."""
+    """Each named volume must be one of the project's, named once (every sandbox mounts them)."""
     if not mounts:
         return {}
-    if sandbox == "kvm":
-        return {"volumes": ["The kvm sandbox cannot mount volumes yet; use the docker sandbox."]}
     # Storage sits above jobs in the layers; the spec still has to know the project's volume names.
     from portal.storage.selectors import project_volume_names
 
