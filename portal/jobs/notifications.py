@@ -6,6 +6,9 @@ Triggers: `states.transition()` for state changes (one place, every path through
 and re-reads the job; NotificationSent's unique (job, attempt, kind) key makes a retried or
 doubled task mail once. Array tasks are not mailed one by one: their parent is, when it ends.
 """
+import threading
+from contextlib import contextmanager
+
 from django.conf import settings
 from django.core.mail import send_mail
 from django.db import IntegrityError, transaction
@@ -31,26 +34,62 @@ def notification_kind(to: str, reason_code: str = "") -> str | None:
     return None
 
 
+_batch = threading.local()
+
+
 def notify_on_commit(job_id: int, attempt: int, kind: str) -> None:
-    transaction.on_commit(lambda: _publish(job_id, attempt, kind))
+    pending = getattr(_batch, "pending", None)
+    if pending is not None:  # inside notifications_batched(): decided together when it ends
+        transaction.on_commit(lambda: pending.append((job_id, attempt, kind)))
+    else:
+        transaction.on_commit(lambda: _publish([(job_id, attempt, kind)]))
 
 
-def _publish(job_id: int, attempt: int, kind: str) -> None:
-    if mail_wanted(job_id, kind):  # no task for the many ends nobody asked to hear about
-        send("jobs.notify", args=[job_id, attempt, kind], queue="default")  # portal/jobs/tasks.py
+@contextmanager
+def notifications_batched():
+    """Notifications committed inside the block are decided together as it ends: one query for
+    whether each submitter wants mail, not one per job (a batch of an agent's end reports). Ones
+    rolled back are never added (they are added on commit)."""
+    _batch.pending = pending = []
+    try:
+        yield
+    finally:
+        _batch.pending = None
+        if pending:
+            _publish(pending)
+
+
+def _publish(notes: list[tuple[int, int, str]]) -> None:
+    wanted = mail_wanted_many(notes)
+    for job_id, attempt, kind in notes:
+        if (job_id, kind) in wanted:  # no task for the many ends nobody asked to hear about
+            send("jobs.notify", args=[job_id, attempt, kind], queue="default")  # portal/jobs/tasks.py
 
 
 def mail_wanted(job_id: int, kind: str) -> bool:
     """Whether the submitter has an address and wants this kind of email, in one query (the task
     asks again when it sends, as preferences may change meanwhile)."""
+    return (job_id, kind) in mail_wanted_many([(job_id, 0, kind)])
+
+
+def mail_wanted_many(notes: list[tuple[int, int, str]]) -> set[tuple[int, str]]:
+    """The (job id, kind) pairs of `notes` whose submitter has an address and wants that kind of
+    email, in one query whatever their number."""
     from portal.accounts.models import NotificationPreference
 
-    field = f"job_{kind}"
-    row = Job.objects.filter(pk=job_id).values_list("user__email", f"user__notification_preference__{field}").first()
-    if row is None or not row[0]:
-        return False
-    wants = row[1]  # None: no preferences saved, the defaults hold
-    return bool(NotificationPreference._meta.get_field(field).default if wants is None else wants)
+    fields = sorted({f"job_{kind}" for _, _, kind in notes})
+    rows = {row[0]: row[1:] for row in Job.objects.filter(pk__in={job_id for job_id, _, _ in notes}).values_list(
+        "pk", "user__email", *(f"user__notification_preference__{f}" for f in fields))}
+    wanted = set()
+    for job_id, _, kind in notes:
+        row = rows.get(job_id)
+        if row is None or not row[0]:
+            continue
+        field = f"job_{kind}"
+        wants = row[1 + fields.index(field)]  # None: no preferences saved, the defaults hold
+        if NotificationPreference._meta.get_field(field).default if wants is None else wants:
+            wanted.add((job_id, kind))
+    return wanted
 
 
 def job_notify(*, job_id: int, attempt: int, kind: str) -> bool:

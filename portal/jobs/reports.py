@@ -6,11 +6,14 @@ caller answers 409 and the agent stops that sandbox. Retries of a report already
 are no-ops, so agents may retry freely.
 """
 import logging
+import threading
 import time
 
 from django.conf import settings
-from django.db import IntegrityError, OperationalError, transaction
-from django.db.models import F
+from django.db import IntegrityError, OperationalError, connection, transaction
+from django.db.models import F, OuterRef, Value
+from django.db.models.functions import Coalesce
+from django.utils import timezone
 
 from agents.protocol import TERMINAL_EVENT_STATES
 from portal.core.errors import Conflict
@@ -18,6 +21,7 @@ from portal.core.numbers import parse_int, parse_ints
 from portal.core.queue import SCHEDULE_PASS, request_schedule_pass, send
 
 from .models import HOLDING, TERMINAL, Allocation, Job, JobLogChunk, JobState
+from .notifications import notifications_batched
 from .node_effects import gpus_scrub_failed, job_requeue_after_node_fault, node_drain_for_fault, node_settle_drain
 from .selectors import log_end, utf8_whole_len
 from .states import transition
@@ -29,17 +33,37 @@ AGENT_TERMINAL = frozenset(JobState(s) for s in TERMINAL_EVENT_STATES)
 
 
 def job_nodes(job: Job) -> set[str]:
-    names = set(Allocation.objects.filter(job=job, released_at__isnull=True).values_list("gpu__node__name", flat=True))
+    """The names of the nodes where `job` holds GPUs (or its node, for a CPU-only job)."""
+    held = getattr(job, "held_on", None)  # read with the job by _load (PostgreSQL)
+    if held is None:
+        held = Allocation.objects.filter(job=job, released_at__isnull=True).values_list("gpu__node__name", flat=True)
+    names = set(held)
     if not names and job.node_id:
         names = {job.node.name}  # a CPU-only job has no allocation, only its node
     return names
 
 
-def _load(job_id, attempt: int, node) -> Job:
+def _read(pk: int) -> Job | None:
+    """The job with its node and, on PostgreSQL, the nodes it holds GPUs on (`held_on`): one query
+    for what each report checks."""
+    jobs = Job.objects.select_related("node").filter(pk=pk)
+    if connection.vendor == "postgresql":
+        from django.contrib.postgres.expressions import ArraySubquery
+
+        jobs = jobs.annotate(held_on=ArraySubquery(Allocation.objects.filter(
+            job=OuterRef("pk"), released_at__isnull=True).values("gpu__node__name")))
+    return jobs.first()
+
+
+def _load(job_id, attempt: int, node, *, ended: bool = False) -> Job:
+    """The job `job_id` at `attempt`, or Conflict (409, stale). With `ended` (the report ends that
+    attempt), a checkpointing successor waiting for it may be scheduled now (_checkpoint_saved)."""
     pk = parse_int(job_id)
-    job = Job.objects.select_related("node").filter(pk=pk).first() if pk is not None else None
+    job = _read(pk) if pk is not None else None
     if job is None:
         raise Conflict(f"No job {job_id}: stop it.", code="stale")
+    if ended and job.attempt == attempt + 1 and job.resume_after is not None:
+        _checkpoint_saved(pk, attempt)
     if job.attempt != attempt:
         raise Conflict(f"Job {job_id} is at attempt {job.attempt}, not {attempt}: stop it.", code="stale")
     return job
@@ -58,7 +82,7 @@ def job_confirm(*, node, job_id, attempt: int) -> Job:
     API answers with its launch spec (portal.launch, which composes it above jobs)."""
     job = held_job(node=node, job_id=job_id, attempt=attempt)
     transition(job.pk, to=JobState.STARTING, from_states={JobState.ASSIGNED}, attempt=attempt,
-               message=f"Confirmed by {node.name}")
+               array_parent_id=job.array_parent_id, message=f"Confirmed by {node.name}")
     return job
 
 
@@ -94,9 +118,7 @@ def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None 
     if node_problem:
         node_drain_for_fault(node=node, problem=node_problem)
 
-    if state in AGENT_TERMINAL:
-        _checkpoint_saved(job_id, attempt)
-    job = _load(job_id, attempt, node)
+    job = _load(job_id, attempt, node, ended=state in AGENT_TERMINAL)
     if job.state in TERMINAL:
         if job.state == state or state in AGENT_TERMINAL:
             return "duplicate"  # a retry, or the agent finishing a job the portal already ended
@@ -104,14 +126,16 @@ def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None 
     if job.state not in HOLDING or node.name not in job_nodes(job):
         raise Conflict(f"Job {job_id} attempt {attempt} is not running on {node.name}.", code="stale")
     if state == JobState.STARTING:
-        transition(job.pk, to=JobState.STARTING, from_states={JobState.ASSIGNED}, attempt=attempt)
+        transition(job.pk, to=JobState.STARTING, from_states={JobState.ASSIGNED}, attempt=attempt,
+                   array_parent_id=job.array_parent_id)
         return "applied"
     if state == JobState.RUNNING:
         if job.state == JobState.RUNNING:
             return "duplicate"
         # The launch's progress ("pulling image ...") was its reason while it started: no longer.
         transition(job.pk, to=JobState.RUNNING, from_states={JobState.ASSIGNED, JobState.STARTING}, attempt=attempt,
-                   message=message or f"Running on {node.name}", reason_code="", reason_message="")
+                   array_parent_id=job.array_parent_id, message=message or f"Running on {node.name}",
+                   reason_code="", reason_message="")
         return "applied"
     if state == JobState.FAILED and node_problem and job.state in (JobState.ASSIGNED, JobState.STARTING):
         # It never ran: the node failed it (GPUs it could not free or scrub), not the job itself.
@@ -131,14 +155,17 @@ def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None 
         return "duplicate"
     if state in AGENT_TERMINAL:
         text = message or (f"Exit code {exit_code}" if exit_code is not None else state)
+        more = {}
+        if exit_code is not None or state in (JobState.SUCCEEDED, JobState.TIMEOUT, JobState.OOM):
+            # It ran, though its `running` report never landed (lost, or overtaken by this one):
+            # it started by its end at the latest, so pages and wait times have a start.
+            now = timezone.now()
+            more = {"ended_at": now, "started_at": Coalesce(F("started_at"), Value(now))}
         done = transition(job.pk, to=state, from_states=HOLDING, attempt=attempt, exit_code=exit_code,
-                          message=text, reason_code="" if state == JobState.SUCCEEDED else state,
-                          reason_message="" if state == JobState.SUCCEEDED else text[:300])
+                          array_parent_id=job.array_parent_id, message=text,
+                          reason_code="" if state == JobState.SUCCEEDED else state,
+                          reason_message="" if state == JobState.SUCCEEDED else text[:300], **more)
         if done:
-            if exit_code is not None or state in (JobState.SUCCEEDED, JobState.TIMEOUT, JobState.OOM):
-                # It ran, though its `running` report never landed (lost, or overtaken by this one):
-                # it started by its end at the latest, so pages and wait times have a start.
-                Job.objects.filter(pk=job.pk, started_at__isnull=True).update(started_at=F("ended_at"))
             _after_end(job)
         return "applied" if done else "duplicate"
     raise Conflict(f"Unknown state {state!r}.", code="invalid_state")
@@ -155,19 +182,36 @@ def job_report_many(*, node, events: list[dict]) -> list[dict]:
     transaction as a deadlock's victim, nothing of it stays, and each event is applied again in
     a transaction of its own."""
     order = sorted(range(len(events)), key=lambda i: (parse_int(events[i]["job_id"]) or 0, i))
-    try:
-        with transaction.atomic():
-            results = {i: _report_one(node, events[i]) for i in order}
-    except OperationalError as exc:
-        if getattr(exc, "__cause__", None) is None or type(exc.__cause__).__name__ != "DeadlockDetected":
-            raise
-        log.warning("node %s: a batch of %d reports lost a deadlock; applying them one by one", node.name,
-                    len(events))
-        results = {}
-        for i in order:
+    with notifications_batched():
+        try:
             with transaction.atomic():
-                results[i] = _report_one(node, events[i])
+                results = _apply(node, events, order)
+        except OperationalError as exc:
+            if getattr(exc, "__cause__", None) is None or type(exc.__cause__).__name__ != "DeadlockDetected":
+                raise
+            log.warning("node %s: a batch of %d reports lost a deadlock; applying them one by one", node.name,
+                        len(events))
+            results = {}
+            for i in order:
+                with transaction.atomic():
+                    results.update(_apply(node, events, [i]))
     return [results[i] for i in range(len(events))]
+
+
+# The nodes whose jobs ended in the batch being applied (job_report_many), or None outside one.
+_batch = threading.local()
+
+
+def _apply(node, events: list[dict], indexes: list[int]) -> dict[int, dict]:
+    """Apply events[i] for each of `indexes` in the caller's transaction; what each end asks for
+    (a draining node settled, a scheduling pass) is done once for all of them (_after_end)."""
+    _batch.ended_on = ended_on = set()
+    try:
+        results = {i: _report_one(node, events[i]) for i in indexes}
+    finally:
+        _batch.ended_on = None
+    _ended(ended_on)
+    return results
 
 
 def _report_one(node, event: dict) -> dict:
@@ -180,12 +224,12 @@ def _report_one(node, event: dict) -> dict:
         return {"job_id": event["job_id"], "result": "stale", "detail": exc.message[:300]}
 
 
-def _checkpoint_saved(job_id, attempt: int) -> None:
+def _checkpoint_saved(pk: int, attempt: int) -> None:
     """The end of an attempt that was stopped to checkpoint (states.requeue_holding): its successor
-    may be scheduled now, not only once the grace has passed."""
-    pk = parse_int(job_id)
-    if pk is not None and Job.objects.filter(pk=pk, attempt=attempt + 1, state=JobState.QUEUED,
-                                             resume_after__isnull=False).update(resume_after=None):
+    may be scheduled now, not only once the grace has passed. Asked only when the job read says
+    so (its next attempt waits with a resume time), so an ordinary end costs no query here."""
+    if Job.objects.filter(pk=pk, attempt=attempt + 1, state=JobState.QUEUED,
+                          resume_after__isnull=False).update(resume_after=None):
         request_schedule_pass()
 
 
@@ -214,7 +258,19 @@ def requeue_not_startable(job: Job, node_name: str, why: str) -> bool:
 
 
 def _after_end(job: Job) -> None:
-    for node_id in {job.node_id} - {None}:
+    ended_on = getattr(_batch, "ended_on", None)
+    if ended_on is not None:
+        ended_on.add(job.node_id)  # settled once for the batch
+    else:
+        _ended({job.node_id})
+
+
+def _ended(node_ids: set) -> None:
+    """Jobs ended on `node_ids` (None: a job without a node): a draining node with nothing left
+    becomes drained, and one scheduling pass is asked for, whatever the number of jobs."""
+    if not node_ids:
+        return
+    for node_id in sorted(node_ids - {None}):
         node_settle_drain(node_id)
     request_schedule_pass()
 

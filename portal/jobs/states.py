@@ -1,14 +1,18 @@
 """The single way a job changes state: a conditional UPDATE whose row count says who won."""
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import F, Q, Value
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from .models import HOLDING, TERMINAL, Allocation, Job, JobEvent, JobState
 from .notifications import notification_kind, notify_on_commit
 
 
+_UNREAD = object()
+
+
 def transition(job_id: int, *, to: str, from_states, attempt: int | None = None, message: str = "",
-               **fields) -> bool:
+               array_parent_id=_UNREAD, **fields) -> bool:
     """Move job `job_id` to `to` if it is in one of `from_states` (and at `attempt`, when given).
 
     One `UPDATE ... WHERE id=%s AND state IN (...) [AND attempt=%s]`; a row count of 0 means
@@ -16,6 +20,9 @@ def transition(job_id: int, *, to: str, from_states, attempt: int | None = None,
     gets its event, GPUs are released when the job leaves the holding states, and the
     submitter's email (end, preemption) is queued after commit. A terminal event is unique
     per job in the database, so a job can end only once.
+
+    A caller that has read the job (an agent's report) passes `attempt` and `array_parent_id`
+    (which never changes): the job is then not read again after its UPDATE.
     """
     now = timezone.now()
     with transaction.atomic():
@@ -26,12 +33,15 @@ def transition(job_id: int, *, to: str, from_states, attempt: int | None = None,
         if to in TERMINAL:
             values.setdefault("ended_at", now)
             values.setdefault("queue_position", None)
-        if qs.update(**values) != 1:
-            return False
         if to == JobState.RUNNING:
             # First start only: a requeued job keeps its original start for wait-time metrics.
-            Job.objects.filter(pk=job_id, started_at__isnull=True).update(started_at=now)
-        row = Job.objects.values("attempt", "array_parent_id").get(pk=job_id)
+            values.setdefault("started_at", Coalesce(F("started_at"), Value(now)))
+        if qs.update(**values) != 1:
+            return False
+        if attempt is None or array_parent_id is _UNREAD:
+            row = Job.objects.values("attempt", "array_parent_id").get(pk=job_id)
+        else:
+            row = {"attempt": fields.get("attempt", attempt), "array_parent_id": array_parent_id}
         JobEvent.objects.create(job_id=job_id, attempt=row["attempt"], state=to, terminal=to in TERMINAL,
                                 message=message[:300])
         kind = notification_kind(to, fields.get("reason_code", ""))
