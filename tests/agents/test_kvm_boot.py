@@ -418,12 +418,13 @@ def test_datasets_are_read_only_and_outputs_come_back_through_virtio_9p(vm_drive
         shutil.rmtree(data)
 
 
-def test_project_volumes_and_checkpoints_are_the_projects_on_the_node(kvm_image, docker_client):
+def test_project_volumes_and_checkpoints_are_the_projects_on_the_node(kvm_image, docker_client, node_services):
     """A VM that mounts its project's volumes runs QEMU as the project's uid/gid and shares them over
     virtio-9p in passthrough mode: what the job writes at /data/<volume> and in
     GPUPORTAL_CHECKPOINT_DIR belongs on the node to the project's uid/gid, as from the docker sandbox;
     a read-only volume stays unchanged; a link planted in the volume that points out of it is
-    resolved in the guest, never on the node; and the next attempt finds the checkpoint."""
+    resolved in the guest, never on the node; and the next attempt finds the checkpoint. With network,
+    such a VM (its QEMU a project's uid, not a VM uid) is still held to the egress policy."""
     root = tempfile.mkdtemp(prefix="gpuportal-volumes-")
     os.chmod(root, 0o755)
     outside = tempfile.mkdtemp(prefix="gpuportal-outside-")
@@ -456,11 +457,15 @@ def test_project_volumes_and_checkpoints_are_the_projects_on_the_node(kvm_image,
         assert open(f"{scratch}/run/r.txt").read() == "result\n"
         assert sorted(os.listdir(f"{root}/org/proj/ref")) == ["in.txt"] and os.listdir(outside) == []
         # The next attempt (a requeue, on any node) finds the checkpoint where it left it.
-        again = make_spec(job_id=spec.job_id, attempt=2, command=["sh", "-c", "cat $GPUPORTAL_CHECKPOINT_DIR/last"],
+        node_ip, (lo_port, ip_port, _) = node_services
+        cmd = probe_command([("10.0.2.2", lo_port), (node_ip, ip_port)])
+        cmd[-1] = "cat $GPUPORTAL_CHECKPOINT_DIR/last; " + cmd[-1]
+        again = make_spec(job_id=spec.job_id, attempt=2, command=cmd, network=True,
                           project_id=project, volumes=volumes, checkpoint=checkpoint)
         h = d.launch(again)
         assert wait_exit(d, h) == (EXITED, 0), d._console(h)[-3000:]
-        assert d.read_logs(h, 0) == b"step-1\n"
+        out = d.read_logs(h, 0).decode()
+        assert out.startswith("step-1\n") and probe_lines(out) == [f"10.0.2.2:{lo_port}=", f"{node_ip}:{ip_port}="], out
     finally:
         close_vm_driver(d)
         shutil.rmtree(root, ignore_errors=True)
