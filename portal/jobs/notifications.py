@@ -47,16 +47,16 @@ def notify_on_commit(job_id: int, attempt: int, kind: str) -> None:
 
 @contextmanager
 def notifications_batched():
-    """Notifications committed inside the block are decided together as it ends: one query for
-    whether each submitter wants mail, not one per job (a batch of an agent's end reports). Ones
-    rolled back are never added (they are added on commit)."""
+    """Notifications committed inside the block are decided together once they are committed: one
+    query for whether each submitter wants mail, not one per job (a batch of an agent's end
+    reports). Each is added by its own on-commit callback, so one rolled back is never added, and
+    the decision is the callback registered last (at once outside a transaction)."""
     _batch.pending = pending = []
     try:
         yield
     finally:
         _batch.pending = None
-        if pending:
-            _publish(pending)
+        transaction.on_commit(lambda: pending and _publish(pending))
 
 
 def _publish(notes: list[tuple[int, int, str]]) -> None:

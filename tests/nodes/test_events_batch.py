@@ -111,3 +111,66 @@ def test_the_agents_client_sends_a_batch_the_live_portal_applies(live_server, de
                                    "message": "x" * (protocol.EVENT_MESSAGE_MAX + 10)} for job in jobs])
     assert [r["result"] for r in results] == ["applied", "applied"]
     assert list(Job.objects.filter(pk__in=[j.pk for j in jobs]).values_list("state", flat=True)) == ["succeeded"] * 2
+
+
+def test_a_batch_of_ends_asks_once_for_a_pass_and_mails_whoever_wants_it(running, demo, monkeypatch,
+                                                                          django_capture_on_commit_callbacks):
+    """What each end asks for is done once for the batch: one pass request, one look at who wants
+    mail (alice: failures only, the default), the drained node settled; each wanted mail still goes."""
+    from portal.accounts.models import NotificationPreference
+    from portal.core.context import Actor
+    from portal.jobs.node_effects import node_drain
+    from portal.nodes.models import Node
+
+    passes, mails = [], []
+    monkeypatch.setattr("portal.core.queue._publish_schedule_pass", lambda: passes.append(1))
+    monkeypatch.setattr("portal.jobs.notifications.send", lambda name, args, queue: mails.append((name, args)))
+    NotificationPreference.objects.filter(user=demo.users["alice"]).delete()  # the defaults hold
+    node_drain(actor=Actor(user=demo.users["admin"]), node=running.node, reason="maintenance")
+    a, b, c = running.jobs
+    with django_capture_on_commit_callbacks(execute=True):
+        r = post(running, "events", {"events": [
+            {"job_id": str(a.pk), "attempt": 1, "state": "succeeded", "exit_code": 0},
+            {"job_id": str(b.pk), "attempt": 1, "state": "failed", "exit_code": 3},
+            {"job_id": str(c.pk), "attempt": 1, "state": "oom"}]})
+    assert [x["result"] for x in r.json()["results"]] == ["applied"] * 3
+    assert passes == [1]
+    assert sorted(mails) == [("jobs.notify", [b.pk, 1, "failed"]), ("jobs.notify", [c.pk, 1, "failed"])]
+    assert Node.objects.get(pk=running.node.pk).state == "drained"  # its last jobs ended in the batch
+    # An end whose `running` report never landed still gets a start, in the same UPDATE.
+    assert all(j.started_at is not None and j.started_at <= j.ended_at for j in Job.objects.filter(pk__in=[a.pk, b.pk]))
+
+
+def test_a_batch_rolled_back_by_a_deadlock_mails_and_passes_from_its_one_by_one_retry(
+        running, monkeypatch, django_capture_on_commit_callbacks):
+    """A batch the database picks as a deadlock's victim is applied again event by event: nothing of
+    the lost try is mailed, each retried end is, once."""
+    from django.db import OperationalError
+
+    import portal.jobs.reports as reports
+
+    mails = []
+    monkeypatch.setattr("portal.core.queue._publish_schedule_pass", lambda: None)
+    monkeypatch.setattr("portal.jobs.notifications.mail_wanted_many",
+                        lambda notes: {(job_id, kind) for job_id, _, kind in notes})
+    monkeypatch.setattr("portal.jobs.notifications.send", lambda name, args, queue: mails.append(args))
+    real, calls = reports._apply, []
+
+    class DeadlockDetected(Exception):
+        pass
+
+    def apply_once_then_lose(node, events, indexes):
+        calls.append(list(indexes))
+        results = real(node, events, indexes)
+        if len(calls) == 1:
+            raise OperationalError("deadlock detected") from DeadlockDetected()
+        return results
+
+    monkeypatch.setattr(reports, "_apply", apply_once_then_lose)
+    a, b, _ = running.jobs
+    with django_capture_on_commit_callbacks(execute=True):
+        r = post(running, "events", {"events": [{"job_id": str(j.pk), "attempt": 1, "state": "failed"}
+                                                for j in (a, b)]})
+    assert [x["result"] for x in r.json()["results"]] == ["applied", "applied"]
+    assert calls == [[0, 1], [0], [1]]
+    assert sorted(mails) == [[a.pk, 1, "failed"], [b.pk, 1, "failed"]]
