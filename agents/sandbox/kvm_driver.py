@@ -356,14 +356,21 @@ class KvmDriver:
             binds, checkpoint_dir, _ = plan_mounts(self.volumes_root, spec.volumes, spec.checkpoint, owner=owner)
         except (VolumePathError, OSError) as exc:
             raise SandboxError(f"volumes: {exc}") from None
-        try:
-            blocked = binds and not os.stat(LIBVIRT_QEMU_DIR).st_mode & 0o001
-        except OSError:
-            blocked = False  # another layout: libvirt says what fails
-        if blocked:
-            raise SandboxError(f"volumes: node {self.node} cannot run a VM as its project's uid: {LIBVIRT_QEMU_DIR} "
-                               f"is not searchable by other users (chmod o+x it; .ci/kvm.sh does)")
+        if binds:
+            self._check_searchable(Path(os.path.realpath(self.volumes_root)))
         return binds, checkpoint_dir, (owner if binds else None)
+
+    def _check_searchable(self, volumes_root: Path) -> None:
+        """SandboxError unless QEMU, as a project's uid (in no group of the node's), can pass through
+        libvirt's folder to its domain's own and through the volumes root's folders to the project's."""
+        for path in [Path(LIBVIRT_QEMU_DIR), volumes_root, *volumes_root.parents]:
+            try:
+                blocked = not os.stat(path).st_mode & 0o001
+            except OSError:
+                blocked = False  # another layout: libvirt says what fails
+            if blocked:
+                raise SandboxError(f"volumes: node {self.node} cannot run a VM as its project's uid: {path} is not "
+                                   f"searchable by other users (chmod o+x it; .ci/kvm.sh does for {LIBVIRT_QEMU_DIR})")
 
     def _shares(self, spec: LaunchSpec, name: str, uid: int | None,
                 volumes: list[tuple[str, str, bool]] = ()) -> list[tuple]:

@@ -470,3 +470,17 @@ def test_project_volumes_and_checkpoints_are_the_projects_on_the_node(kvm_image,
         close_vm_driver(d)
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(outside, ignore_errors=True)
+
+
+def test_volumes_behind_a_folder_qemu_cannot_pass_are_refused_with_the_fix(kvm_image, docker_client):
+    """QEMU opens a volume as the project's uid: a volumes root below a 0700 folder is refused at launch,
+    naming the folder, and no VM starts."""
+    closed = tempfile.mkdtemp(prefix="gpuportal-closed-")  # 0700
+    d = make_vm_driver(kvm_image, volumes_root=f"{closed}/volumes")
+    try:
+        with pytest.raises(SandboxError, match=f"{closed} is not searchable by other users"):
+            d.launch(make_spec(project_id=3, volumes=[{"name": "x", "read_only": False, "path": "o/p/x"}]))
+        assert d.list_own() == []
+    finally:
+        close_vm_driver(d)
+        shutil.rmtree(closed)
