@@ -9,7 +9,7 @@ from decimal import Decimal
 from django.conf import settings
 from django.db import models
 
-from portal.tenancy.models import TenantQuerySet, staff_bypass
+from portal.tenancy.models import Membership, Project, Role, TenantQuerySet, staff_bypass
 
 
 class RateCard(models.Model):
@@ -115,8 +115,6 @@ class InvoiceStatus(models.TextChoices):
 class InvoiceQuerySet(models.QuerySet):
     def for_user(self, user, action: str = "view", *, project_id: int | None = None):
         """Staff see every invoice; an owner of any project of an organization sees its invoices."""
-        from portal.tenancy.models import Membership, Project, Role
-
         if user is None or not user.is_authenticated or not user.is_active:
             return self.none()
         qs = self

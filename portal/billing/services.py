@@ -7,6 +7,7 @@ from decimal import ROUND_HALF_UP, Decimal
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Exists, OuterRef, Sum
+from django.db.models.functions import TruncDate
 from django.utils import timezone
 
 from portal.core import locks
@@ -17,7 +18,7 @@ from portal.jobs.models import Allocation
 from portal.jobs.selectors import gpu_hours_used
 from portal.tenancy.models import Quota
 
-from .models import (AllocationMeter, BudgetAlert, Invoice, InvoiceLine, InvoiceStatus, RateCard,
+from .models import (AllocationMeter, BudgetAlert, Invoice, InvoiceLine, InvoiceStatus, RateCard, UsageDay,
                      UsageRecord)
 
 log = logging.getLogger(__name__)
@@ -166,10 +167,6 @@ def _first_rewritten_hour(row: dict) -> datetime:
 def usage_days_rebuild(*, since: datetime) -> int:
     """Recompute UsageDay rows from the UTC day of `since` on, from the ledger (call it in the
     metering transaction, after the ledger is written). Returns the rows written."""
-    from django.db.models.functions import TruncDate
-
-    from .models import UsageDay
-
     day = since.astimezone(dt_timezone.utc).date()
     start = datetime(day.year, day.month, day.day, tzinfo=dt_timezone.utc)
     sums = (UsageRecord.objects.filter(hour__gte=start).annotate(day=TruncDate("hour", tzinfo=dt_timezone.utc))

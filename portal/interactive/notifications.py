@@ -12,14 +12,14 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django.core.mail import send_mail
 
+from portal.accounts.models import NotificationPreference
+
 from .models import Session
 
 log = logging.getLogger(__name__)
 
 
 def idle_mail_wanted(user) -> bool:
-    from portal.accounts.models import NotificationPreference
-
     if not user.email:
         return False
     prefs = NotificationPreference.objects.filter(user=user).first() or NotificationPreference(user=user)

@@ -18,9 +18,21 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from http.cookies import SimpleCookie
+from importlib import import_module
 from urllib.parse import urlsplit
 
+import aiohttp
 from django.conf import settings
+from django.contrib.auth import get_user
+from django.db import close_old_connections, connections
+from django.template.loader import render_to_string
+from django.utils import timezone
+
+from portal.accounts.services import token_authenticate
+from portal.core.csp import policy_header
+
+from .selectors import display_state, session_for_connect
+from .services import session_touch
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +61,6 @@ async def _in_db(fn, *args):
 
 async def close() -> None:
     """At shutdown: the client to the gateways and every database thread's connection."""
-    from django.db import connections
-
     global _client_session
     if _client_session is not None and not _client_session.closed:
         await _client_session.close()
@@ -112,12 +122,6 @@ def _set_cookie_allowed(value: str, prefix: str) -> bool:
 
 def _authenticate(headers: dict[bytes, bytes]):
     """(user, token) from a Bearer token or the portal's session cookie; (None, None) if neither."""
-    from importlib import import_module
-
-    from django.contrib.auth import get_user
-
-    from portal.accounts.services import token_authenticate
-
     auth = headers.get(b"authorization", b"").decode("latin-1")
     if auth.lower().startswith("bearer "):
         token = token_authenticate(auth.split(None, 1)[1].strip())
@@ -141,10 +145,6 @@ def _authenticate(headers: dict[bytes, bytes]):
 
 def _load(headers, job_id: str, name: str):
     """The session to proxy and its gateway, checked for this request. Raises Denied."""
-    from django.db import close_old_connections
-
-    from .selectors import display_state, session_for_connect
-
     close_old_connections()
     user, token = _authenticate(headers)
     session = session_for_connect(user, job_id, name, token=token)
@@ -162,26 +162,16 @@ def _load(headers, job_id: str, name: str):
 
 
 def _touch(session_id: int) -> None:
-    from django.db import close_old_connections
-
-    from .services import session_touch
-
     close_old_connections()
     if session_touch(session_id, _touched.get(session_id)):
-        from django.utils import timezone
-
         _touched[session_id] = timezone.now()
 
 
 def _terminal_page(info: dict) -> bytes:
-    from django.template.loader import render_to_string
-
     return render_to_string("interactive/terminal.html", {"session": info}).encode()
 
 
 def _starting_page(info: dict) -> bytes:
-    from django.template.loader import render_to_string
-
     return render_to_string("interactive/starting.html", {"session": info}).encode()
 
 
@@ -235,9 +225,7 @@ async def _respond(send, status: int, body: bytes, *, content_type=b"text/plain;
                    extra=()):
     headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()),
                (b"cache-control", b"no-store"), (b"x-content-type-options", b"nosniff")]
-    if csp:
-        from portal.core.csp import policy_header  # the portal's own pages' policy
-
+    if csp:  # the portal's own pages' policy
         headers.append((b"content-security-policy", policy_header(settings.CONTENT_SECURITY_POLICY).encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers + list(extra)})
     await send({"type": "http.response.body", "body": body})
@@ -286,8 +274,6 @@ _client_session = None
 
 def _client():
     """One aiohttp client per process and event loop: keep-alive connections to the gateways."""
-    import aiohttp
-
     global _client_session
     loop = asyncio.get_running_loop()
     if _client_session is None or _client_session._loop is not loop or _client_session.closed:
@@ -310,8 +296,6 @@ async def _body(receive):
 
 
 async def _proxy_http(scope, receive, send, headers, info):
-    import aiohttp
-
     method = scope["method"]
     has_body = method not in ("GET", "HEAD", "OPTIONS") or b"content-length" in headers \
         or b"transfer-encoding" in headers
@@ -336,8 +320,6 @@ async def _proxy_http(scope, receive, send, headers, info):
 
 
 async def _proxy_ws(scope, receive, send, headers, info):
-    import aiohttp
-
     first = await receive()
     if first["type"] != "websocket.connect":
         return

@@ -1,5 +1,14 @@
 """Reads for interactive sessions: who may connect, and the cards the pages show."""
 
+from datetime import timedelta
+
+from django.conf import settings
+from django.db.models import Q
+from django.utils import timezone
+
+from portal.jobs.models import TERMINAL, JobState
+from portal.tenancy.models import Membership
+
 from .models import LIVE_STATES, Session, SessionState, key_for
 
 
@@ -34,23 +43,17 @@ def session_for_connect(user, job_id, name: str, *, token=None) -> Session | Non
 
 def in_organization(user, project) -> bool:
     """Whether a person is a member of a project of ``project``'s organization (the tenant)."""
-    from portal.tenancy.models import Membership
-
     return Membership.objects.filter(user=user, project__organization_id=project.organization_id).exists()
 
 
 def named_for_user(user):
     """Sessions shared with a person by name, in the organizations they are a member of."""
-    from portal.tenancy.models import Membership
-
     orgs = Membership.objects.filter(user=user).values("project__organization_id")
     return Session.objects.filter(shared_users=user, job__project__organization_id__in=orgs)
 
 
 def display_state(session: Session) -> str:
     """What a card says: the job's end ends its sessions whatever the agent last said."""
-    from portal.jobs.models import TERMINAL, JobState
-
     if session.job.state in TERMINAL:
         return SessionState.ENDED
     if session.job.state != JobState.RUNNING:
@@ -60,8 +63,6 @@ def display_state(session: Session) -> str:
 
 def sessions_for_user(user, *, job=None, live_only: bool = False):
     """Sessions a person may connect to (their own, and those shared with their projects)."""
-    from django.db.models import Q
-
     mine = Session.objects.for_user(user, "view").filter(Q(job__user=user) | Q(share="project"))
     qs = Session.objects.filter(Q(pk__in=mine.values("pk")) | Q(pk__in=named_for_user(user).values("pk"))) \
         .select_related("job", "job__project").order_by("-job__submitted_at", "name")
@@ -73,8 +74,6 @@ def sessions_for_user(user, *, job=None, live_only: bool = False):
 
 
 def _terminal():
-    from portal.jobs.models import TERMINAL
-
     return list(TERMINAL)
 
 
@@ -107,11 +106,6 @@ def job_session_cards(user, job) -> list[Session]:
 
 def _annotate(user, cards: list[Session]) -> list[Session]:
     """What a card shows besides the session's own fields."""
-    from datetime import timedelta
-
-    from django.conf import settings
-    from django.utils import timezone
-
     now = timezone.now()
     for s in cards:
         s.shared_names = sorted(u.username for u in s.shared_users.all())

@@ -4,14 +4,19 @@ import logging
 from datetime import timedelta
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
 from django.db import transaction
 from django.utils import timezone
 
 from portal.core.context import Actor
 from portal.core.errors import Forbidden, InvalidInput
 from portal.core.services import audit_record
+from portal.jobs.models import TERMINAL, JobState
+from portal.jobs.services import job_cancel
 
 from .models import LIVE_STATES, Session, SessionPolicy, SessionState
+from .notifications import idle_warning_send
+from .selectors import in_organization
 
 log = logging.getLogger(__name__)
 
@@ -20,9 +25,16 @@ ACTIVITY_WRITE_S = 30
 
 
 def sessions_create(job, ports: list[dict]) -> list[Session]:
-    """One Session per published port, each with its own secret (called inside job_submit's transaction)."""
+    """One Session per published port, each with its own secret."""
     return Session.objects.bulk_create([
         Session(job=job, name=p["name"], port=p.get("port"), kind=p["kind"]) for p in ports])
+
+
+def job_sessions_create(job, spec: dict) -> None:
+    """A new job's published ports become its sessions: run inside job_submit's transaction
+    (registered in portal/interactive/apps.py with portal/jobs/submit_hooks.py)."""
+    if spec.get("ports"):
+        sessions_create(job, spec["ports"])
 
 
 def session_report(*, node, job, attempt: int, name: str, state: str, gateway_url: str = "",
@@ -48,10 +60,6 @@ def session_share(*, actor: Actor, session: Session, share: str | None = None,
                   users: list[str] | None = None) -> Session:
     """Only the job's owner says who else may connect: nobody ("owner") or the job's project, and
     people by name (``users`` replaces the list): members of the job's organization only."""
-    from django.contrib.auth import get_user_model
-
-    from .selectors import in_organization
-
     if session.job.user_id != getattr(actor.user, "pk", None):
         raise Forbidden("Only the job's owner can share its sessions.")
     people = []
@@ -98,11 +106,6 @@ def sessions_cull(now=None) -> dict[str, int]:
     by the idle detector's reading of NVML, Job.idle_since) (state idle), stop the jobs of those still
     idle after SESSION_IDLE_GRACE_S, and of those past their maximum lifetime; mark the sessions of
     ended jobs ended. Runs from beat (portal/interactive/tasks.py)."""
-    from portal.jobs.models import JobState, TERMINAL
-    from portal.jobs.services import job_cancel
-
-    from .notifications import idle_warning_send
-
     now = now or timezone.now()
     counts = {"ended": 0, "warned": 0, "stopped": 0, "mailed": 0}
     counts["ended"] = Session.objects.filter(state__in=LIVE_STATES, job__state__in=TERMINAL).update(

@@ -2,6 +2,7 @@
 import hashlib
 import json
 
+from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Q
 from rest_framework import serializers
@@ -16,9 +17,10 @@ from portal.tenancy.access import check_token_project, user_can
 from portal.tenancy.models import Project
 from scheduler.dispatch import send_stop
 
-from .models import CANCELLABLE, HOLDING, TERMINAL, Job, JobEvent, JobState, JobTemplate
+from . import submit_hooks
+from .models import CANCELLABLE, HOLDING, QOS_VALUE, TERMINAL, Job, JobEvent, JobState, JobTemplate
 from .selectors import gpu_hours_used_this_month
-from .spec import JobSpecSerializer, parse_array
+from .spec import JobSpecSerializer, ResourcesSerializer, _cluster_fit, parse_array
 from .states import requeue_holding, transition
 
 SPEC_FIELDS = ("name", "image", "command", "env", "resources", "time_limit", "priority", "preemptible", "sandbox",
@@ -96,10 +98,8 @@ def job_submit(*, actor: Actor, data: dict, idempotency_key: str = "") -> tuple[
                                      reason_code="" if v["array"] else "new",
                                      reason_message="" if v["array"] else "Waiting for the scheduler's next pass.")
             job.depends_on.set(deps)
-            if v["ports"]:
-                from portal.interactive.services import sessions_create
-
-                sessions_create(job, v["ports"])
+            for created in submit_hooks.on_create.values():  # the sessions of its ports (interactive)
+                created(job, v)
             if v["array"]:
                 indexes, limit = parse_array(v["array"])
                 job.array_limit = limit
@@ -175,8 +175,6 @@ def job_submit_batch(*, actor: Actor, data) -> list[int]:
     that differ only in their name and environment are checked once. Plain jobs are stored with one bulk insert;
     a batch holding an array, a dependency or a session port stores its jobs one by one.
     """
-    from django.conf import settings
-
     if not isinstance(data, dict):
         raise InvalidInput("Expected a JSON object.")
     defaults, specs = data.get("defaults", {}), data.get("jobs")
@@ -486,9 +484,6 @@ def job_update(*, actor: Actor, job: Job, time_limit: int | None = None, priorit
     project's limits; raising the time limit or priority takes the project's owner or admin
     role. Every refused field is reported at once; a refused update changes nothing.
     """
-    from .models import QOS_VALUE
-    from .spec import ResourcesSerializer, _cluster_fit
-
     manages = _check_may_control(actor, job, "update")
     quota = job.project.quota
     errors: dict[str, list[str]] = {}

@@ -18,6 +18,7 @@ from agents.protocol import DEFAULT_SANDBOX, JOB_SANDBOXES, RESERVED_ENV_PREFIXE
 from portal.core.api import StrictCharField, StrictSerializer
 from portal.core.text import plain_name
 
+from . import submit_hooks
 from .models import Priority
 
 # A gang this wide is a typo, not a job.
@@ -393,13 +394,8 @@ class JobSpecSerializer(StrictSerializer):
             errors["checkpoint.grace_s"] = [f"{checkpoint['grace_s']} s is not under the job's time limit of {limit} s."]
         if data.get("network") and not quota.network_allowed:
             errors["network"] = ["This project does not allow network access for jobs."]
-        errors.update(_volume_errors(project, data.get("volumes") or [], data.get("sandbox")))
-        if data.get("datasets") and isinstance(data["datasets"][0], str):
-            # Storage sits above jobs in the layers; the spec still resolves the names (as for volumes).
-            from portal.storage.selectors import resolve_job_datasets
-
-            data["datasets"], dataset_errors = resolve_job_datasets(project, data["datasets"], data.get("sandbox"))
-            errors.update(dataset_errors)
+        for check in submit_hooks.spec_checks.values():  # volumes and datasets (storage)
+            errors.update(check(project, data))
         if data.get("ports"):
             if data.get("array"):
                 errors["ports"] = ["An array's tasks cannot publish sessions; submit one job per session."]
@@ -409,25 +405,6 @@ class JobSpecSerializer(StrictSerializer):
                 errors["ports"] = ["The kvm sandbox publishes a terminal only (kind terminal); use the docker "
                                    "sandbox for JupyterLab and HTTP apps."]
         return errors
-
-
-def _volume_errors(project, mounts: list[dict], sandbox: str | None) -> dict[str, list[str]]:
-    """Each named volume must be one of the project's, named once (every sandbox mounts them)."""
-    if not mounts:
-        return {}
-    # Storage sits above jobs in the layers; the spec still has to know the project's volume names.
-    from portal.storage.selectors import project_volume_names
-
-    known = project_volume_names(project)
-    errors: dict[str, list[str]] = {}
-    seen = set()
-    for index, mount in enumerate(mounts):
-        if mount["name"] not in known:
-            errors[f"volumes.{index}.name"] = [f"Project {project.slug} has no volume named {mount['name']!r}."]
-        elif mount["name"] in seen:
-            errors[f"volumes.{index}.name"] = [f"Volume {mount['name']!r} is named twice."]
-        seen.add(mount["name"])
-    return errors
 
 
 def default_name(command: list[str]) -> str:

@@ -1,3 +1,5 @@
+from django.db.models import Prefetch
+from django.shortcuts import get_object_or_404
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_field
 from rest_framework import mixins, serializers, status
@@ -6,6 +8,7 @@ from rest_framework.response import Response
 
 from portal.core.api import StrictCharField, StrictModelSerializer, StrictSerializer, TenantViewSet
 from portal.core.numbers import parse_int
+from portal.jobs.models import Job
 from portal.tenancy.api import ProjectChoiceSerializer
 from portal.tenancy.models import slug_validator
 
@@ -13,7 +16,7 @@ from .artifacts import artifact_response, artifacts_of, retention_days
 from .artifacts import expires_at as artifact_expires_at
 from .files import download_response
 from .datasets import dataset_create, dataset_delete, dataset_upload, dataset_version_add
-from .models import Dataset, DatasetVersion, RegistryCredential, Volume
+from .models import Artifact, Dataset, DatasetVersion, RegistryCredential, Volume
 from .selectors import volume_file_open, volume_list_dir
 from .services import (registry_credential_delete, registry_credential_set, volume_create, volume_delete,
                        volume_file_put)
@@ -133,8 +136,6 @@ class VolumeViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenantView
 
 class ArtifactSerializer(serializers.ModelSerializer):
     class Meta:
-        from .models import Artifact
-
         model = Artifact
         fields = ["id", "attempt", "path", "size", "sha256", "created_at", "expires_at"]
 
@@ -156,13 +157,11 @@ class JobArtifactViewSet(TenantViewSet):
     """What a job's attempts left in /outputs, uploaded by the agent when each ended. Whoever may see
     the job may list and download them; for anyone else the job does not exist (404)."""
 
-    from portal.jobs.models import Job as scoped_model  # noqa: N813 (the job scopes its artifacts)
+    scoped_model = Job  # the job scopes its artifacts
 
     lookup_value_regex = "[0-9]+"
 
     def _job(self):
-        from django.shortcuts import get_object_or_404
-
         return get_object_or_404(self.get_queryset(), pk=parse_int(self.kwargs["job_pk"]))
 
     @extend_schema(parameters=[OpenApiParameter("attempt", int, OpenApiParameter.QUERY, required=False,
@@ -182,8 +181,6 @@ class JobArtifactViewSet(TenantViewSet):
     def retrieve(self, request, job_pk=None, pk=None):
         """The artifact's file, as an attachment (its SHA-256 in X-Checksum-Sha256). With S3-compatible
         storage the answer is a redirect to a short-lived presigned URL the storage serves the bytes at."""
-        from django.shortcuts import get_object_or_404
-
         return artifact_response(get_object_or_404(artifacts_of(self._job()), pk=parse_int(pk)))
 
 
@@ -296,8 +293,6 @@ class DatasetViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TenantVie
     scope_for_action = {"create": "submit", "versions": "submit", "upload": "submit"}
 
     def get_queryset(self):
-        from django.db.models import Prefetch
-
         return super().get_queryset().select_related("project", "created_by").prefetch_related(
             Prefetch("versions", queryset=DatasetVersion.objects.select_related("created_by").order_by("-version")))
 

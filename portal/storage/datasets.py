@@ -23,15 +23,19 @@ from fnmatch import fnmatchcase
 from django.conf import settings
 from django.core.files import File
 from django.db import IntegrityError, transaction
+from django.db.models import Q
+from django.utils import timezone
 
 from agents.datasets import NAME, check_file_path, is_archive, manifest_digest
 from portal.core.context import Actor
 from portal.core.errors import InvalidInput, NotFound
 from portal.core.queue import send
 from portal.core.services import audit_record
+from portal.jobs.models import HOLDING, Job
 from portal.tenancy.models import Project
 
 from . import secrets
+from .artifacts import storage
 from .models import Dataset, DatasetVersion, DatasetVersionState
 from .services import TooLarge, _require, refuse_if_named
 
@@ -172,8 +176,6 @@ def _new_version(actor: Actor, dataset: Dataset, checked: dict) -> DatasetVersio
 def dataset_upload(*, actor: Actor, dataset: Dataset, filename: str, stream, length: int | None) -> DatasetVersion:
     """A new version from the request body: one file (a tar archive is unpacked on the node), hashed
     while it is spooled, then kept in the artifacts storage under datasets/<dataset>/<version>/."""
-    from .artifacts import storage
-
     _require(actor, "submit", dataset.project, "upload datasets")
     try:
         check_file_path(filename)
@@ -208,8 +210,6 @@ def dataset_upload(*, actor: Actor, dataset: Dataset, filename: str, stream, len
 
 def dataset_delete(*, actor: Actor, dataset: Dataset) -> None:
     """Remove a dataset no job not yet ended names (409 dataset_in_use), with its uploads."""
-    from .artifacts import storage
-
     _require(actor, "manage", dataset.project, "delete datasets")
     refuse_if_named(dataset.project, "datasets", dataset.name, "dataset")
     uploads = list(dataset.versions.exclude(storage_name="").values_list("storage_name", flat=True))
@@ -237,6 +237,8 @@ def _ready(version: DatasetVersion, files: list[dict]) -> None:
 
 
 def _s3_client(version: DatasetVersion):
+    # Here, not at the top: boto3 takes over half a second to import, every portal process loads this
+    # module, and only a version read from S3 needs it.
     import boto3
     from botocore.config import Config
 
@@ -296,9 +298,6 @@ def dataset_version_inspect(version_id: int) -> DatasetVersion | None:
     """Read a pending version's source: its files, size and digest; `failed` with the reason when it
     cannot be read. Idempotent: a version no longer pending, or one another worker began reading less
     than DATASET_INSPECT_STALE_S ago, is left alone (None)."""
-    from django.db.models import Q
-    from django.utils import timezone
-
     now = timezone.now()
     stale = now - timedelta(seconds=settings.DATASET_INSPECT_STALE_S)
     if not DatasetVersion.objects.filter(Q(inspect_started_at__isnull=True) | Q(inspect_started_at__lt=stale),
@@ -325,9 +324,6 @@ def dataset_version_inspect(version_id: int) -> DatasetVersion | None:
 def dataset_inspect_pending(older_than_s: float = 60.0) -> int:
     """Read the pending versions nobody reads: made more than `older_than_s` ago and never begun (their
     task was lost), or begun more than DATASET_INSPECT_STALE_S ago (their worker died). -> how many."""
-    from django.db.models import Q
-    from django.utils import timezone
-
     now = timezone.now()
     ids = list(DatasetVersion.objects.filter(
         Q(inspect_started_at__isnull=True, created_at__lt=now - timedelta(seconds=older_than_s))
@@ -435,13 +431,7 @@ def _fetch_entries(refs: list[dict]) -> list[dict]:
 def upload_for_node(*, node, digest: str):
     """(file, size, name) of an uploaded version's file for a node that holds a job naming it (assigned,
     starting or running there); NotFound otherwise."""
-    from portal.jobs.models import HOLDING, Job
-
-    from .artifacts import storage
-
     v = DatasetVersion.objects.filter(digest=digest, source="upload", state=DatasetVersionState.READY).first()
-    from django.db.models import Q
-
     here = Q(node=node) | Q(allocations__gpu__node=node, allocations__released_at__isnull=True)
     if v is None or not Job.objects.filter(here, state__in=HOLDING, datasets__contains=[{"digest": digest}]).exists():
         raise NotFound("No such dataset file for a job of this node.")

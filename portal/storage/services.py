@@ -11,6 +11,7 @@ from portal.core.context import Actor
 from agents.sandbox.volumes import chown_if_allowed
 from portal.core.errors import Conflict, Forbidden, InvalidInput, ServiceError
 from portal.core.services import audit_record
+from portal.jobs.models import ACTIVE, Job
 from portal.tenancy.access import check_token_project, user_can
 from portal.tenancy.models import Project
 
@@ -59,8 +60,6 @@ def volume_create(*, actor: Actor, project: Project, name: str, quota_mb: int | 
 def refuse_if_named(project, field: str, name: str, what: str) -> None:
     """Conflict `<what>_in_use` when a job of `project` not yet ended names `name` in its `field`
     (volumes, datasets): deleting it would pull it from under them."""
-    from portal.jobs.models import ACTIVE, Job
-
     users = Job.objects.filter(project=project, state__in=ACTIVE, **{f"{field}__contains": [{"name": name}]})
     if users.exists():
         ids = ", ".join(str(pk) for pk in users.values_list("pk", flat=True)[:5])

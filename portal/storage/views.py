@@ -4,6 +4,7 @@ import io
 from django import forms
 from django.conf import settings
 from django.contrib import messages
+from django.db.models import Prefetch
 from django.http import Http404
 from django.shortcuts import redirect, render
 from django.urls import reverse
@@ -17,7 +18,7 @@ from portal.tenancy.access import user_can
 from portal.tenancy.models import Project, slug_validator
 
 from .files import download_response
-from .models import Volume
+from .models import Dataset, DatasetVersion, Volume
 from .selectors import volume_file_open, volume_list_dir
 from .services import TooLarge, volume_create, volume_delete, volume_file_put
 
@@ -141,10 +142,6 @@ class DatasetListView(PageMixin, View):
     """A project's datasets and their versions (read-only here; gpuctl datasets or the API add them)."""
 
     def get(self, request, slug):
-        from django.db.models import Prefetch
-
-        from .models import Dataset, DatasetVersion
-
         project = _project(request, slug)
         datasets = Dataset.objects.for_user(request.user, "view").filter(project=project).prefetch_related(
             Prefetch("versions", queryset=DatasetVersion.objects.order_by("-version")))
