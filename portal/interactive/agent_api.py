@@ -5,6 +5,7 @@ from rest_framework.response import Response
 
 from portal.core.api import StrictSerializer
 from portal.core.errors import Conflict
+from portal.jobs.reports import _load, job_nodes
 from portal.nodes.agent_api import MAX_ATTEMPT, AgentView
 
 from .services import session_report
@@ -29,8 +30,6 @@ class SessionReportView(AgentView):
     @extend_schema(request=SessionReportSerializer, responses=inline_serializer("SessionReported", {
         "state": serializers.CharField()}))
     def post(self, request, job_id):
-        from portal.jobs.reports import _load, job_nodes
-
         data = SessionReportSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         v = data.validated_data
