@@ -120,6 +120,7 @@ def main():
                 cursor.execute("SELECT pg_backend_pid()")
                 backend = cursor.fetchone()[0]
             before = dict(messages)
+            connection.queries_log.clear()  # a bounded deque: a full one would count short
             db0, c0, w0 = backend_cpu_s(backend), time.process_time(), time.perf_counter()
             with CaptureQueriesContext(connection) as queries:
                 calls[0]()

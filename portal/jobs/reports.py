@@ -311,8 +311,11 @@ def job_append_log(*, node, job_id, attempt: int, offset: int, data: bytes) -> d
         rows.append(JobLogChunk(job=job, attempt=attempt, offset=at, data=notice, marker=True))
         log.info("job %s attempt %s: log reached JOB_LOG_MAX_BYTES; truncated", job.pk, attempt)
     try:
-        with transaction.atomic():
-            JobLogChunk.objects.bulk_create(rows)
+        if len(rows) == 1 and not connection.in_atomic_block:
+            rows[0].save(force_insert=True)  # one INSERT, no transaction around it: most chunks
+        else:
+            with transaction.atomic():
+                JobLogChunk.objects.bulk_create(rows)
     except IntegrityError:  # the same chunk, sent twice at once: the other request stored it
         return {"stored": False, "size": log_end(job, attempt=attempt)[0], "full": full}
     last = rows[-1]
