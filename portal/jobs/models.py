@@ -1,5 +1,6 @@
 from django.conf import settings
 from django.db import models
+from django.utils import timezone
 
 from portal.tenancy.models import TenantQuerySet
 
@@ -182,8 +183,6 @@ class Job(models.Model):
         """Seconds from its first start to its end (or now while it runs); None if it never started."""
         if self.started_at is None:
             return None
-        from django.utils import timezone
-
         return max(int(((self.ended_at or timezone.now()) - self.started_at).total_seconds()), 0)
 
     @property

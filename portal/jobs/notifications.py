@@ -14,6 +14,7 @@ from django.core.mail import send_mail
 from django.db import IntegrityError, transaction
 from django.urls import reverse
 
+from portal.accounts.models import NotificationPreference
 from portal.core.queue import send
 
 from .models import Job, JobState, NotificationSent
@@ -75,8 +76,6 @@ def mail_wanted(job_id: int, kind: str) -> bool:
 def mail_wanted_many(notes: list[tuple[int, int, str]]) -> set[tuple[int, str]]:
     """The (job id, kind) pairs of `notes` whose submitter has an address and wants that kind of
     email, in one query whatever their number."""
-    from portal.accounts.models import NotificationPreference
-
     fields = sorted({f"job_{kind}" for _, _, kind in notes})
     rows = {row[0]: row[1:] for row in Job.objects.filter(pk__in={job_id for job_id, _, _ in notes}).values_list(
         "pk", "user__email", *(f"user__notification_preference__{f}" for f in fields))}
@@ -99,8 +98,6 @@ def job_notify(*, job_id: int, attempt: int, kind: str) -> bool:
     back so a retry can send; a concurrent duplicate waits on the unique index and stops.
     Returns True when a mail went out.
     """
-    from portal.accounts.models import NotificationPreference
-
     job = Job.objects.select_related("user", "project").filter(pk=job_id).first()
     if job is None or not job.user.email:
         return False

@@ -6,12 +6,16 @@ from types import SimpleNamespace
 from datetime import datetime, timezone as dt_timezone
 from decimal import Decimal
 
+from django.core.cache import cache
 from django.db.models import Count, DateTimeField, F, Sum
+from django.db.models.functions import Length
 from django.utils import timezone
 
+from agents.sandbox.volumes import checkpoint_relpath, volume_relpath
 from portal.tenancy.models import allowed_project_ids, staff_bypass
 
-from .models import Allocation
+from .models import (ACTIVE, HOLDING, TERMINAL, Allocation, Job, JobLogChunk, ProjectFairshare,
+                     ProjectMonthUsage)
 
 
 def month_start(now: datetime | None = None) -> datetime:
@@ -72,8 +76,6 @@ def usage_for_pass(project_ids, *, half_life_s: float, now: datetime) -> tuple[d
 
 def _month_hours(ids: list[int], now: datetime, rows: list, start: datetime | None = None) -> dict[int, float]:
     """Hours in the month from `start` (that of `now` by default) up to `now`."""
-    from .models import ProjectMonthUsage
-
     start = start or month_start(now)
     used: dict[int, float] = defaultdict(float)
     for project_id, gpu_s in ProjectMonthUsage.objects.filter(project_id__in=ids, month=start.date()).values_list(
@@ -86,8 +88,6 @@ def _month_hours(ids: list[int], now: datetime, rows: list, start: datetime | No
 
 
 def _decayed(ids: list[int], half_life_s: float, now: datetime, rows: list) -> dict[int, float]:
-    from .models import ProjectFairshare
-
     usage: dict[int, float] = defaultdict(float)
     stale = []
     for project_id, half_life, value, as_of in ProjectFairshare.objects.filter(project_id__in=ids).values_list(
@@ -114,8 +114,6 @@ def volume_mounts(job) -> dict:
 
 
 def _mounts(org: str, project: str, job_id: int, volumes: list | None) -> dict:
-    from agents.sandbox.volumes import checkpoint_relpath, volume_relpath
-
     mounts = [{"name": m["name"], "read_only": bool(m.get("read_only")),
                "path": volume_relpath(org, project, m["name"])} for m in volumes or []]
     writable = next((m["name"] for m in mounts if not m["read_only"]), None)
@@ -129,8 +127,6 @@ def job_launch_parts(pairs: list[tuple[str, int]]) -> dict[tuple[str, int], dict
     get the rendezvous variables torchrun and NCCL use. `datasets` holds the job's dataset
     references as submitted and `sessions` is empty: portal.launch, above storage and interactive,
     puts in the files to fetch and the published ports (docs/design.md section 2)."""
-    from .models import HOLDING, Job
-
     ids = {job_id for _, job_id in pairs}
     # A pass may launch thousands: rows, not models (building a model each, its signals and
     # descriptors, was most of the cost), each job's columns as attributes with what it needs of
@@ -199,8 +195,6 @@ def jobs_for_list(*, user, project: str = "", state: str = "", submitted_from=No
     `state` is a state name, "active" or "finished"; dates are inclusive days.
     The order is stable: equal submit times fall back to the id.
     """
-    from .models import ACTIVE, TERMINAL, Job
-
     qs = Job.objects.for_user(user, "view").filter(array_parent__isnull=True)
     if project:
         qs = qs.filter(project__slug=project)
@@ -221,8 +215,6 @@ def jobs_for_list(*, user, project: str = "", state: str = "", submitted_from=No
 
 def task_histograms(parent_ids) -> dict[int, dict[str, int]]:
     """Array parents: how many tasks are in each state, in one query."""
-    from .models import Job
-
     parent_ids = list(parent_ids)
     if not parent_ids:
         return {}
@@ -258,10 +250,6 @@ def utf8_whole_len(data: bytes) -> int:
 
 def log_end(job, *, attempt: int) -> tuple[int, bool]:
     """(bytes stored for this attempt, whether the truncation notice closes it): from the last chunk."""
-    from django.db.models.functions import Length
-
-    from .models import JobLogChunk
-
     last = (JobLogChunk.objects.filter(job=job, attempt=attempt).order_by("-offset")
             .values_list("offset", Length("data"), "marker").first())
     return (last[0] + last[1], last[2]) if last else (0, False)
@@ -274,8 +262,6 @@ def log_read(job, *, attempt: int, offset: int = 0, limit: int = LOG_PAGE_MAX_BY
     text of consecutive pages joins up exactly. Two indexed queries whatever the log's size:
     the chunk holding ``offset``, then those starting inside the range.
     """
-    from .models import JobLogChunk
-
     size, truncated = log_end(job, attempt=attempt)
     offset, limit = max(0, offset), max(1, limit)
     stop = min(offset + limit, size)
@@ -305,8 +291,6 @@ def log_read(job, *, attempt: int, offset: int = 0, limit: int = LOG_PAGE_MAX_BY
 def job_gpu_samples(job) -> list[dict]:
     """The GPUs the job's latest attempt holds (or held), each with its latest sample if the
     cache still has one (`gpu-sample:<uuid>`, written by agent heartbeats for 5 minutes)."""
-    from django.core.cache import cache
-
     allocs = list(Allocation.objects.filter(job=job, attempt=job.attempt).select_related("gpu__node")
                   .order_by("gpu__node__name", "gpu__index"))
     samples = cache.get_many([f"gpu-sample:{a.gpu.uuid}" for a in allocs]) if allocs else {}

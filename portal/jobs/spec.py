@@ -10,6 +10,7 @@ from decimal import Decimal
 
 from django.conf import settings
 from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db.models import Count
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 from rest_framework.fields import SkipField
@@ -17,6 +18,7 @@ from rest_framework.fields import SkipField
 from agents.protocol import DEFAULT_SANDBOX, JOB_SANDBOXES, RESERVED_ENV_PREFIXES, is_reserved_env
 from portal.core.api import StrictCharField, StrictSerializer
 from portal.core.text import plain_name
+from portal.nodes.models import GPU
 
 from . import submit_hooks
 from .models import Priority
@@ -207,10 +209,6 @@ def _cluster_fit(res: dict, known: dict | None = None) -> dict[str, list[str]]:
     there are, or more GPUs per node than the largest has (of the asked type). A cluster with no
     such node yet refuses nothing: its jobs wait until nodes register. `known` keeps the node
     sizes by GPU type for the next call (a batch submit reads them once)."""
-    from django.db.models import Count
-
-    from portal.nodes.models import GPU
-
     known = {} if known is None else known
     if res["gpu_type"] not in known:
         gpus = GPU.objects.all()

@@ -1,5 +1,8 @@
 """The single way a job changes state: a conditional UPDATE whose row count says who won."""
-from django.db import transaction
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import connection, transaction
 from django.db.models import F, Q, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
@@ -63,8 +66,6 @@ def assign_many(assignments: dict[int, tuple[int, str]], *, message_for) -> dict
     no model per row. Returns {job id: attempt} of the jobs that moved. PostgreSQL only; callers
     fall back to transition() elsewhere.
     """
-    from django.db import connection
-
     if not assignments:
         return {}
     now = timezone.now()
@@ -91,8 +92,6 @@ def allocate_whole_gpus(rows: list[tuple[int, int, int, bool, object]]) -> None:
     """Insert whole-GPU allocations (job id, attempt, GPU id, borrowed, started_at) in one
     statement from arrays (a pass that starts thousands). The partial unique index still refuses
     a GPU allocated twice: IntegrityError, as bulk_create would raise. PostgreSQL only."""
-    from django.db import connection
-
     if not rows:
         return
     jobs, attempts, gpus, borrowed, started = (list(c) for c in zip(*rows))
@@ -131,8 +130,6 @@ def refresh_array_parent(parent_id: int) -> None:
 def stop_args(signal: str, grace_s: int | None) -> tuple[int, str | None]:
     """(grace, signal) of the `agent.stop` that ends a job's attempt to move it: a checkpointing
     job gets its own signal and grace to save; any other SIGTERM and PREEMPT_GRACE_S."""
-    from django.conf import settings
-
     if signal:
         return int(grace_s or 0), signal
     return settings.PREEMPT_GRACE_S, None
@@ -148,10 +145,6 @@ def requeue_holding(job_id: int, *, attempt: int, reason_code: str, message: str
     A checkpointing job is not scheduled again before its old attempt has stopped: `resume_after`
     is set to its grace plus PREEMPT_GRACE_S from now and cleared as soon as the old attempt's
     end is reported (reports.job_report), so two attempts never write one checkpoint folder."""
-    from datetime import timedelta
-
-    from django.conf import settings
-
     row = Job.objects.filter(pk=job_id).values("checkpoint_signal", "checkpoint_grace_s", "node__name").first()
     if row is None:
         return None
