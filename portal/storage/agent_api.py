@@ -11,7 +11,10 @@ from portal.core.api import StrictCharField, StrictSerializer
 from portal.core.numbers import parse_int
 from portal.nodes.agent_api import MAX_ATTEMPT, AgentView
 
+from .artifact_direct import upload_confirm, upload_issue
 from .artifacts import artifact_put
+from .datasets import upload_for_node
+from .files import download_response
 
 
 class ArtifactQuerySerializer(StrictSerializer):
@@ -52,8 +55,6 @@ class ArtifactDirectUploadView(AgentView):
         "size": serializers.IntegerField(required=False), "url": serializers.CharField(required=False),
         "method": serializers.CharField(required=False), "expires_in": serializers.IntegerField(required=False)})})
     def post(self, request, job_id):
-        from .artifact_direct import upload_issue
-
         body = ArtifactUploadRequestSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         return Response(upload_issue(node=self.node, job_id=job_id, **body.validated_data))
@@ -66,8 +67,6 @@ class ArtifactConfirmView(AgentView):
     @extend_schema(request=ArtifactConfirmSerializer, responses={201: inline_serializer("ArtifactConfirmed", {
         "path": serializers.CharField(), "size": serializers.IntegerField(), "sha256": serializers.CharField()})})
     def post(self, request, job_id):
-        from .artifact_direct import upload_confirm
-
         body = ArtifactConfirmSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         return Response(upload_confirm(node=self.node, job_id=job_id, **body.validated_data),
@@ -80,7 +79,4 @@ class DatasetFileView(AgentView):
 
     @extend_schema(responses={(200, "application/octet-stream"): OpenApiTypes.BINARY})
     def get(self, request, digest):
-        from .datasets import upload_for_node
-        from .files import download_response
-
         return download_response(*upload_for_node(node=self.node, digest=digest))

@@ -22,6 +22,7 @@ from django.db import transaction
 
 from agents.protocol import DIRECT_ARTIFACTS_SINCE, speaks
 from portal.core.errors import Conflict, NotFound, ServiceError
+from portal.jobs.models import Job
 
 from . import files
 from .artifacts import _job_for_node, _room, storage, storage_key
@@ -70,8 +71,6 @@ def upload_issue(*, node, job_id, attempt: int, path: str, size: int) -> dict:
 def upload_confirm(*, node, job_id, attempt: int, path: str, size: int, sha256: str) -> dict:
     """Record a file the node PUT at the URL ``upload_issue`` gave: its object must be there with
     ``size`` bytes (a HEAD on the storage), and fit the attempt's limits, or it is refused and deleted."""
-    from portal.jobs.models import Job
-
     job = _job(node, job_id, attempt)
     parts = files.check_path(path, allow_top=False)
     relpath = "/".join(parts)

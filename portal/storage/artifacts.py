@@ -30,7 +30,13 @@ from django.http import FileResponse, HttpResponseRedirect
 from django.utils import timezone
 from django.utils.http import content_disposition_header
 
+from portal.core.context import SYSTEM
 from portal.core.errors import Conflict, NotFound, ServiceError
+from portal.core.numbers import parse_int
+from portal.core.services import audit_record
+from portal.jobs.models import Allocation, Job
+from portal.jobs.reports import job_nodes
+from portal.tenancy.models import Project
 from portal.tenancy.selectors import artifact_retention_days as retention_days
 
 from . import files
@@ -59,10 +65,6 @@ def storage_key(job_id: int, attempt: int, parts: list[str]) -> str:
 def _job_for_node(node, job_id, attempt: int):
     """The job, when this attempt of it ran on ``node`` (it may have ended or been preempted since:
     the agent uploads after the stop). Otherwise Conflict (409): the agent gives the upload up."""
-    from portal.core.numbers import parse_int
-    from portal.jobs.models import Allocation, Job
-    from portal.jobs.reports import job_nodes
-
     pk = parse_int(job_id)
     job = Job.objects.select_related("node").filter(pk=pk).first() if pk is not None else None
     if job is None:
@@ -187,11 +189,6 @@ def artifacts_expire(now=None) -> dict:
     audit event (artifacts.expire) per job. Idempotent: a second run, or one racing this one, finds
     nothing more to do (rows are claimed with SKIP LOCKED). A file the storage fails to delete keeps
     its row, for the next run. -> {"files": n, "bytes": n, "jobs": n}."""
-    from portal.core.context import SYSTEM
-    from portal.core.services import audit_record
-    from portal.jobs.models import Job
-    from portal.tenancy.models import Project
-
     now = now or timezone.now()
     done = {"files": 0, "bytes": 0, "jobs": 0}
     st = storage()
