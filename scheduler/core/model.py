@@ -251,13 +251,6 @@ class Config:
     # Within a las queue, the project furthest below its fair share first (Slurm's fair-share factor
     # from decayed usage, as multifactor's), then submit order. False: submit order, as in Tiresias.
     las_fair_share: bool = True
-    # Under las a job within its project's guarantee may also reclaim borrowed work (of projects
-    # still above their guarantee) when the las rule finds no victim for it, as under multifactor,
-    # but only from jobs of its own LAS queue or a higher one, so never against the LAS order, and
-    # whatever their attempt's loss: aimed at a tenant's short jobs that wait behind other tenants'
-    # long jobs that do not checkpoint (past `las_max_loss_gpu_s`, the las rule keeps them). Off
-    # until measured (docs/scheduler.md; the simulator's --las-reclaim-guarantee).
-    las_reclaim_guarantee: bool = False
     max_preempt_attempts: int = 64  # per pass; bounds the cost of a long guaranteed queue
     # Search depth, like Slurm's bf_max_job_test: after this many admitted jobs
     # failed to place, later jobs are only admission-checked and explained.

@@ -67,9 +67,6 @@ class VictimPool:
                  taken: set[str] | None = None):
         self.now = now
         self.queue_of = queue_of  # job id -> LAS queue, running and queued jobs: the las rule
-        # Guarantee reclaim under las: job id -> LAS queue; a victim's queue must be no lower than
-        # the job's (set by the caller for a las job's search, else None).
-        self.las_floor: dict[str, int] | None = None
         self.state = state
         self.tally = tally
         self.projects = projects
@@ -113,8 +110,6 @@ class VictimPool:
     def eligible(self, a: Allocation, job: Job) -> bool:
         if self.queue_of is not None:
             return self.queue_of[a.job.id] > self.queue_of[job.id]
-        if self.las_floor is not None and self.las_floor[a.job.id] < self.las_floor[job.id]:
-            return False
         if a.job.preemptible and a.job.qos < job.qos:
             return True
         if not a.borrowed or a.job.project == job.project:

@@ -318,32 +318,21 @@ class _Pass:
                               f"({mine:.2f} GPU-hours; least attained service first); starts in the next pass")
         return True
 
-    def preempt_for(self, job: Job, classes: list[ClassKey], borrowing: bool) -> bool:
-        """Preempt for `job` if a rule lets it: under las the las rule first, then (within its
-        guarantee) reclaiming borrowed work of no lower LAS queue; else the guarantee rule."""
-        if self.policy_of(job) == "las":
-            return self.try_preempt_las(job, classes) or (
-                self.cfg.las_reclaim_guarantee and not borrowing and self.try_preempt(job, classes))
-        return not borrowing and self.try_preempt(job, classes)
-
     def try_preempt(self, job: Job, classes: list[ClassKey]) -> bool:
-        if not self.cfg.quotas or not self.cfg.preemption or self.preempt_attempts >= self.cfg.max_preempt_attempts \
+        # Under las only attained service decides who preempts whom: a guarantee would fight it.
+        if not self.cfg.quotas or self.policy_of(job) == "las" or not self.cfg.preemption or self.preempt_attempts >= self.cfg.max_preempt_attempts \
                 or (self._victims is not None and not self._victims):
             return False  # without quotas no job is within a guarantee to preempt for
         proj = self.snap.projects.get(job.project)
         if not self.tally.within_guarantee(job, proj):
             return False
-        # Under las a victim is of the job's LAS queue or a higher one: a guarantee never fights the
-        # LAS order (a job of a lower queue may take the victim's GPUs by the las rule alone).
-        floor = self.las_victims.queue_of if self.policy_of(job) == "las" else None
         # Victims only get fewer within a pass: if a job of this project found
-        # none, a larger job with no higher QoS (and, under las, no lower queue) finds none either.
-        key = (job.project, id(classes), job.nodes, floor[job.id] if floor else None)
+        # none, a larger job with no higher QoS finds none either.
+        key = (job.project, id(classes), job.nodes)
         prev = self.preempt_failed.get(key)
         if prev is not None and job.gpus >= prev[0] and job.qos <= prev[1]:
             return False
         self.preempt_attempts += 1
-        self.victims.las_floor = floor
         victims = self.victims.find(job, classes)
         if not victims:
             if prev is None or (job.gpus <= prev[0] and job.qos >= prev[1]):
@@ -589,7 +578,7 @@ class _Pass:
                 self.plan.fragmented[job.id] = free
             if cfg.explain and self.helds:
                 self.note_reserved(job, classes)
-        if self.preempt_for(job, classes, borrowing):
+        if (not borrowing and self.try_preempt(job, classes)) or (self.las_used and self.try_preempt_las(job, classes)):
             if blocking == "strict":
                 self.blocked_head = job  # head of line: nothing behind it starts, not even on other GPUs
             return

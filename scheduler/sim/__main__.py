@@ -77,9 +77,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-preemption", action="store_true")
     ap.add_argument("--no-quotas", action="store_true",
                     help="guarantees take no part: nothing borrowed, no guarantee-first order or preemption")
-    ap.add_argument("--las-reclaim-guarantee", action="store_true",
-                    help="las: a job within its guarantee may also reclaim borrowed work of its LAS queue or a "
-                         "higher one (Config.las_reclaim_guarantee; off by default)")
     ap.add_argument("--quota", help="tenant quota CSV (vc,node num): guarantees scaled to the cluster")
     ap.add_argument("--load-scale", type=float, default=1.0, help="divide inter-arrival gaps by this")
     ap.add_argument("--no-explain", action="store_true",
@@ -114,8 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     spec = ReplaySpec(trace=a.trace, start_day=a.start_day, days=a.days, gpus=a.gpus,
                       gpus_per_node=a.gpus_per_node, policy=a.policy, backfill=not a.no_backfill,
-                      preemption=not a.no_preemption, quotas=not a.no_quotas, explain=not a.no_explain,
-                      las_reclaim_guarantee=a.las_reclaim_guarantee, placement=a.placement, quota=a.quota, nodes=a.nodes,
+                      preemption=not a.no_preemption, quotas=not a.no_quotas, explain=not a.no_explain, placement=a.placement, quota=a.quota, nodes=a.nodes,
                       load_scale=a.load_scale, fairness=not a.no_fairness, workers=a.workers,
                       checkpoint_interval_s=a.checkpoint_interval, checkpoint_grace_s=a.checkpoint_grace,
                       data=DataSpec(count=a.datasets, zipf_s=a.zipf, seed=a.dataset_seed, min_gb=a.dataset_gb[0],

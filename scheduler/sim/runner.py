@@ -29,7 +29,6 @@ class ReplaySpec:
     explain: bool = True  # as production; False decides the same (tests/scheduler/test_explain.py), faster
     las_thresholds_gpu_s: tuple[float, ...] = Config.las_thresholds_gpu_s
     las_starvation_factor: float = Config.las_starvation_factor
-    las_reclaim_guarantee: bool = Config.las_reclaim_guarantee
     placement: str = "bestfit"
     quota: str | None = None
     nodes: str | None = None
@@ -53,7 +52,6 @@ def _config(spec: ReplaySpec) -> Config:
     return Config(policy=spec.policy, backfill=spec.backfill, preemption=spec.preemption, quotas=spec.quotas,
                   placement=spec.placement, explain=spec.explain, las_thresholds_gpu_s=tuple(spec.las_thresholds_gpu_s),
                   las_starvation_factor=spec.las_starvation_factor, locality_wait_s=spec.locality_wait_s,
-                  las_reclaim_guarantee=spec.las_reclaim_guarantee,
                   prefetch_horizon_s=spec.prefetch_horizon_s)
 
 

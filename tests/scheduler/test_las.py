@@ -123,34 +123,3 @@ def test_with_fair_share_within_a_queue_the_project_furthest_below_its_share_goe
     assert list(started(plan(False))) == ["a"]
     assert list(started(plan(True))) == ["b"]
     assert list(started(plan(True, bob_attained=2 * H))) == ["a"]
-
-
-def _borrowed_long(start=NOW - 10 * H, **kw):
-    """x (no guarantee) borrowed the whole node; its job does not checkpoint."""
-    return running(job("r", 8, project="x", time_limit=48 * H, **kw), [f"n0-{i}" for i in range(8)],
-                   start=start, borrowed=True)
-
-
-def _reclaim(queued, run, **cfg):
-    projects = {"x": quota("x", 0, 16), "bob": quota("bob", 8, 16)}
-    cfg = {**LAS, "min_runtime_s": 60, "las_reclaim_guarantee": True, **cfg}
-    return schedule(snapshot(nodes(1), queued, [run], projects=projects, **cfg))
-
-
-def test_a_job_within_its_guarantee_reclaims_borrowed_work_the_las_rule_keeps():
-    # r has run 80 GPU-hours of this attempt: past las_max_loss_gpu_s, the las rule keeps it; bob's job
-    # is within bob's guarantee and reclaims the borrowed GPUs, as under multifactor.
-    plan = _reclaim([job("new", 8, project="bob")], _borrowed_long())
-    assert [p.job_id for p in plan.preemptions] == ["r"] and "reclaimed" in plan.preemptions[0].reason
-    assert plan.waiting["new"].code == "preempting"
-    # off (the default until measured): only attained service decides, and r is kept
-    plan = _reclaim([job("new", 8, project="bob")], _borrowed_long(), las_reclaim_guarantee=False)
-    assert plan.preemptions == []
-
-
-def test_a_guarantee_never_reclaims_against_the_las_order():
-    # bob's job has had 2 GPU-hours (queue 1); r, 5 minutes in (40 GPU-minutes), is in queue 0: left alone
-    new = job("new", 8, project="bob", attained_gpu_s=2 * H, queued_since=NOW - 60)
-    assert _reclaim([new], _borrowed_long(start=NOW - 300)).preemptions == []
-    # of the same queue it may be taken
-    assert [p.job_id for p in _reclaim([new], _borrowed_long(attained_gpu_s=3 * H)).preemptions] == ["r"]
