@@ -14,7 +14,8 @@ from .spec import CHECKPOINT_SIGNALS
 # The API's field names for the form's resource inputs.
 RESOURCE_FIELDS = ("gpus", "nodes", "gpus_per_node", "gpu_type", "gpu_memory_mb", "cpus", "memory_mb")
 # Spec fields a template may lock -> the inputs that show them.
-INPUTS_FOR_SPEC_FIELD = {"resources": RESOURCE_FIELDS, "checkpoint": ("checkpoint_signal", "checkpoint_grace_s")}
+INPUTS_FOR_SPEC_FIELD = {"resources": RESOURCE_FIELDS, "checkpoint": ("checkpoint_signal", "checkpoint_grace_s",
+                                                                  "checkpoint_interval_s")}
 
 
 def _number(**attrs):
@@ -56,6 +57,10 @@ class JobSubmitForm(forms.Form):
                                                     "then a preemption or a move resumes it instead of restarting it.")
     checkpoint_grace_s = forms.CharField(required=False, label="Seconds to save", widget=_number(placeholder="120"),
                                          help_text="How long it may take after the signal.")
+    checkpoint_interval_s = forms.CharField(required=False, label="Saves every (seconds)",
+                                            widget=_number(placeholder="none"),
+                                            help_text="If it also saves on its own this often "
+                                                      "(GPUPORTAL_CHECKPOINT_INTERVAL_S).")
     array = forms.CharField(required=False, max_length=64, label="Array",
                             help_text="Run as an array: 0-99, 1,3,5, with an optional %N cap on tasks at once.")
     depends_on = forms.CharField(required=False, max_length=1000, label="Depends on",
@@ -85,7 +90,8 @@ class JobSubmitForm(forms.Form):
             elif key == "depends_on" and isinstance(value, list):
                 initial[key] = ", ".join(str(v) for v in value)
             elif key == "checkpoint" and isinstance(value, dict):
-                initial.update(checkpoint_signal=value.get("signal", "SIGUSR1"), checkpoint_grace_s=value.get("grace_s"))
+                initial.update(checkpoint_signal=value.get("signal", "SIGUSR1"), checkpoint_grace_s=value.get("grace_s"),
+                               checkpoint_interval_s=value.get("interval_s"))
             else:
                 initial[key] = value
         return initial
@@ -135,8 +141,10 @@ class JobSubmitForm(forms.Form):
         if d.get("depends_on"):
             data["depends_on"] = d["depends_on"]
         if d.get("checkpoint_signal"):
-            grace = (d.get("checkpoint_grace_s") or "").strip()
-            data["checkpoint"] = {"signal": d["checkpoint_signal"], **({"grace_s": grace} if grace else {})}
+            data["checkpoint"] = {"signal": d["checkpoint_signal"]}
+            for key in ("grace_s", "interval_s"):
+                if (value := (d.get(f"checkpoint_{key}") or "").strip()):
+                    data["checkpoint"][key] = value
         if self.template is not None:
             data["template"] = self.template.name
             for key in locked:
@@ -165,7 +173,7 @@ class JobSubmitForm(forms.Form):
         if parts[0] == "template":
             return None
         if parts[0] == "checkpoint":
-            return "checkpoint_grace_s" if parts[1:2] == ["grace_s"] else "checkpoint_signal"
+            return f"checkpoint_{parts[1]}" if parts[1:2] in (["grace_s"], ["interval_s"]) else "checkpoint_signal"
         return parts[0] if parts[0] in self.fields else None
 
 
