@@ -10,7 +10,7 @@ from portal.core.services import audit_record
 from portal.core.text import check_plain_name
 
 from . import tokens
-from .models import ApiToken, Scope
+from .models import ApiToken, NotificationPreference, Scope
 
 
 # Each generation costs a query when a token authenticates (every ancestor must still be usable).
@@ -116,8 +116,6 @@ def token_authenticate(secret: str) -> ApiToken | None:
 
 def notification_preferences_update(*, actor: Actor, user, **changes):
     """Set a person's email preferences (job_succeeded, job_failed, job_preempted, job_idle)."""
-    from .models import NotificationPreference
-
     with transaction.atomic():
         prefs, _ = NotificationPreference.objects.select_for_update().get_or_create(user=user)
         for key, value in changes.items():

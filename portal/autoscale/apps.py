@@ -7,6 +7,7 @@ class AutoscaleConfig(AppConfig):
     verbose_name = "Node pools and autoscaling"
 
     def ready(self):
+        # An AppConfig loads before the models: what imports them waits for ready().
         from scheduler.adapter import REASON_NOTES
 
         from .services import waiting_notes

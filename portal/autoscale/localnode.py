@@ -12,6 +12,7 @@ Also a command line, so a `command` pool's scripts can start and stop the same a
 """
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _defaults() -> tuple[Path, str, str, str]:
     """(root folder, broker URL, broker folder or "", volumes root) from the portal's settings."""
+    # Only the local provider, inside the portal, reads the settings: the command line runs without Django.
     from django.conf import settings
 
     folder = ""
@@ -128,8 +130,6 @@ def running(root: Path | None = None) -> dict[str, int]:
 
 
 def main(argv=None) -> int:
-    import argparse
-
     ap = argparse.ArgumentParser(prog="python -m portal.autoscale.localnode")
     ap.add_argument("action", choices=["start", "stop", "list"])
     ap.add_argument("name", nargs="?")

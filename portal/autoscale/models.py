@@ -1,4 +1,5 @@
 """Node pools the portal scales, the nodes it started in them, and every scaling event (docs/autoscaling.md)."""
+from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models
 
@@ -49,12 +50,11 @@ class NodePool(models.Model):
         return self.name
 
     def clean(self):
-        from django.core.exceptions import ValidationError
-
         if self.max_nodes < self.min_nodes:
             raise ValidationError({"max_nodes": "Must be at least min_nodes."})
         if not NODE_NAME.match(f"{self.name}-1"):
             raise ValidationError({"name": "Use lowercase letters, digits and hyphens (node names start with it)."})
+        # providers imports this module's models at its top: importing it here instead breaks the cycle.
         from .providers import provider_for
 
         try:

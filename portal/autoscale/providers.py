@@ -22,6 +22,11 @@ from dataclasses import dataclass
 
 from django.conf import settings
 
+from agents.protocol import NODE_SANDBOXES
+
+from . import localnode
+from .models import PoolNode, PoolNodeState
+
 
 class ProviderError(Exception):
     """The provider refused or failed; `unavailable` means out of stock or quota (back off)."""
@@ -66,14 +71,10 @@ class LocalProvider(Provider):
     """Agent processes on this machine (python -m agents) with simulated GPUs of the pool's shape."""
 
     def check(self) -> None:
-        from agents.protocol import NODE_SANDBOXES
-
         if self.pool.sandbox not in NODE_SANDBOXES:
             raise ValueError(f"sandbox: use one of {', '.join(NODE_SANDBOXES)}")
 
     def create(self, requests):
-        from . import localnode
-
         out = {}
         for r in requests:
             try:
@@ -84,13 +85,9 @@ class LocalProvider(Provider):
         return out
 
     def delete(self, name, provider_id=""):
-        from . import localnode
-
         localnode.stop(name)
 
     def list(self):
-        from . import localnode
-
         return {name: str(pid) for name, pid in localnode.running().items()
                 if name.startswith(f"{self.pool.name}-")}
 
@@ -164,8 +161,6 @@ class CommandProvider(Provider):
     def list(self):
         argv = _argv(self.config.get("list_program"))
         if not argv:
-            from .models import PoolNode, PoolNodeState
-
             return dict(PoolNode.objects.filter(pool=self.pool, state__in=[
                 PoolNodeState.BOOTING, PoolNodeState.READY, PoolNodeState.RELEASING]).values_list("name", "provider_id"))
         done = self._run([*argv, self.pool.name], self._env(""))
@@ -191,6 +186,7 @@ class LibcloudProvider(Provider):
     is kept as the provider id."""
 
     def check(self) -> None:
+        # optional (requirements.txt, not the portal extra): loaded by libcloud pools only
         from libcloud.compute.providers import get_driver
 
         for key in ("driver", "size", "image"):
@@ -202,6 +198,7 @@ class LibcloudProvider(Provider):
             raise ValueError(f"driver: libcloud has no compute driver {self.config['driver']!r}") from exc
 
     def driver(self):
+        # optional: see check()
         from libcloud.compute.providers import get_driver
 
         cfg = self.config
@@ -225,6 +222,7 @@ class LibcloudProvider(Provider):
         raise ProviderError(f"{what} {wanted!r} not offered by the cloud")
 
     def create(self, requests):
+        # optional: see check()
         from libcloud.common.types import LibcloudError
 
         drv, cfg = self.driver(), self.config
@@ -257,6 +255,7 @@ class LibcloudProvider(Provider):
         return self.driver().list_nodes()
 
     def delete(self, name, provider_id=""):
+        # optional: see check()
         from libcloud.common.types import LibcloudError
 
         try:
@@ -270,8 +269,6 @@ class LibcloudProvider(Provider):
         # Not there: already gone, which is what delete wants.
 
     def list(self):
-        from .models import PoolNode
-
         known = dict(PoolNode.objects.filter(pool=self.pool).exclude(provider_id="").values_list("provider_id", "name"))
         out = {}
         for node in self._nodes():

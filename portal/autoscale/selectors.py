@@ -7,7 +7,13 @@ from datetime import timedelta
 from django.db.models import Q
 from django.utils import timezone
 
+from portal.jobs.models import Allocation, Job, JobState
+from scheduler.core import Job as CoreJob
+from scheduler.core import Reason
+from scheduler.core.autoscale import pool_fits, wants_capacity
+
 from .models import NodePool, PoolNode, PoolNodeState, ScaleEvent
+from .services import pool_specs
 
 
 def _overlap_s(start, end, lo, hi) -> float:
@@ -20,8 +26,6 @@ def _overlap_s(start, end, lo, hi) -> float:
 def gpu_hours(*, since=None, now=None) -> dict[str, dict[str, float]]:
     """Per pool: GPU-hours paid (each node's GPUs from its creation to its release) and used (the
     allocations on its GPUs), and what was paid, over [since, now] (all time when since is None)."""
-    from portal.jobs.models import Allocation
-
     now = now or timezone.now()
     out: dict[str, dict[str, float]] = defaultdict(lambda: {"paid": 0.0, "used": 0.0, "cost": 0.0})
     nodes = PoolNode.objects.filter(Q(released_at__isnull=True) | Q(released_at__gt=since) if since else Q())
@@ -45,13 +49,6 @@ def gpu_hours(*, since=None, now=None) -> dict[str, dict[str, float]]:
 def waiting_demand() -> dict[str, dict[str, float]]:
     """Per pool: the queued jobs waiting for capacity that the pool's shape can hold (each counted
     in its cheapest such pool), as jobs and GPUs."""
-    from portal.jobs.models import Job, JobState
-    from scheduler.core import Job as CoreJob
-    from scheduler.core import Reason
-    from scheduler.core.autoscale import pool_fits, wants_capacity
-
-    from .services import pool_specs
-
     now = timezone.now()
     specs = sorted(pool_specs(NodePool.objects.filter(enabled=True), now),
                    key=lambda s: (s.price_per_gpu_hour, s.name))

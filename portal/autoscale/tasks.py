@@ -1,8 +1,8 @@
 from celery import shared_task
 
+from .services import tick as run
+
 
 @shared_task(name="autoscale.tick", ignore_result=True)
 def tick() -> dict:
-    from .services import tick as run
-
     return run()

@@ -21,6 +21,7 @@ from . import config, fastparams, version
 from .client import ApiError, Client, ConnectionFailed
 from .output import (TERMINAL, Format, cluster_tables, emit_json, job_detail, job_efficiency, job_note, job_table,
                      job_usage_table, project_detail, project_table, say, table, usage_group_table)
+from .sessions import SessionError, find_session, port_forward as forward, shell as shell_run
 
 fastparams.install()  # plain option values without pydantic (start-up time)
 
@@ -412,15 +413,13 @@ def list_jobs(
 def shell(job_ref: JobRefArg):
     """A shell in a running job (its environment, its GPUs), like srun --pty --jobid: through the
     portal to the job's terminal session (ports: [{name: sh, kind: terminal}], docs/sessions.md)."""
-    from .sessions import SessionError, find_session, shell as run_shell
-
     client = _client()
     job_id = client.resolve(job_ref)
     creds = config.load()
     try:
         session = find_session(client, job_id, kind="terminal")
         client.close()
-        raise typer.Exit(run_shell(client.base_url, creds.token, session))
+        raise typer.Exit(shell_run(client.base_url, creds.token, session))
     except SessionError as exc:
         say(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -434,8 +433,6 @@ def port_forward(
 ):
     """Forward 127.0.0.1:LOCAL to a port the job publishes, through the portal (like kubectl
     port-forward). Ctrl-C stops it."""
-    from .sessions import SessionError, find_session, port_forward as forward
-
     local, sep, remote = ports.partition(":")
     if not sep or not local.isdigit() or not remote:
         say("error: expected LOCAL:REMOTE, e.g. 8888:8888 or 6006:tb", err=True)

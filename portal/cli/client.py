@@ -64,7 +64,7 @@ def normalize_url(url: str) -> str:
 
 def _reason(exc: requests.RequestException) -> str:
     """requests nests the cause deep in its message; keep the part a person can act on."""
-    import requests
+    import requests  # a start-up cost (see Client.__init__): loaded once a call has failed
 
     text = str(exc)
     if isinstance(exc, requests.exceptions.SSLError):

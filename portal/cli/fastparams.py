@@ -49,6 +49,7 @@ def _convert(annotation, info, value, ctx):
     if annotation is int or annotation is float:
         return _number(annotation, info, value)
     if isinstance(annotation, type) and issubclass(annotation, Enum):
+        # typer's private module: reached only once install() has found this typer's internals.
         from typer._param_types import coerce_cli_choice
         try:
             return coerce_cli_choice(value, choices=tuple(annotation), case_sensitive=info.case_sensitive, ctx=ctx)

@@ -42,6 +42,7 @@ def ws_url(base_url: str, path: str) -> str:
 
 
 def _connect(url: str, token: str, extra: dict | None = None):
+    # websockets (asyncio and all) is a start-up cost: loaded by shell and port-forward alone.
     from websockets.exceptions import InvalidStatus
     from websockets.sync.client import connect
 
@@ -62,6 +63,7 @@ def shell(base_url: str, token: str, session: dict) -> int:
     interactive = sys.stdin.isatty()
     saved = None
     if interactive:
+        # POSIX only, and only a terminal shell needs them: not loaded by every gpuctl command.
         import termios
         import tty
 
@@ -89,7 +91,7 @@ def shell(base_url: str, token: str, session: dict) -> int:
         pass
     finally:
         if saved is not None:
-            import termios
+            import termios  # as above: POSIX only, loaded by a terminal shell alone
 
             termios.tcsetattr(sys.stdin.fileno(), termios.TCSADRAIN, saved)
         ws.close()

@@ -9,12 +9,12 @@ exist), 400 naming the parameter for a query string or header.
 from django.http import Http404, JsonResponse
 from django.http.response import HttpResponseBadRequest
 
+from .api import error_body
+
 NUL = "\x00"
 
 
 def _refusal(request, status: int, message: str, fields: dict | None = None):
-    from .api import error_body
-
     if request.path.startswith("/api/"):
         return JsonResponse(error_body(status, "invalid" if status == 400 else "not_found", message, fields),
                             status=status)

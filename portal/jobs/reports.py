@@ -48,6 +48,7 @@ def _read(pk: int) -> Job | None:
     for what each report checks."""
     jobs = Job.objects.select_related("node").filter(pk=pk)
     if connection.vendor == "postgresql":
+        # PostgreSQL only: a portal on SQLite never loads django.contrib.postgres (nor psycopg).
         from django.contrib.postgres.expressions import ArraySubquery
 
         jobs = jobs.annotate(held_on=ArraySubquery(Allocation.objects.filter(

@@ -1,7 +1,7 @@
 from django.conf import settings
 from django.db.models import OuterRef, Subquery
 
-from .models import Membership, Project
+from .models import Membership, Project, Quota
 
 
 def projects_for_home(*, user):
@@ -18,8 +18,6 @@ def projects_for_home(*, user):
 def artifact_retention_days(project) -> int:
     """Days the artifacts of ``project``'s jobs are kept after upload (0: forever): its quota's
     artifact_retention_days, else the site's ARTIFACTS_RETENTION_DAYS."""
-    from .models import Quota
-
     try:
         days = project.quota.artifact_retention_days
     except Quota.DoesNotExist:
