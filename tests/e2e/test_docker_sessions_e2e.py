@@ -288,8 +288,12 @@ def test_an_agent_not_run_as_root_serves_the_http_app_and_hangs_up_its_shells(do
     arg = {"node": docker_node.name, "state": str(state), "ref": docker_node.handle.ref, "job": str(JOB),
            "sessions": sessions}
     docker_gid = grp.getgrnam("docker").gr_gid
+    # Only CAP_DAC_READ_SEARCH is kept: a checkout (and its .venv) may sit in a folder only root may
+    # enter (mktemp -d makes 0700 ones), which an installed agent's code never does. It gives no way
+    # into a namespace (that takes CAP_SYS_ADMIN), so the relay is still the only way in.
     agent = subprocess.Popen(
-        ["setpriv", "--reuid=65534", "--regid=65534", f"--groups={docker_gid}", "--inh-caps=-all",
+        ["setpriv", "--reuid=65534", "--regid=65534", f"--groups={docker_gid}",
+         "--inh-caps=-all,+dac_read_search", "--ambient-caps=+dac_read_search",
          sys.executable, "-c", NON_ROOT_AGENT, json.dumps(arg)],
         cwd=os.getcwd(), env={**os.environ, "HOME": str(state)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         text=True)

@@ -19,6 +19,14 @@ from tests.storage.test_artifacts_api import fetch
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
+def _start(s: Stack) -> None:
+    """The stack and the portal's worker for the default queue (it reads new dataset versions)."""
+    s.start_all()
+    s.start("default", [sys.executable, "-m", "celery", "-A", "portal", "worker", "-Q", "default", "-P", "solo",
+                        "-n", f"default-{s.name}@%h", "--loglevel", "INFO"])
+    wait_for(lambda: "ready." in s.log("default"), 60, "the portal's default worker")
+
+
 @pytest.fixture
 def stack(live_server, tmp_path, demo, settings):
     settings.NODE_HEARTBEAT_INTERVAL_S = 1.0
@@ -29,11 +37,7 @@ def stack(live_server, tmp_path, demo, settings):
     s.env["GPUPORTAL_AGENT_STATE_DIR"] = str(tmp_path / "agent-state")
     s.env["GPUPORTAL_DATASET_CACHE_MB"] = "1"
     try:
-        s.start_all()
-        # The portal's worker for the default queue: it reads new dataset versions.
-        s.start("default", [sys.executable, "-m", "celery", "-A", "portal", "worker", "-Q", "default", "-P", "solo",
-                            "-n", f"default-{s.name}@%h", "--loglevel", "INFO"])
-        wait_for(lambda: "ready." in s.log("default"), 60, "the portal's default worker")
+        _start(s)
         yield s
     finally:
         s.close()
@@ -124,10 +128,7 @@ def kvm_stack(live_server, tmp_path, demo, settings):
     s.env["GPUPORTAL_AGENT_STATE_DIR"] = state
     s.env["GPUPORTAL_DATASET_CACHE_MB"] = "1"
     try:
-        s.start_all()
-        s.start("default", [sys.executable, "-m", "celery", "-A", "portal", "worker", "-Q", "default", "-P", "solo",
-                            "-n", f"default-{s.name}@%h", "--loglevel", "INFO"])
-        wait_for(lambda: "ready." in s.log("default"), 60, "the portal's default worker")
+        _start(s)
         yield s
     finally:
         s.close()
