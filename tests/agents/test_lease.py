@@ -108,6 +108,15 @@ def test_silence_past_the_lease_stops_the_job(live):
     assert "portal unreachable" in live.stub.calls("/jobs/j1/events")[-1]["message"]
 
 
+def _leased(portal, driver, clock, wall) -> Agent:
+    """A registered agent on fake clocks with a 15 s lease and a 3 s fence grace (the stop grace 10 s)."""
+    agent = Agent(name="n1", client=portal, driver=driver, probe=SimProbe("2xH100-80GB", node_name="n1", clock=wall),
+                  stop_grace_s=10.0, background=False, clock=clock, wall=wall)
+    agent.register()
+    agent.lease_s, agent.fence_grace_s = 15.0, 3.0
+    return agent
+
+
 class HeartbeatsLost(FakePortal):
     def heartbeat(self, *, samples, jobs):
         raise PortalUnreachable("heartbeat lost (fake)")
@@ -119,10 +128,7 @@ def test_log_and_event_calls_do_not_renew_the_lease():
     clock, wall = Clock(), Clock(1000.0)
     portal = HeartbeatsLost(clock)
     driver = FakeDriver()
-    agent = Agent(name="n1", client=portal, driver=driver, probe=SimProbe("2xH100-80GB", node_name="n1", clock=wall),
-                  stop_grace_s=10.0, background=False, clock=clock, wall=wall)
-    agent.register()
-    agent.lease_s, agent.fence_grace_s = 15.0, 3.0
+    agent = _leased(portal, driver, clock, wall)
     agent.launch("j1", 1, {**JOB, "gpu_indexes": [0]})
     for _ in range(4):  # 20 s of successful log shipping, no heartbeat answered
         clock.t += 5
@@ -177,11 +183,7 @@ def test_a_sandbox_whose_start_outlasts_the_lease_is_stopped_as_the_fence_stops_
     clock, wall = Clock(), Clock(1000.0)
     portal = FakePortal(clock)
     driver = SlowStart(clock, portal)
-    agent = Agent(name="n1", client=portal, driver=driver, probe=SimProbe("2xH100-80GB", node_name="n1", clock=wall),
-                  stop_grace_s=10.0, background=False, clock=clock, wall=wall)
-    driver.agent = agent
-    agent.register()
-    agent.lease_s, agent.fence_grace_s = 15.0, 3.0
+    agent = driver.agent = _leased(portal, driver, clock, wall)
     clock.t += 5  # confirmed within the lease
     assert agent.launch("j1", 1, {**JOB, "gpu_indexes": [0]}) == "started"
     assert agent.fenced and driver.running() == []
@@ -211,10 +213,7 @@ def test_a_slow_portal_renews_the_lease_before_its_deadline_but_never_revives_on
     clock, wall = Clock(), Clock(1000.0)
     portal = SlowPortal(clock)
     driver = FakeDriver()
-    agent = Agent(name="n1", client=portal, driver=driver, probe=SimProbe("2xH100-80GB", node_name="n1", clock=wall),
-                  stop_grace_s=10.0, background=False, clock=clock, wall=wall)
-    agent.register()
-    agent.lease_s, agent.fence_grace_s = 15.0, 3.0
+    agent = _leased(portal, driver, clock, wall)
     agent.launch("j1", 1, {**JOB, "gpu_indexes": [0]})
     renewed = portal.lease_renewed_at
     clock.t = renewed + 12.0  # 3 s before the deadline: not yet asked
