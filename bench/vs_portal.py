@@ -63,8 +63,11 @@ def groups(c: fc.Cluster) -> dict[str, list[int]]:
     for key, (proc, _) in c.procs.items():
         members = [pid for pid, (_, pgid) in procs.items() if pgid == proc.pid]
         parts["agents" if key.startswith("fault-") else "control"] += members
+        if not key.startswith("fault-"):
+            parts[f"control.{key}"] = members
     postmaster = int((c.pgdata / "postmaster.pid").read_text().split()[0])
-    parts["control"] += [postmaster] + [pid for pid, (ppid, _) in procs.items() if ppid == postmaster]
+    parts["control.postgres"] = [postmaster] + [pid for pid, (ppid, _) in procs.items() if ppid == postmaster]
+    parts["control"] += parts["control.postgres"]
     return parts
 
 
@@ -98,7 +101,7 @@ def main() -> int:
                                "('succeeded', 'failed', 'cancelled', 'timeout', 'node_fail', 'oom')", col=0)[0]
                  >= args.jobs, 1800, "every job to end")
         wall_s = time.perf_counter() - t0
-        after = {k: cpu_of(v) for k, v in groups(c).items()}
+        after = {k: cpu_of(v) for k, v in groups(c).items() if k in before}
         (makespan, succeeded), = c.sql("SELECT extract(epoch FROM max(ended_at) - min(submitted_at)), "
                                        "count(*) FILTER (WHERE state = 'succeeded') FROM jobs_job")
         cpu = {k: round(after[k] - before[k], 2) for k in after}

@@ -1,3 +1,4 @@
+import functools
 from collections import Counter
 from decimal import Decimal
 
@@ -211,7 +212,8 @@ class JobViewSet(mixins.ListModelMixin, TenantViewSet):
     def get_serializer_context(self):
         context = {**super().get_serializer_context(), **getattr(self, "_extra_context", {})}
         if not getattr(self, "swagger_fake_view", False):
-            context["env_readers"] = env_reader_project_ids(self.request.user)
+            # Asked at most once, and only for a job that is not the caller's own.
+            context["env_readers"] = functools.cache(functools.partial(env_reader_project_ids, self.request.user))
         return context
 
     def list(self, request, *args, **kwargs):
@@ -233,7 +235,8 @@ class JobViewSet(mixins.ListModelMixin, TenantViewSet):
         if len(key) > 128:
             raise serializers.ValidationError({"Idempotency-Key": ["At most 128 characters."]})
         job, created = job_submit(actor=self.actor, data=request.data, idempotency_key=key)
-        job = self.get_queryset().get(pk=job.pk)
+        if not created or job.is_array_parent:  # a replayed job, or one whose tasks are counted: read back
+            job = self.get_queryset().get(pk=job.pk)
         return Response(JobSerializer(job, context=self.get_serializer_context()).data,
                         status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 

@@ -1,6 +1,7 @@
 """Reads for jobs: usage figures the scheduler and submit checks need, list filters."""
 import codecs
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from datetime import datetime, timezone as dt_timezone
@@ -310,8 +311,10 @@ def env_reader_project_ids(user) -> set[int] | None:
     return set(allowed_project_ids(user, "manage").values_list("pk", flat=True))
 
 
-def env_visible(job, user, reader_project_ids: set[int] | None) -> bool:
-    """Whether `user` may see `job.env` (reader_project_ids from env_reader_project_ids)."""
+def env_visible(job, user, readers: Callable[[], set[int] | None]) -> bool:
+    """Whether `user` may see `job.env`; `readers` answers env_reader_project_ids(user), asked only
+    for a job that is not the user's own (a submit's answer then costs no query)."""
     if user is not None and job.user_id == user.pk:
         return True
+    reader_project_ids = readers()
     return reader_project_ids is None or job.project_id in reader_project_ids

@@ -4,7 +4,7 @@ import json
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Q
+from django.db.models import Exists, OuterRef, Q
 from rest_framework import serializers
 
 from portal.core import locks
@@ -14,7 +14,7 @@ from portal.core.queue import request_schedule_pass
 from portal.core.services import audit_record, require_operator
 from portal.core.text import check_plain_name
 from portal.tenancy.access import check_token_project, user_can
-from portal.tenancy.models import Project
+from portal.tenancy.models import Project, allowed_project_ids
 from scheduler.dispatch import send_stop
 
 from . import submit_hooks
@@ -32,11 +32,14 @@ def _submit_project(actor: Actor, slug) -> Project:
         raise InvalidInput("This field is required.", field="project")
     if "\x00" in slug:  # PostgreSQL cannot compare one: refused before the lookup
         raise InvalidInput("Null characters are not allowed.", field="project")
+    # One query: the project as the caller sees it, and whether their role lets them submit there
+    # (user_can's check, as a subquery).
     project = Project.objects.for_user(actor.user, "view", project_id=actor.restricted_project_id) \
-        .select_related("quota").filter(slug=slug).first()
+        .select_related("quota").filter(slug=slug) \
+        .annotate(may_submit=Exists(allowed_project_ids(actor.user, "submit").filter(pk=OuterRef("pk")))).first()
     if project is None:
         raise InvalidInput(f"No project named {slug!r}.", field="project")
-    if not user_can(actor.user, "submit", project):
+    if not project.may_submit:
         raise Forbidden(f"Your role in {slug} does not allow submitting jobs.", field="project")
     return project
 
@@ -97,7 +100,9 @@ def job_submit(*, actor: Actor, data: dict, idempotency_key: str = "") -> tuple[
                                      idempotency_key=idempotency_key, idempotency_fingerprint=fingerprint,
                                      reason_code="" if v["array"] else "new",
                                      reason_message="" if v["array"] else "Waiting for the scheduler's next pass.")
-            job.depends_on.set(deps)
+            if deps:  # a new job has none to replace: no query for the common case
+                job.depends_on.set(deps)
+            _dependencies_known(job, deps)
             for created in submit_hooks.on_create.values():  # the sessions of its ports (interactive)
                 created(job, v)
             if v["array"]:
@@ -120,6 +125,14 @@ def job_submit(*, actor: Actor, data: dict, idempotency_key: str = "") -> tuple[
         raise
     request_schedule_pass()
     return job, True
+
+
+def _dependencies_known(job: Job, deps: list[Job]) -> None:
+    """Let `job.depends_on.all()` answer `deps` without a query, as prefetch_related("depends_on")
+    would: the submit's answer is serialized from the job just stored, not read back."""
+    known = Job.objects.filter(pk__in=[d.pk for d in deps])
+    known._result_cache, known._prefetch_done = list(deps), True
+    job._prefetched_objects_cache = {"depends_on": known}
 
 
 def job_fields(actor: Actor, project: Project, v: dict, template: JobTemplate | None) -> dict:

@@ -209,6 +209,9 @@ def _cluster_fit(res: dict, known: dict | None = None) -> dict[str, list[str]]:
     there are, or more GPUs per node than the largest has (of the asked type). A cluster with no
     such node yet refuses nothing: its jobs wait until nodes register. `known` keeps the node
     sizes by GPU type for the next call (a batch submit reads them once)."""
+    nodes, per = res["nodes"], int(res["gpus"]) // res["nodes"]
+    if nodes == 1 and per <= 1:
+        return {}  # every node with a GPU holds one: nothing to read
     known = {} if known is None else known
     if res["gpu_type"] not in known:
         gpus = GPU.objects.all()
@@ -219,7 +222,6 @@ def _cluster_fit(res: dict, known: dict | None = None) -> dict[str, list[str]]:
     sizes = known[res["gpu_type"]]
     if not sizes:
         return {}  # no node yet, or none of this type (the scheduler then says gpu_type)
-    nodes, per = res["nodes"], int(res["gpus"]) // res["nodes"]
     kind = f"{res['gpu_type']} " if res["gpu_type"] else ""
     if nodes > len(sizes):
         return {"resources.nodes": [f"{nodes} exceeds the {len(sizes)} node(s) with {kind}GPUs in the cluster."]}

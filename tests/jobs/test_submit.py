@@ -329,3 +329,39 @@ def test_a_template_carries_nodes_and_refuses_a_bad_split(demo, api, two_nodes):
     r = submit(client, {"project": "vision", "template": "ddp", "name": "run", "command": ["torchrun", "t.py"]})
     assert r.status_code == 201, r.content
     assert (r.json()["resources"]["nodes"], r.json()["resources"]["gpus"]) == (2, 4)
+
+
+def test_the_submit_answer_is_the_stored_job(demo, alice, api):
+    """The answer is serialized from the job just stored, not read back (issue 14): it must say
+    what a read of the job says, for a plain job, one with dependencies and one from a template."""
+    JobTemplate.objects.create(project=demo.vision, name="tpl", spec={"image": IMAGE, "command": ["true"]},
+                               locked=[])
+    first = submit(alice, spec()).json()
+    bodies = [first, submit(alice, spec(depends_on=[first["id"]])).json(),
+              submit(alice, {"project": "vision", "name": "t", "template": "tpl", "env": {"K": "v"}}).json()]
+    assert bodies[1]["depends_on"] == [first["id"]] and bodies[2]["template"] == "tpl"
+    for body in bodies:
+        read = alice.get(f"/api/v1/jobs/{body['id']}/").json()
+        read.pop("events")
+        assert body == read
+    # The environment is the owner's: a member reading the same job does not see it.
+    assert bodies[2]["env"] == {"K": "v"} and api("bob").get(f"/api/v1/jobs/{bodies[2]['id']}/").json()["env"] is None
+
+
+def test_a_plain_submit_costs_few_queries(demo, api, django_assert_max_num_queries):
+    """Token, project with the caller's role, the job, its audit record, the transaction: nothing
+    read back, no dependency or cluster-size read for a one-node, one-GPU job (issue 14). A
+    GPU-hour budget adds its two reads (open allocations, the month's usage)."""
+    from portal.accounts.services import token_issue
+    from portal.core.context import Actor
+
+    _, secret = token_issue(actor=Actor(user=demo.users["alice"]), user=demo.users["alice"], name="cli",
+                            scopes=["read", "submit"])
+    client = api(token=secret)
+    Quota.objects.filter(project=demo.vision).update(gpu_hours_budget=None)
+    submit(client, spec())  # warm: the content types guardian reads are cached per process
+    with django_assert_max_num_queries(6):
+        assert submit(client, spec(resources={"gpus": 1})).status_code == 201
+    Quota.objects.filter(project=demo.vision).update(gpu_hours_budget=1000)
+    with django_assert_max_num_queries(8):
+        assert submit(client, spec(resources={"gpus": 1})).status_code == 201
