@@ -39,21 +39,34 @@ def job_nodes(job: Job) -> set[str]:
         held = Allocation.objects.filter(job=job, released_at__isnull=True).values_list("gpu__node__name", flat=True)
     names = set(held)
     if not names and job.node_id:
-        names = {job.node.name}  # a CPU-only job has no allocation, only its node
+        # A CPU-only job has no allocation, only its node (its name read with the job by _load).
+        names = {getattr(job, "node_name", None) or job.node.name}
     return names
 
 
+# _read's statement on PostgreSQL, compiled once per process: every report reads one job this way,
+# and building the statement (a join and a subquery) cost more CPU than running it.
+_read_sql: str | None = None
+
+
 def _read(pk: int) -> Job | None:
-    """The job with its node and, on PostgreSQL, the nodes it holds GPUs on (`held_on`): one query
-    for what each report checks."""
-    jobs = Job.objects.select_related("node").filter(pk=pk)
-    if connection.vendor == "postgresql":
+    """The job with its node's name (`node_name`) and, on PostgreSQL, the nodes it holds GPUs on
+    (`held_on`): one query for what each report checks."""
+    global _read_sql
+    if connection.vendor != "postgresql":
+        return Job.objects.select_related("node").filter(pk=pk).first()
+    if _read_sql is None:
         # PostgreSQL only: a portal on SQLite never loads django.contrib.postgres (nor psycopg).
         from django.contrib.postgres.expressions import ArraySubquery
 
-        jobs = jobs.annotate(held_on=ArraySubquery(Allocation.objects.filter(
-            job=OuterRef("pk"), released_at__isnull=True).values("gpu__node__name")))
-    return jobs.first()
+        sql, params = Job.objects.filter(pk=0).annotate(
+            node_name=F("node__name"),
+            held_on=ArraySubquery(Allocation.objects.filter(job=OuterRef("pk"), released_at__isnull=True)
+                                  .values("gpu__node__name"))).order_by()[:1].query.sql_with_params()
+        if params != (0,):  # the pk must be its only parameter
+            raise RuntimeError(f"unexpected parameters in the job read: {params!r}")
+        _read_sql = sql
+    return next(iter(Job.objects.raw(_read_sql, [pk])), None)
 
 
 def _load(job_id, attempt: int, node, *, ended: bool = False) -> Job:
