@@ -303,12 +303,8 @@ class Agent:
             older = [t for t in self._jobs.values() if t.job_id == job_id and t.attempt < attempt]
         for t in older:  # the portal moved on, so the older attempt is stale here
             self._begin_stop(t, "cancelled", f"superseded by attempt {attempt}", self.stop_grace_s)
-        try:
-            self._report_state(job_id, attempt, "starting")
-        except StaleAttempt:
-            return "stale"
-        except PortalUnreachable:
-            pass  # confirmed a moment ago; the running report or heartbeat will tell
+        # No `starting` report: the confirmation just made the attempt starting on the portal (every
+        # protocol version), and the `running` report fences the launch once more.
         if ls.datasets:
             problem = self._stage_datasets(ls)
             if problem == STOPPED:

@@ -56,6 +56,8 @@ class FakePortal:
     def confirm(self, job_id, attempt):
         self._call((job_id, attempt))
         self.confirms.append((job_id, attempt))
+        # As the real portal: a confirmation makes the attempt starting (the agent reports no `starting`).
+        self.events.append((job_id, attempt, "starting", None, "confirmed"))
         return dict(self.spec)
 
     def event(self, job_id, attempt, state, *, exit_code=None, message="", scrub_failures=None, node_problem="",

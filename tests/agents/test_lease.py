@@ -53,7 +53,7 @@ def test_job_keeps_running_while_the_portal_answers_503_longer_than_the_lease(li
     live.stub.outage = False
     wait_for(lambda: live.agent.client.portal_outage == "", 5, "the portal to answer again")
     assert running(live, "j1")
-    assert [c["state"] for c in live.stub.calls("/jobs/j1/events")] == ["starting", "running"]
+    assert live.stub.calls("/jobs/j1/confirm") and [c["state"] for c in live.stub.calls("/jobs/j1/events")] == ["running"]
 
 
 def test_job_keeps_running_while_the_portal_refuses_connections_longer_than_the_lease(live):
