@@ -81,7 +81,11 @@ def main() -> int:
               "NODE_TIMEOUT_S": "20", "NODE_REAP_INTERVAL_S": "5", "LAUNCH_RESEND_S": "60"}
     tmp = Path(tempfile.mkdtemp(prefix="vs-portal-"))
     c = fc.Cluster(tmp, timers=timers)
-    c.env.update({"GUNICORN_WORKERS": "4", "GUNICORN_THREADS": "1", "LOG_LEVEL": "WARNING"})
+    # Production settings (the fault suite runs with DEBUG on, whose query log costs CPU of its own),
+    # over plain HTTP on loopback as gunicorn behind nginx sees it.
+    c.env.update({"GUNICORN_WORKERS": "4", "GUNICORN_THREADS": "1", "LOG_LEVEL": "WARNING", "DEBUG": "0",
+                  "SECRET_KEY": "vs-slurm-" + "abcdefghij" * 6, "ALLOWED_HOSTS": "127.0.0.1,localhost",
+                  "SECURE_SSL_REDIRECT": "0", "SESSION_COOKIE_SECURE": "0", "CSRF_COOKIE_SECURE": "0"})
     try:
         t = time.perf_counter()
         c.start_all()
