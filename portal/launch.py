@@ -4,19 +4,41 @@ Composed here, above the apps that give its parts: jobs (the job, its GPUs, a ga
 storage (the files of its datasets, presigned when the spec is sent) and interactive (its published
 ports). The scheduler's pass sends it with each launch; the agent API's confirm returns it.
 """
+from django.conf import settings
+from django.core.cache import cache
+
 from portal.interactive.selectors import launch_sessions
 from portal.jobs.selectors import job_launch_parts
 from portal.storage.selectors import launch_datasets
 
 
-def launch_spec(job_id: int, node_name: str) -> dict | None:
+def _cache_key(node_name: str, job_id: int, attempt: int) -> str:
+    return f"launch-spec:{node_name}:{job_id}:{attempt}"
+
+
+def launch_spec(job_id: int, node_name: str, attempt: int | None = None) -> dict | None:
     """What the agent on `node_name` needs to start its part of the job, or None if the job
-    no longer holds GPUs there."""
+    no longer holds GPUs there. With `attempt` (an agent's confirmation, which has just checked
+    that the node holds that attempt), the spec the pass built for it moments ago is answered
+    from the cache when it is there (LAUNCH_SPEC_CACHE_S), instead of three queries."""
+    if attempt is not None and (spec := cache.get(_cache_key(node_name, job_id, attempt))) is not None:
+        return spec
     return launch_specs([(node_name, job_id)]).get((node_name, job_id))
 
 
 def launch_specs(pairs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
-    """Launch specs for (node name, job id) pairs in at most five queries, whatever their number."""
+    """Launch specs for (node name, job id) pairs in at most five queries, whatever their number.
+    Each is kept in the cache for LAUNCH_SPEC_CACHE_S for its confirmation (launch_spec); not
+    one with datasets, whose presigned URLs are made afresh when the node confirms."""
+    specs = _launch_specs(pairs)
+    keep = {_cache_key(node, job_id, spec["attempt"]): spec for (node, job_id), spec in specs.items()
+            if not spec["datasets"]}
+    if keep and settings.LAUNCH_SPEC_CACHE_S > 0:
+        cache.set_many(keep, timeout=settings.LAUNCH_SPEC_CACHE_S)
+    return specs
+
+
+def _launch_specs(pairs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
     specs = job_launch_parts(pairs)
     sessions = launch_sessions(list({job_id for _, job_id in specs}))
     # Each job's files once, whichever of its nodes they go to.

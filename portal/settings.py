@@ -444,6 +444,9 @@ NODE_RESERVED_MEMORY_MB = env_int("NODE_RESERVED_MEMORY_MB", 1024, minimum=0)
 if NODE_RESERVED_CPUS < 0:
     raise ImproperlyConfigured(f"NODE_RESERVED_CPUS: must be at least 0, got {NODE_RESERVED_CPUS}")
 LAUNCH_RESEND_S = env_int("LAUNCH_RESEND_S", 60, minimum=1)
+# How long the spec a pass published stays in the cache for the node's confirmation (portal/launch.py);
+# 0: every confirmation builds it from the database.
+LAUNCH_SPEC_CACHE_S = env_int("LAUNCH_SPEC_CACHE_S", 30, minimum=0)
 # A job assigned or starting this long that its node's heartbeats do not list (neither launching
 # nor running there) was lost on the way: it is requeued (portal/agentapi/heartbeat.py).
 LAUNCH_LOST_S = env_int("LAUNCH_LOST_S", 180, minimum=1)

@@ -28,7 +28,7 @@ class ConfirmView(AgentView):
         data = AttemptSerializer(data=request.data)
         data.is_valid(raise_exception=True)
         job = job_confirm(node=self.node, job_id=job_id, **data.validated_data)
-        return Response({"spec": launch_spec(job.pk, self.node.name)})
+        return Response({"spec": launch_spec(job.pk, self.node.name, attempt=data.validated_data["attempt"])})
 
 
 @speaks(protocol.SCRUB_FAILURE)

@@ -297,3 +297,32 @@ def test_the_simulated_probes_inventory_registers_with_its_topology(node):
     assert post(node, "register", body).status_code == 200
     topo = [g.topology for g in GPU.objects.filter(node=node.node).order_by("index")]
     assert topo[3] == {"nvlink": 0, "pcie": 2, "numa": 0} and topo[4] == {"nvlink": 4, "pcie": 4, "numa": 1}
+
+
+def test_a_confirmation_answers_the_spec_the_pass_published(node, placed, settings,
+                                                             django_assert_max_num_queries):
+    """The pass kept the spec it published (LAUNCH_SPEC_CACHE_S): the confirmation answers it
+    without building it again (issue 14), the same spec the database gives; a stale attempt is
+    still refused before any spec, and with the cache off the spec comes from the database."""
+    from portal.launch import launch_specs
+
+    built = launch_specs([("gpu-01", placed.pk)])[("gpu-01", placed.pk)]
+    # node token, the job read, the transition (begin, update, event, commit): no spec query
+    with django_assert_max_num_queries(6) as cached:
+        r = post(node, f"jobs/{placed.pk}/confirm", {"attempt": 1})
+    assert not any("interactive_session" in q["sql"] for q in cached.captured_queries)
+    assert r.status_code == 200 and r.json()["spec"] == built
+    assert post(node, f"jobs/{placed.pk}/confirm", {"attempt": 2}).status_code == 409
+
+    # With the cache off nothing is kept, and a confirmation (a retry) builds the spec from the database.
+    from django.core.cache import cache
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    settings.LAUNCH_SPEC_CACHE_S = 0
+    cache.clear()
+    launch_specs([("gpu-01", placed.pk)])
+    with CaptureQueriesContext(connection) as queries:
+        r = post(node, f"jobs/{placed.pk}/confirm", {"attempt": 1})
+    assert r.status_code == 200 and r.json()["spec"] == built
+    assert any("interactive_session" in q["sql"] for q in queries)  # the spec's sessions, read again
