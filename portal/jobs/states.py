@@ -5,6 +5,7 @@ from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import F, Q, Value
 from django.db.models.functions import Coalesce
+from django.db.models.sql import UpdateQuery
 from django.utils import timezone
 
 from .models import HOLDING, TERMINAL, Allocation, Job, JobEvent, JobState
@@ -28,17 +29,22 @@ def transition(job_id: int, *, to: str, from_states, attempt: int | None = None,
     (which never changes): the job is then not read again after its UPDATE.
     """
     now = timezone.now()
+    qs = Job.objects.filter(pk=job_id, state__in=list(from_states))
+    if attempt is not None:
+        qs = qs.filter(attempt=attempt)
+    values = {"state": to, "state_changed_at": now, **fields}
+    if to in TERMINAL:
+        values.setdefault("ended_at", now)
+        values.setdefault("queue_position", None)
+    if to == JobState.RUNNING:
+        # First start only: a requeued job keeps its original start for wait-time metrics.
+        values.setdefault("started_at", Coalesce(F("started_at"), Value(now)))
+    if to in HOLDING and connection.vendor == "postgresql" \
+            and notification_kind(to, fields.get("reason_code", "")) is None:
+        # Nothing but the row and its event to write (no GPUs to release, no mail, no array
+        # parent): one statement, atomic on its own, instead of a transaction of four.
+        return _update_with_event(qs, values, to, message[:300], now)
     with transaction.atomic():
-        qs = Job.objects.filter(pk=job_id, state__in=list(from_states))
-        if attempt is not None:
-            qs = qs.filter(attempt=attempt)
-        values = {"state": to, "state_changed_at": now, **fields}
-        if to in TERMINAL:
-            values.setdefault("ended_at", now)
-            values.setdefault("queue_position", None)
-        if to == JobState.RUNNING:
-            # First start only: a requeued job keeps its original start for wait-time metrics.
-            values.setdefault("started_at", Coalesce(F("started_at"), Value(now)))
         if qs.update(**values) != 1:
             return False
         if attempt is None or array_parent_id is _UNREAD:
@@ -55,6 +61,19 @@ def transition(job_id: int, *, to: str, from_states, attempt: int | None = None,
         if to in TERMINAL and row["array_parent_id"]:
             refresh_array_parent(row["array_parent_id"])
     return True
+
+
+def _update_with_event(qs, values: dict, to: str, message: str, now) -> bool:
+    """qs.update(**values) and, when it moved the job, its timeline event, in one statement."""
+    query = qs.query.chain(UpdateQuery)
+    query.add_update_values(values)
+    sql, params = query.get_compiler(qs.db).as_sql()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"WITH moved AS ({sql} RETURNING {Job._meta.db_table}.id, {Job._meta.db_table}.attempt) "
+            f"INSERT INTO {JobEvent._meta.db_table} (job_id, attempt, state, terminal, message, at) "
+            f"SELECT id, attempt, %s, false, %s, %s FROM moved RETURNING job_id", [*params, to, message, now])
+        return len(cursor.fetchall()) == 1
 
 
 def assign_many(assignments: dict[int, tuple[int, str]], *, message_for) -> dict[int, int]:
