@@ -21,7 +21,7 @@ import logging
 import math
 import time
 from collections import Counter, defaultdict
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 from django.conf import settings
@@ -49,6 +49,7 @@ from scheduler import core
 from scheduler.core.autoscale import wants_capacity
 
 from .dispatch import send_launches, send_prefetch, send_stop
+from .prepared import Prepared
 
 log = logging.getLogger(__name__)
 
@@ -102,13 +103,14 @@ def _avoided(avoid: dict | None, now_s: float) -> frozenset[str]:
         if avoid else frozenset()
 
 
+_FAILED_DEPENDENCIES = Prepared(lambda: Job.depends_on.through.objects.filter(
+    from_job__state=JobState.QUEUED, to_job__state__in=TERMINAL - {JobState.SUCCEEDED}
+).values_list("from_job_id", "to_job_id", "to_job__state"))
+
+
 def _cancel_failed_dependents() -> int:
-    through = Job.depends_on.through
-    failed = through.objects.filter(
-        from_job__state=JobState.QUEUED, to_job__state__in=TERMINAL - {JobState.SUCCEEDED}
-    ).values_list("from_job_id", "to_job_id", "to_job__state")
     ended = 0
-    for job_id, dep_id, dep_state in list(failed):
+    for job_id, dep_id, dep_state in _FAILED_DEPENDENCIES.rows():
         message = f"Dependency job {dep_id} ended {dep_state}; this job can never start."
         ended += transition(job_id, to=JobState.CANCELLED, from_states={JobState.QUEUED}, message=message,
                             reason_code="dependency_failed", reason_message=message)
@@ -169,19 +171,32 @@ def _blocking_dependencies():
         to_job__state=JobState.SUCCEEDED)
 
 
+# A datetime that stands for the pass's `now` in the prepared reads (scheduler/prepared.py): they
+# find its place among the parameters by identity, so any fresh object does.
+_NOW = datetime.fromtimestamp(0, tz=UTC)
+_SNAPSHOT_NODES = Prepared(lambda: _nodes().values_list(*NODE_FIELDS, "id", "protocol_version"))
+_SNAPSHOT_GPUS = Prepared(lambda: _gpus().values_list(*GPU_FIELDS))
+_SNAPSHOT_HOLDING = Prepared(lambda: _holding_jobs().values(*JOB_FIELDS, **JOB_TIMES))
+_SNAPSHOT_ALLOCATIONS = Prepared(lambda: _open_allocations().values_list(*ALLOCATION_FIELDS, Epoch("started_at")))
+_SNAPSHOT_BLOCKED = Prepared(lambda: _blocking_dependencies().values_list("from_job_id", flat=True))
+_SNAPSHOT_QUEUED = Prepared(lambda now: _queued_jobs(now).order_by("submitted_at", "id").values(
+    *JOB_FIELDS, "reason_code", "reason_message", "queue_position", **JOB_TIMES), now=_NOW)
+
+
 def build_snapshot(now=None):
     """Returns (snapshot, context) where context maps core ids back to rows."""
     now = now or timezone.now()
     # Every node that may hold jobs, GPUs or not: each job's CPUs and memory count against its node's.
+    node_rows = _SNAPSHOT_NODES.rows()
     nodes: dict[str, core.Node] = {
         name: core.Node(name=name, pool=pool, gpus=[], sandbox=sandbox, cpus=float(cpus), memory_mb=memory,
                         # New jobs only where the agent has proved it receives its queue (Node.schedulable).
                         schedulable=node_state == NodeState.READY and verified is not None,
                         datasets=frozenset(cached or ()))  # its agent's cache (dataset locality)
-        for name, pool, node_state, sandbox, verified, cpus, memory, cached in _nodes().values_list(*NODE_FIELDS)}
+        for name, pool, node_state, sandbox, verified, cpus, memory, cached, _, _ in node_rows}
     gpu_node: dict[str, str] = {}
     core_gpus: dict[str, core.GPU] = {}
-    for gid, node_name, index, model, memory, health, mode, topo in _gpus().values_list(*GPU_FIELDS):
+    for gid, node_name, index, model, memory, health, mode, topo in _SNAPSHOT_GPUS.rows():
         node = nodes.get(node_name)
         if node is None:  # a node that turned ready between the two reads: its jobs wait for the next pass
             continue
@@ -217,10 +232,9 @@ def build_snapshot(now=None):
             avoid_nodes=_avoided(row["avoid_or_none"], now_s),
         )
 
-    holding = {row["id"]: row for row in _holding_jobs().values(*JOB_FIELDS, **JOB_TIMES)}
+    holding = {row["id"]: row for row in _SNAPSHOT_HOLDING.rows()}
     allocs: dict[int, list] = defaultdict(list)
-    for job_id, gpu_id, fraction, shared, borrowed, started in _open_allocations().values_list(
-            *ALLOCATION_FIELDS, Epoch("started_at")):
+    for job_id, gpu_id, fraction, shared, borrowed, started in _SNAPSHOT_ALLOCATIONS.rows():
         allocs[job_id].append((str(gpu_id), float(fraction), shared, borrowed, started))
     running = []
     for job_id, row in holding.items():
@@ -231,9 +245,8 @@ def build_snapshot(now=None):
             fractions={r[0]: r[1] for r in rows if r[2]}, borrowed=any(r[3] for r in rows),
             node=None if rows else row["node__name"]))
 
-    blocked = set(_blocking_dependencies().values_list("from_job_id", flat=True))
-    queued_rows = list(_queued_jobs(now).order_by("submitted_at", "id").values(
-        *JOB_FIELDS, "reason_code", "reason_message", "queue_position", **JOB_TIMES))
+    blocked = set(_SNAPSHOT_BLOCKED.rows())
+    queued_rows = _SNAPSHOT_QUEUED.rows(now=now)
     queued = []
     for row in queued_rows:
         job = to_core(row, deps_ok=row["id"] not in blocked)
@@ -263,7 +276,10 @@ def build_snapshot(now=None):
         now=_epoch(now), nodes=list(nodes.values()), running=running, queued=queued, projects=projects, orgs=orgs,
         usage={slug: usage.get(pid, 0.0) for slug, pid in project_ids.items()}, config=config,
     )
-    context = {"gpu_node": gpu_node, "gpus": core_gpus, "queued": {str(r["id"]): r for r in queued_rows}, "holding": holding}
+    context = {"gpu_node": gpu_node, "gpus": core_gpus, "queued": {str(r["id"]): r for r in queued_rows}, "holding": holding,
+               # Node ids for the starts, and which agents take batched launches (_publish).
+               "node_ids": {row[0]: row[8] for row in node_rows},
+               "protocols": {row[0]: row[9] for row in node_rows}}
     return snapshot, context
 
 
@@ -280,6 +296,12 @@ def inputs_digest(now, config: core.Config) -> str | None:
     positions are what a pass writes, not what it reads, so they are left out."""
     if connection.vendor != "postgresql":
         return None
+    rows = _DIGEST.rows(now=now)
+    return hashlib.sha256(repr((rows, config)).encode()).hexdigest()
+
+
+def _digest_sql(now) -> tuple[str, list]:
+    """inputs_digest's statement: one count and hash sum per source, in one round trip."""
     job_columns = _columns(JOB_FIELDS) + ("submitted_at", "state_changed_at", "datasets", "avoid_nodes")
     sources = [
         _nodes().values_list(*NODE_FIELDS),
@@ -300,10 +322,10 @@ def inputs_digest(now, config: core.Config) -> str | None:
         sql, p = qs.order_by().query.sql_with_params()
         parts.append(f"SELECT count(*), coalesce(sum(hash_record_extended(t, 0)), 0) FROM ({sql}) t")
         params += p
-    with connection.cursor() as cursor:
-        cursor.execute(" UNION ALL ".join(parts), params)
-        rows = cursor.fetchall()
-    return hashlib.sha256(repr((rows, config)).encode()).hexdigest()
+    return " UNION ALL ".join(parts), params
+
+
+_DIGEST = Prepared(_digest_sql, now=_NOW)
 
 
 def _topo(reported: dict | None) -> tuple | None:
@@ -320,13 +342,17 @@ def _placement_topology(start: core.Start, context) -> str:
     return "" if level is None else core.TOPO_LEVELS[level]
 
 
+_LATE_RELEASES = Prepared(lambda now: Allocation.objects.filter(released_at__gt=now).values_list(
+    "gpu_id", "released_at"), now=_NOW)
+
+
 def _start_times(starts, now) -> dict[str, object]:
     """When each start's allocations begin: the apply time, or the previous holder's release if
     that is later (a release committed after this pass began, or stamped by a web process whose
     clock runs ahead). A whole GPU's allocations then never overlap, and billed GPU time equals
     allocated time. Only releases after `now` matter, a handful found through their index."""
     late: dict[str, object] = {}
-    for gpu_id, released in Allocation.objects.filter(released_at__gt=now).values_list("gpu_id", "released_at"):
+    for gpu_id, released in _LATE_RELEASES.rows(now=now):
         late[str(gpu_id)] = max(released, late.get(str(gpu_id), released))
     return {s.job_id: max([now, *(late[g] for g in s.gpu_ids if g in late)]) for s in starts}
 
@@ -369,6 +395,9 @@ def _apply_start(start: core.Start, context, start_time) -> tuple[list[str], int
     return node_names, attempt
 
 
+_SHARED_GPUS = Prepared(lambda: GPU.objects.filter(mode=GPUMode.SHARED).values_list("pk", flat=True))
+
+
 def _apply_whole_starts(starts, context, start_times):
     """Apply the starts that need no row lock (whole GPUs) in bulk; return (launches, the rest).
 
@@ -376,13 +405,12 @@ def _apply_whole_starts(starts, context, start_times):
     refuses the bulk insert (a double-booked GPU), the savepoint rolls back and every start
     is retried one by one, so only the offending job stays queued.
     """
-    shared = context.setdefault("shared_gpus", set(
-        str(g) for g in GPU.objects.filter(mode=GPUMode.SHARED).values_list("pk", flat=True)))
+    shared = context.setdefault("shared_gpus", {str(g) for g in _SHARED_GPUS.rows()})
     bulk = [s for s in starts if s.gpu_ids and not shared.intersection(s.gpu_ids)]
     rest = [s for s in starts if not (s.gpu_ids and not shared.intersection(s.gpu_ids))]
     if not bulk:
         return [], rest
-    node_ids = dict(Node.objects.values_list("name", "pk"))
+    node_ids = context["node_ids"]  # the snapshot's nodes: the only ones the core places on
     by_job = {int(s.job_id): s for s in bulk}
     first_node = {job_id: context["gpu_node"][s.gpu_ids[0]] for job_id, s in by_job.items()}
     try:
@@ -471,6 +499,11 @@ def _update_reasons(changed: list[tuple[int, str, str, int | None]]) -> None:
                  [distinct[reason] for reason in zip(codes, messages)], list(positions), JobState.QUEUED])
 
 
+_STALE_LAUNCHES = Prepared(lambda cutoff: Job.objects.filter(
+    state__in=[JobState.ASSIGNED, JobState.STARTING], state_changed_at__lt=cutoff).values_list(
+    "id", "attempt", "node__name"), cutoff=_NOW)
+
+
 def _resend_stale_launches(now) -> list[tuple[str, int, int]]:
     """Jobs assigned or starting for LAUNCH_RESEND_S and not yet running: the launch may have been
     lost after commit, or with an agent that died while it waited for GPUs.
@@ -480,10 +513,10 @@ def _resend_stale_launches(now) -> list[tuple[str, int, int]]:
     LAUNCH_LOST_S is requeued from the node's heartbeat (portal/agentapi/heartbeat.py).
     """
     cutoff = now - timedelta(seconds=settings.LAUNCH_RESEND_S)
-    stale = {row[0]: row for row in Job.objects.filter(state__in=[JobState.ASSIGNED, JobState.STARTING],
-                                                       state_changed_at__lt=cutoff)
-             .values_list("id", "attempt", "node__name")}
+    stale = {row[0]: row for row in _STALE_LAUNCHES.rows(cutoff=cutoff)}
     out = []
+    if not stale:
+        return out
     gang_nodes = defaultdict(set)
     for job_id, node_name in Allocation.objects.filter(job_id__in=list(stale), released_at__isnull=True).values_list(
             "job_id", "gpu__node__name"):
@@ -493,6 +526,23 @@ def _resend_stale_launches(now) -> list[tuple[str, int, int]]:
             if name:
                 out.append((name, job_id, attempt))
     return out
+
+
+# Folding released allocations into the usage totals (portal/jobs/usage.py) is a saving, not a
+# need: the snapshot's readers add the allocations not folded yet from the rows themselves, so
+# they are exact either way. It keeps those rows few, and a few seconds' worth are few, so a pass
+# folds at most every USAGE_FOLD_INTERVAL_S (per process), as Slurm's controller recomputes usage
+# every PriorityCalcPeriod rather than on every job end: under a stream of short jobs a fold in
+# every pass was a fifth of its CPU.
+USAGE_FOLD_INTERVAL_S = 5.0
+_last_fold = {"at": -math.inf}
+
+
+def _usage_fold_when_due() -> None:
+    at = time.monotonic()
+    if at - _last_fold["at"] >= USAGE_FOLD_INTERVAL_S:
+        usage_fold()
+        _last_fold["at"] = at
 
 
 # The last full pass that changed nothing but reasons: the digest of what it read, until when its
@@ -550,10 +600,11 @@ def run_pass(*, wait: bool = False) -> dict:
     stops: list[tuple[str, int, int, int, str | None]] = []
     published = {"s": 0.0}
     prefetch: dict[str, list[core.Dataset]] = {}
+    protocols: dict[str, str] = {}
 
     def publish():
         t = time.perf_counter()
-        _publish(launches, stops, prefetch)
+        _publish(launches, stops, prefetch, protocols)
         published["s"] = time.perf_counter() - t
 
     with transaction.atomic():
@@ -564,7 +615,7 @@ def run_pass(*, wait: bool = False) -> dict:
         pass_begins()  # requests from now on ask for the next pass
         now = timezone.now()
         cancelled = _cancel_failed_dependents()
-        usage_fold()  # released allocations into the running usage totals the snapshot reads
+        _usage_fold_when_due()
         config = config_from_settings()
         digest = inputs_digest(now, config)
         last = _plan_stands(digest, now)
@@ -582,6 +633,7 @@ def run_pass(*, wait: bool = False) -> dict:
                 "commit_publish_s": 0.0, "publish_s": 0.0, "total_s": round(time.perf_counter() - t0, 4),
             }
         snapshot, context = build_snapshot(now)
+        protocols.update(context["protocols"])
         t_built = time.perf_counter()
         crashpoint("schedule.after_snapshot")
         plan = core.schedule(snapshot)
@@ -628,14 +680,18 @@ def run_pass(*, wait: bool = False) -> dict:
     }
 
 
-def _publish(launches, stops, prefetch=None) -> None:
+def _publish(launches, stops, prefetch=None, protocols=None) -> None:
+    """`protocols`: the agents' protocol versions by node name as the snapshot read them; the
+    nodes of re-sent launches it lacks are read here."""
     crashpoint("schedule.after_commit_before_publish")
     for node_name, job_id, attempt, grace, signal in stops:
         send_stop(node_name, job_id, attempt, "preempted", grace, signal)
     if launches:
-        names = {node for node, _, _ in launches}
-        batched = {name for name, version in Node.objects.filter(name__in=names).values_list("name", "protocol_version")
-                   if speaks(version, LAUNCHES_SINCE)}
+        versions = dict(protocols or {})
+        unknown = {node for node, _, _ in launches} - versions.keys()
+        if unknown:
+            versions.update(Node.objects.filter(name__in=unknown).values_list("name", "protocol_version"))
+        batched = {name for name, version in versions.items() if speaks(version, LAUNCHES_SINCE)}
         send_launches(launches, launch_specs([(node, job_id) for node, job_id, _ in launches]), batched)
     if prefetch:
         _send_prefetch(prefetch)

@@ -19,6 +19,7 @@ from portal.jobs.services import job_submit
 from portal.jobs.states import transition
 from portal.jobs.usage import usage_fold
 from portal.nodes.services import node_add
+from scheduler import adapter
 from scheduler.adapter import run_pass
 
 IMAGE = "gpuportal/busybox:latest"
@@ -142,7 +143,7 @@ def test_a_new_half_life_rebuilds_the_fair_share_once(history):
 
 
 @pytest.mark.django_db
-def test_ends_through_the_lifecycle_and_passes_keep_the_totals_exact(demo, quiet):
+def test_ends_through_the_lifecycle_and_passes_keep_the_totals_exact(demo, quiet, monkeypatch):
     node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="8xH100-80GB")
     actor = Actor(user=demo.users["alice"])
     for i in range(6):
@@ -152,6 +153,11 @@ def test_ends_through_the_lifecycle_and_passes_keep_the_totals_exact(demo, quiet
     for job in Job.objects.filter(state__in=HOLDING)[:4]:
         assert transition(job.pk, to=JobState.SUCCEEDED, from_states=HOLDING, attempt=job.attempt)
     assert Allocation.objects.filter(tallied=False, released_at__isnull=False).count() == 4
+    monkeypatch.setattr(adapter, "USAGE_FOLD_INTERVAL_S", 3600.0)
+    run_pass()  # a fold is not due: the ends wait, and the readers count them from their rows
+    assert Allocation.objects.filter(tallied=False, released_at__isnull=False).count() == 4
+    assert_totals_equal_scan([demo.vision.pk], timezone.now())
+    monkeypatch.setattr(adapter, "USAGE_FOLD_INTERVAL_S", 0.0)
     run_pass()  # folds the four ends
     assert not Allocation.objects.filter(tallied=False, released_at__isnull=False).exists()
     assert_totals_equal_scan([demo.vision.pk], timezone.now())

@@ -1,0 +1,81 @@
+"""Reads a scheduling pass makes every time, compiled to SQL once and afterwards only executed.
+
+Under a stream of submits a pass runs every SCHEDULER_PASS_INTERVAL_S, and most of its reads are
+the same statement each time: building and compiling the Django query cost several times what
+running it did (the larger part of the worker's CPU in bench/vs_portal.py). A `Prepared` read
+compiles its queryset on first use and keeps the SQL, its parameters and the compiler, whose
+converters turn the rows into what the ORM returns (JSON decoded, decimals, aware datetimes).
+
+A read that depends on a value (the pass's `now`) names it as a placeholder: the query is
+compiled with that placeholder, and its place among the parameters takes the value of each call.
+Where the backend turns the value into another (SQLite stores datetimes as text) the placeholder
+is not found, and that read is built and run through the ORM each time, as before. A compiler
+holds its thread's connection, so each thread compiles its own (the race tests run passes in
+threads).
+"""
+import threading
+from collections.abc import Callable
+
+from django.db import connections
+from django.db.models.query import FlatValuesListIterable, ValuesIterable
+
+
+class Prepared:
+    """A values() or values_list() queryset made by `build(**placeholders)`, or (sql, params)
+    that build returns, run by `rows(**values)` with each placeholder's value in its place."""
+
+    def __init__(self, build: Callable, **placeholders):
+        self.build = build
+        self.placeholders = placeholders
+        self._local = threading.local()
+
+    def _compile(self):
+        made = self.build(**self.placeholders)
+        if isinstance(made, tuple):
+            sql, params = made
+            compiler, alias, shape, names = None, "default", None, ()
+        else:
+            compiler = made.query.get_compiler(using=made.db)
+            sql, params = compiler.as_sql()
+            alias, shape = made.db, made._iterable_class
+            query = made.query
+            names = list(query.selected) if query.selected else [
+                *query.extra_select, *query.values_select, *query.annotation_select]
+        slots = [(i, name) for i, p in enumerate(params)
+                 for name, placeholder in self.placeholders.items() if p is placeholder]
+        if {name for _, name in slots} != set(self.placeholders):
+            compiled = self._local.compiled = None  # the backend converted a placeholder: no reuse
+            return compiled
+        compiled = self._local.compiled = (sql, tuple(params), slots, compiler, alias, shape, names)
+        return compiled
+
+    def rows(self, **values) -> list:
+        compiled = self._local.compiled if hasattr(self._local, "compiled") else self._compile()
+        if compiled is None:
+            return self._uncompiled(values)
+        sql, params, slots, compiler, alias, shape, names = compiled
+        if slots:
+            params = list(params)
+            for i, name in slots:
+                params[i] = values[name]
+        with connections[alias].cursor() as cursor:
+            cursor.execute(sql, params)
+            fetched = cursor.fetchall()
+        if compiler is None:
+            return fetched
+        if compiler.has_extra_select:  # columns the ordering added
+            fetched = [row[:compiler.col_count] for row in fetched]
+        rows = compiler.results_iter(results=[fetched], tuple_expected=True)
+        if shape is ValuesIterable:
+            return [dict(zip(names, row)) for row in rows]
+        if shape is FlatValuesListIterable:
+            return [row[0] for row in rows]
+        return list(rows)
+
+    def _uncompiled(self, values: dict) -> list:
+        made = self.build(**values)
+        if not isinstance(made, tuple):
+            return list(made)
+        with connections["default"].cursor() as cursor:
+            cursor.execute(*made)
+            return cursor.fetchall()
