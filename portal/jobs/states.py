@@ -39,11 +39,15 @@ def transition(job_id: int, *, to: str, from_states, attempt: int | None = None,
     if to == JobState.RUNNING:
         # First start only: a requeued job keeps its original start for wait-time metrics.
         values.setdefault("started_at", Coalesce(F("started_at"), Value(now)))
-    if to in HOLDING and connection.vendor == "postgresql" \
-            and notification_kind(to, fields.get("reason_code", "")) is None:
-        # Nothing but the row and its event to write (no GPUs to release, no mail, no array
-        # parent): one statement, atomic on its own, instead of a transaction of four.
-        return _update_with_event(qs, values, to, message[:300], now)
+    if connection.vendor == "postgresql" and (to in HOLDING or array_parent_id is None):
+        # Not an array task (its parent is refreshed in the transaction below): the row, its event
+        # and the release of its GPUs in one statement, atomic on its own, instead of a transaction.
+        moved_attempt = _update_with_event(qs, values, to, message[:300], now)
+        if moved_attempt is None:
+            return False
+        if kind := notification_kind(to, fields.get("reason_code", "")):
+            notify_on_commit(job_id, moved_attempt, kind)
+        return True
     with transaction.atomic():
         if qs.update(**values) != 1:
             return False
@@ -63,17 +67,24 @@ def transition(job_id: int, *, to: str, from_states, attempt: int | None = None,
     return True
 
 
-def _update_with_event(qs, values: dict, to: str, message: str, now) -> bool:
-    """qs.update(**values) and, when it moved the job, its timeline event, in one statement."""
+def _update_with_event(qs, values: dict, to: str, message: str, now) -> int | None:
+    """qs.update(**values) and, when it moved the job, its timeline event and (leaving the holding
+    states) the release of its GPUs, in one statement; the attempt it moved, or None."""
     query = qs.query.chain(UpdateQuery)
     query.add_update_values(values)
     sql, params = query.get_compiler(qs.db).as_sql()
+    job, event, allocation = Job._meta.db_table, JobEvent._meta.db_table, Allocation._meta.db_table
+    release = "" if to in HOLDING else (
+        f", released AS (UPDATE {allocation} SET released_at = %s "
+        f"WHERE job_id IN (SELECT id FROM moved) AND released_at IS NULL)")
     with connection.cursor() as cursor:
         cursor.execute(
-            f"WITH moved AS ({sql} RETURNING {Job._meta.db_table}.id, {Job._meta.db_table}.attempt) "
-            f"INSERT INTO {JobEvent._meta.db_table} (job_id, attempt, state, terminal, message, at) "
-            f"SELECT id, attempt, %s, false, %s, %s FROM moved RETURNING job_id", [*params, to, message, now])
-        return len(cursor.fetchall()) == 1
+            f"WITH moved AS ({sql} RETURNING {job}.id, {job}.attempt), "
+            f"event AS (INSERT INTO {event} (job_id, attempt, state, terminal, message, at) "
+            f"SELECT id, attempt, %s, %s, %s, %s FROM moved){release} SELECT attempt FROM moved",
+            [*params, to, to in TERMINAL, message, now, *([now] if release else [])])
+        row = cursor.fetchone()
+    return row[0] if row else None
 
 
 def assign_many(assignments: dict[int, tuple[int, str]], *, message_for) -> dict[int, int]:
