@@ -181,3 +181,22 @@ def test_token_lineage_is_bounded(demo, api):
     r = _mint(api(token=secret), scopes=["read", "admin"])
     assert r.status_code == 403 and "generations" in r.json()["error"]["message"]
     assert api(token=secret).get("/api/v1/me/").status_code == 200
+
+
+def test_the_plain_sql_token_read_equals_the_orms(demo, api):
+    """token_authenticate reads the token and its user in plain SQL (issue 14): every field, the
+    JSON scopes and the times included, is what the ORM reads, and the project loads on demand."""
+    from django.forms.models import model_to_dict
+
+    from portal.accounts.services import token_authenticate
+
+    r = api("alice").post("/api/v1/tokens/", data={"name": "ci", "scopes": ["read", "submit"], "project": "vision"},
+                          format="json")
+    assert r.status_code == 201, r.content
+    secret = r.json()["token"]
+    token = token_authenticate(secret)
+    orm = ApiToken.objects.select_related("user").get(pk=r.json()["id"])
+    assert model_to_dict(token) == model_to_dict(orm) and token.scopes == ["read", "submit"]
+    assert token.created_at == orm.created_at and token.expires_at == orm.expires_at
+    assert model_to_dict(token.user) == model_to_dict(orm.user) and token.user.last_login == orm.user.last_login
+    assert token.project.slug == "vision" and token.parent is None
