@@ -32,7 +32,9 @@ NODES, GPUS_PER_NODE = 16, 8
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_of(pids) -> float:
+def cpu_of(pids, reaped: tuple[int, ...] = ()) -> float:
+    """CPU seconds of `pids`; for those in `reaped`, with their reaped children's (a PostgreSQL
+    backend that exits during the run is counted in its postmaster's cutime and cstime)."""
     total = 0.0
     for pid in pids:
         try:
@@ -40,6 +42,8 @@ def cpu_of(pids) -> float:
         except OSError:
             continue
         total += (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+        if pid in reaped:
+            total += (int(fields[13]) + int(fields[14])) / TICK  # cutime, cstime
     return total
 
 
@@ -56,6 +60,10 @@ def processes() -> dict[int, tuple[int, int]]:
     return out
 
 
+def postmaster(c: fc.Cluster) -> int:
+    return int((c.pgdata / "postmaster.pid").read_text().split()[0])
+
+
 def groups(c: fc.Cluster) -> dict[str, list[int]]:
     """The pids of each part, now: process groups the cluster started, and PostgreSQL's server and backends."""
     procs = processes()
@@ -65,8 +73,8 @@ def groups(c: fc.Cluster) -> dict[str, list[int]]:
         parts["agents" if key.startswith("fault-") else "control"] += members
         if not key.startswith("fault-"):
             parts[f"control.{key}"] = members
-    postmaster = int((c.pgdata / "postmaster.pid").read_text().split()[0])
-    parts["control.postgres"] = [postmaster] + [pid for pid, (ppid, _) in procs.items() if ppid == postmaster]
+    pg = postmaster(c)
+    parts["control.postgres"] = [pg] + [pid for pid, (ppid, _) in procs.items() if ppid == pg]
     parts["control"] += parts["control.postgres"]
     return parts
 
@@ -95,7 +103,9 @@ def main() -> int:
                 "resources": {"gpus": 1, "cpus": 0.1, "memory_mb": 64}, "time_limit": 600}
         session = requests.Session()
         session.headers.update(c.headers())
-        before = {k: cpu_of(v) for k, v in groups(c).items()}
+        # Backends and gunicorn workers that exit during the run are counted by their parents.
+        reaped = (postmaster(c), c.procs["web"][0].pid)
+        before = {k: cpu_of(v, reaped) for k, v in groups(c).items()}
         t0 = time.perf_counter()
         for _ in range(args.jobs):
             r = session.post(f"{c.url}/api/v1/jobs/", json=body, timeout=60)
@@ -105,7 +115,7 @@ def main() -> int:
                                "('succeeded', 'failed', 'cancelled', 'timeout', 'node_fail', 'oom')", col=0)[0]
                  >= args.jobs, 1800, "every job to end")
         wall_s = time.perf_counter() - t0
-        after = {k: cpu_of(v) for k, v in groups(c).items() if k in before}
+        after = {k: cpu_of(v, reaped) for k, v in groups(c).items() if k in before}
         (makespan, succeeded), = c.sql("SELECT extract(epoch FROM max(ended_at) - min(submitted_at)), "
                                        "count(*) FILTER (WHERE state = 'succeeded') FROM jobs_job")
         cpu = {k: round(after[k] - before[k], 2) for k in after}

@@ -13,9 +13,10 @@ rows not in them yet (see selectors.gpu_hours_used_this_month and selectors.deca
 
 `usage_fold()` adds the released allocations not tallied yet and marks them tallied, in one
 transaction, under row locks: an allocation is added exactly once, whoever folds, however
-often, and a rollback undoes both. Every scheduling pass folds first. Readers count untallied
-rows (open allocations, and those released since the last fold) from the rows themselves, so
-they are exact whether or not a fold has run.
+often, and a rollback undoes both. A scheduling pass folds first, at most every 5 s
+(USAGE_FOLD_INTERVAL_S in scheduler/adapter.py). Readers count untallied rows (open allocations,
+and those released since the last fold) from the rows themselves, so they are exact whether or
+not a fold has run.
 """
 from collections import defaultdict
 from datetime import datetime
