@@ -44,3 +44,21 @@ def throwaway_database(name: str):
         yield connection.settings_dict["NAME"]
     finally:
         connection.creation.destroy_test_db(old, verbosity=0)
+
+
+def backend_cpu_s(pid: int | None = None) -> float | None:
+    """CPU seconds the PostgreSQL backend `pid` (by default this process's connection's) has used,
+    or None when the server is not on this machine: on a loaded machine wall times stretch with
+    the load, CPU times do not."""
+    if pid is None:
+        from django.db import connection
+
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            pid = cursor.fetchone()[0]
+    try:
+        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+

@@ -21,21 +21,13 @@ import os
 import time
 from collections import Counter
 
-from benchdb import PRODUCTION, django_setup, throwaway_database
+from benchdb import PRODUCTION, backend_cpu_s, django_setup, throwaway_database
 
 django_setup(PRODUCTION)
 
 DB_NAME = "gpuportal_bench_reports"
 
 
-def backend_cpu_s(pid: int) -> float:
-    """User + system CPU of a local PostgreSQL backend (its /proc stat), 0 when it is not readable."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 def main():
@@ -121,13 +113,13 @@ def main():
                 backend = cursor.fetchone()[0]
             before = dict(messages)
             connection.queries_log.clear()  # a bounded deque: a full one would count short
-            db0, c0, w0 = backend_cpu_s(backend), time.process_time(), time.perf_counter()
+            db0, c0, w0 = (backend_cpu_s(backend) or 0.0), time.process_time(), time.perf_counter()
             with CaptureQueriesContext(connection) as queries:
                 calls[0]()
                 head = list(queries)
                 for call in calls[1:]:
                     call()
-            steps[name] = {"cpu": time.process_time() - c0, "db": backend_cpu_s(backend) - db0,
+            steps[name] = {"cpu": time.process_time() - c0, "db": (backend_cpu_s(backend) or 0.0) - db0,
                            "wall": time.perf_counter() - w0, "queries": len(queries),
                            "messages": sum(messages.values()) - sum(before.values())}
             if args.sql:

@@ -20,9 +20,8 @@ import random
 import time
 import uuid
 from decimal import Decimal
-from pathlib import Path
 
-from benchdb import DEVELOPMENT, django_setup, throwaway_database
+from benchdb import DEVELOPMENT, backend_cpu_s, django_setup, throwaway_database
 
 # Measure passes, not re-sends of the first pass (LAUNCH_LOST_S must exceed LAUNCH_RESEND_S).
 django_setup(DEVELOPMENT, LAUNCH_RESEND_S="3600", LAUNCH_LOST_S="7200")
@@ -81,19 +80,6 @@ def line(name: str, wall: float, result: dict) -> str:
             f"reasons written {result['reasons_written']}")
 
 
-def backend_cpu_s():
-    """CPU seconds our PostgreSQL backend has used, or None when the server is not on this machine:
-    on a loaded machine wall times stretch with the load, CPU times do not."""
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_backend_pid()")
-        pid = cursor.fetchone()[0]
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def drain_node_queues() -> int:

@@ -13,9 +13,8 @@ import os
 import time
 import uuid
 from decimal import Decimal
-from pathlib import Path
 
-from benchdb import DEVELOPMENT, django_setup, throwaway_database
+from benchdb import DEVELOPMENT, backend_cpu_s, django_setup, throwaway_database
 
 # As bench/vs_portal.py runs the worker (tests/faults/cluster.py: DEBUG=1).
 django_setup(DEVELOPMENT, LOG_LEVEL="WARNING")
@@ -57,18 +56,6 @@ def fill():
     return project, user
 
 
-def backend_cpu_s() -> float | None:
-    """CPU seconds of our PostgreSQL backend (None when the server is on another machine)."""
-    from django.db import connection
-
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_backend_pid()")
-        pid = cursor.fetchone()[0]
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def drain_node_queues() -> int:

@@ -17,20 +17,13 @@ import json
 import os
 import time
 
-from benchdb import PRODUCTION, django_setup, throwaway_database
+from benchdb import PRODUCTION, backend_cpu_s, django_setup, throwaway_database
 
 django_setup(PRODUCTION)
 
 DB_NAME = "gpuportal_bench_submit"
 
 
-def backend_cpu_s(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 def main():
@@ -89,10 +82,10 @@ def main():
 
             profiler = cProfile.Profile()
             profiler.enable()
-        db0, c0, w0 = backend_cpu_s(backend), time.process_time(), time.perf_counter()
+        db0, c0, w0 = (backend_cpu_s(backend) or 0.0), time.process_time(), time.perf_counter()
         for _ in range(args.jobs):
             submit()
-        cpu, db, wall = time.process_time() - c0, backend_cpu_s(backend) - db0, time.perf_counter() - w0
+        cpu, db, wall = time.process_time() - c0, (backend_cpu_s(backend) or 0.0) - db0, time.perf_counter() - w0
         if profiler:
             profiler.disable()
         n = args.jobs
