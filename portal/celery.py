@@ -10,7 +10,9 @@
 import os
 
 from celery import Celery
+from celery.signals import task_prerun
 from django.conf import settings
+from django.db import close_old_connections
 from kombu import Queue
 
 from agents.broker import CONNECTION_SETTINGS, guard_redis_channel_close
@@ -21,6 +23,12 @@ guard_redis_channel_close()  # a Redis restart must not crash the worker (agents
 app = Celery("portal")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.conf.update(CONNECTION_SETTINGS)  # reconnect forever: a broker outage is waited out
+# Celery's Django fixup closes every database connection around each task unless told to reuse
+# them: a scheduling pass a few times a second then forked a PostgreSQL backend each time (its
+# start, the time zone set again). Reused as a web request reuses them instead: closed once older
+# than CONN_MAX_AGE or broken, checked before first use (DB_CONN_MAX_AGE, CONN_HEALTH_CHECKS).
+app.conf.update(CELERY_DB_REUSE_MAX=1000)
+task_prerun.connect(lambda **kwargs: close_old_connections(), weak=False)
 app.conf.task_queues = (Queue("default"), Queue("scheduler"))
 app.conf.task_routes = {
     "scheduler.*": {"queue": "scheduler"},
