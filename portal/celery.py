@@ -28,7 +28,15 @@ app.conf.update(CONNECTION_SETTINGS)  # reconnect forever: a broker outage is wa
 # start, the time zone set again). Reused as a web request reuses them instead: closed once older
 # than CONN_MAX_AGE or broken, checked before first use (DB_CONN_MAX_AGE, CONN_HEALTH_CHECKS).
 app.conf.update(CELERY_DB_REUSE_MAX=1000)
-task_prerun.connect(lambda **kwargs: close_old_connections(), weak=False)
+
+
+@task_prerun.connect
+def _reuse_connections(task=None, **kwargs):
+    # Not for a task run eagerly (in the caller's process and transaction): its connection is the caller's.
+    if not getattr(getattr(task, "request", None), "is_eager", False):
+        close_old_connections()
+
+
 app.conf.task_queues = (Queue("default"), Queue("scheduler"))
 app.conf.task_routes = {
     "scheduler.*": {"queue": "scheduler"},
