@@ -99,6 +99,11 @@ def main() -> int:
         c.start_all()
         print(f"installation up in {time.perf_counter() - t:.0f}s ({NODES} nodes x {GPUS_PER_NODE} GPUs)",
               file=sys.stderr)
+        # The demo tenant caps `vision` at 16 GPUs and 20 running jobs; Slurm's side has no limits, so
+        # neither has this one: the whole 16 x 8 GPUs are the project's (its GPU-hour budget stays).
+        c.sql("UPDATE tenancy_quota SET max_gpus = %s, max_running_jobs = NULL WHERE project_id = "
+              "(SELECT id FROM tenancy_project WHERE slug = 'vision') RETURNING id", (NODES * GPUS_PER_NODE,))
+        c.sql("UPDATE tenancy_organization SET max_gpus = NULL RETURNING id")
         body = {"project": "vision", "name": "vs-slurm", "image": "gpuportal/busybox:latest", "command": ["true"],
                 "resources": {"gpus": 1, "cpus": 0.1, "memory_mb": 64}, "time_limit": 600}
         session = requests.Session()
