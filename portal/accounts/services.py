@@ -2,11 +2,12 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.db import DEFAULT_DB_ALIAS, connection, transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from portal.core.context import Actor
 from portal.core.errors import Conflict, Forbidden, InvalidInput
+from portal.core.plainsql import columns, instance
 from portal.core.services import audit_record
 from portal.core.text import check_plain_name
 
@@ -93,22 +94,6 @@ def token_revoke(*, actor: Actor, token: ApiToken) -> ApiToken:
     return token
 
 
-def _columns(model, alias: str) -> str:
-    return ", ".join(f'{alias}."{f.column}"' for f in model._meta.concrete_fields)
-
-
-def _from_row(model, values) -> object:
-    """A model instance from its concrete columns, converted as the ORM converts them (JSON decoded)."""
-    fields = model._meta.concrete_fields
-    converted = []
-    for field, value in zip(fields, values):
-        col = field.get_col(model._meta.db_table)
-        for convert in connection.ops.get_db_converters(col) + field.get_db_converters(connection):
-            value = convert(value, col, connection)
-        converted.append(value)
-    return model.from_db(DEFAULT_DB_ALIAS, [f.attname for f in fields], converted)
-
-
 def _usable_token(digest: str) -> ApiToken | None:
     """ApiToken.objects.usable().select_related("user").filter(digest=digest).first(); on PostgreSQL
     in plain SQL: every API request authenticates, and compiling the ORM's join cost more CPU
@@ -118,7 +103,7 @@ def _usable_token(digest: str) -> ApiToken | None:
     user_model = get_user_model()
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT {_columns(ApiToken, 't')}, {_columns(user_model, 'u')} FROM {ApiToken._meta.db_table} t "
+            f"SELECT {columns(ApiToken, 't')}, {columns(user_model, 'u')} FROM {ApiToken._meta.db_table} t "
             f"JOIN {user_model._meta.db_table} u ON u.{user_model._meta.pk.column} = t.user_id "
             f"WHERE t.digest = %s AND t.revoked_at IS NULL AND (t.expires_at IS NULL OR t.expires_at > %s) "
             f"LIMIT 1", [digest, timezone.now()])
@@ -126,8 +111,8 @@ def _usable_token(digest: str) -> ApiToken | None:
     if row is None:
         return None
     split = len(ApiToken._meta.concrete_fields)
-    token = _from_row(ApiToken, row[:split])
-    token.user = _from_row(user_model, row[split:])
+    token = instance(ApiToken, row[:split])
+    token.user = instance(user_model, row[split:])
     return token
 
 

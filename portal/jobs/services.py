@@ -4,7 +4,7 @@ import json
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Exists, OuterRef, Q
+from django.db.models import Q
 from rest_framework import serializers
 
 from portal.core import locks
@@ -14,7 +14,8 @@ from portal.core.queue import request_schedule_pass
 from portal.core.services import audit_record, require_operator
 from portal.core.text import check_plain_name
 from portal.tenancy.access import check_token_project, user_can
-from portal.tenancy.models import Project, allowed_project_ids
+from portal.tenancy.models import Project
+from portal.tenancy.selectors import project_for_submit
 from scheduler.dispatch import send_stop
 
 from . import submit_hooks
@@ -32,11 +33,8 @@ def _submit_project(actor: Actor, slug) -> Project:
         raise InvalidInput("This field is required.", field="project")
     if "\x00" in slug:  # PostgreSQL cannot compare one: refused before the lookup
         raise InvalidInput("Null characters are not allowed.", field="project")
-    # One query: the project as the caller sees it, and whether their role lets them submit there
-    # (user_can's check, as a subquery).
-    project = Project.objects.for_user(actor.user, "view", project_id=actor.restricted_project_id) \
-        .select_related("quota").filter(slug=slug) \
-        .annotate(may_submit=Exists(allowed_project_ids(actor.user, "submit").filter(pk=OuterRef("pk")))).first()
+    # One query: the project as the caller sees it, and whether their role lets them submit there.
+    project = project_for_submit(actor.user, slug, project_id=actor.restricted_project_id)
     if project is None:
         raise InvalidInput(f"No project named {slug!r}.", field="project")
     if not project.may_submit:
