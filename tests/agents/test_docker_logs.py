@@ -1,12 +1,17 @@
-"""The docker sandbox's logs against the real engine: rotated json-file logs, incremental reads."""
+"""The docker sandbox's logs against the real engine: rotated json-file logs, incremental reads; and
+the reads against a log written out of stamp order, as a loaded engine writes it."""
 
+import datetime
 import time
 
 import pytest
 
 from agents.sandbox import RUNNING, docker_logs
-from agents.sandbox.docker_logs import READ_MAX_BYTES, _timestamp_ns
+from agents.sandbox.docker_logs import MARGIN_NS, READ_MAX_BYTES, ContainerLog, _timestamp_ns
 from tests.agents.conftest import make_spec, wait_done
+from tests.procs import wait_for
+
+MS = 1_000_000
 
 
 def read_all(driver, handle, offset=0):
@@ -63,6 +68,10 @@ def test_reads_ask_the_engine_only_for_what_is_new(docker_driver, docker_client,
     while not got.endswith(b"mark\n"):
         assert time.monotonic() < deadline
         got += read_all(docker_driver, h, len(got))
+    # Reads ask again for what was printed within MARGIN_NS before them; once that has passed, a
+    # read is sent nothing.
+    wait_for(lambda: read_all(docker_driver, h, len(got)) == b"" and engine_reads[-1] == 0,
+             what="a read the engine sends nothing")
     engine_reads.clear()
     container.exec_run(["touch", "/tmp/go2"], user="65534")
     wait_done(docker_driver, h)
@@ -104,3 +113,77 @@ def test_engine_timestamps_parse_to_nanoseconds():
     assert _timestamp_ns(b"1970-01-01T00:00:01.5Z") == 1_500_000_000
     assert _timestamp_ns(b"1970-01-01T01:00:01+01:00") == 1_000_000_000
     assert _timestamp_ns(b"not a time") is None
+
+
+class WrittenLate:
+    """A json-file log as the engine serves it: messages in the order they were written, each with the
+    time it was stamped, and ``since`` comparing stamps. Counts the messages sent per request."""
+
+    def __init__(self, monkeypatch):
+        self.file: list[tuple[int, bytes]] = []
+        self.sent: list[int] = []
+        monkeypatch.setattr(docker_logs, "log_frames", self.log_frames)
+
+    def write(self, stamped_ns: int, line: bytes) -> None:
+        self.file.append((stamped_ns, line))
+
+    def log_frames(self, container, since_ns):
+        self.sent.append(0)
+        for ns, line in list(self.file):
+            if since_ns is None or ns >= since_ns:
+                self.sent[-1] += 1
+                when = datetime.datetime.fromtimestamp(ns // 1_000_000_000, datetime.timezone.utc)
+                yield when.strftime("%Y-%m-%dT%H:%M:%S").encode() + b".%09dZ " % (ns % 1_000_000_000) + line
+
+
+def read_on(log: ContainerLog, out: bytearray) -> bytes:
+    """Read ``log`` on from the end of ``out`` as the agent does, until nothing more is there."""
+    while chunk := log.read(None, len(out)):
+        out += chunk
+    return bytes(out)
+
+
+def test_a_first_line_the_engine_writes_after_newer_lines_is_read(monkeypatch):
+    """A loaded engine stamped a job's first stdout line, then wrote stderr lines stamped 30 ms later
+    before it: the read after it is written still asks back far enough for it."""
+    engine, log, out, t = WrittenLate(monkeypatch), ContainerLog(), bytearray(), time.time_ns()
+    engine.write(t + 30 * MS, b"err1\n")
+    engine.write(t + 31 * MS, b"err2\n")
+    assert read_on(log, out) == b"err1\nerr2\n"
+    engine.write(t, b"out1\n")
+    engine.write(t + 32 * MS, b"out2\n")
+    assert read_on(log, out) == b"err1\nerr2\nout1\nout2\n"
+
+
+def test_one_read_keeps_a_line_stamped_before_newer_ones_it_got(monkeypatch):
+    engine, log, out, t = WrittenLate(monkeypatch), ContainerLog(), bytearray(), time.time_ns()
+    engine.write(t + 30 * MS, b"err1\n")
+    engine.write(t, b"out1\n")
+    assert read_on(log, out) == b"err1\nout1\n"
+    engine.write(t + 40 * MS, b"out2\n")
+    assert read_on(log, out) == b"err1\nout1\nout2\n"
+
+
+def test_equal_messages_at_one_time_are_each_read_once_across_bounded_reads(monkeypatch):
+    """The engine stamps the 16 KiB parts of a long line alike; reads cut off by READ_MAX_BYTES go
+    back to that time and skip exactly the parts they have."""
+    monkeypatch.setattr(docker_logs, "READ_MAX_BYTES", 8)
+    engine, log, out, t = WrittenLate(monkeypatch), ContainerLog(), bytearray(), time.time_ns()
+    for _ in range(5):
+        engine.write(t, b"part")
+    engine.write(t, b"end\n")
+    assert read_on(log, out) == b"part" * 5 + b"end\n"
+    engine.write(t + 1, b"part")
+    assert read_on(log, out) == b"part" * 5 + b"end\npart"
+
+
+def test_a_read_after_the_margin_is_sent_only_what_is_new(monkeypatch):
+    engine, log, out = WrittenLate(monkeypatch), ContainerLog(), bytearray()
+    t = time.time_ns() - 5 * MARGIN_NS
+    for i in range(100):
+        engine.write(t + i * MS, b"%d\n" % i)
+    read_on(log, out)
+    engine.sent.clear()
+    assert log.read(None, len(out)) == b"" and engine.sent == [0]
+    engine.write(time.time_ns(), b"new\n")
+    assert log.read(None, len(out)) == b"new\n" and engine.sent[-1] == 1
