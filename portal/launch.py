@@ -20,10 +20,11 @@ def launch_spec(job_id: int, node_name: str, attempt: int | None = None) -> dict
     """What the agent on `node_name` needs to start its part of the job, or None if the job
     no longer holds GPUs there. With `attempt` (an agent's confirmation, which has just checked
     that the node holds that attempt), the spec the pass built for it moments ago is answered
-    from the cache when it is there (LAUNCH_SPEC_CACHE_S), instead of three queries."""
+    from the cache when it is there (LAUNCH_SPEC_CACHE_S), instead of three queries. A spec built
+    here is not cached: its confirmation is this call, and no one reads it back."""
     if attempt is not None and (spec := cache.get(_cache_key(node_name, job_id, attempt))) is not None:
         return spec
-    return launch_specs([(node_name, job_id)]).get((node_name, job_id))
+    return _launch_specs([(node_name, job_id)]).get((node_name, job_id))
 
 
 def launch_specs(pairs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:

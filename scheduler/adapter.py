@@ -36,6 +36,7 @@ from agents.protocol import LAUNCHES_SINCE, speaks
 from portal.core import locks
 from portal.core.crashpoints import crashpoint
 from portal.core.passes import pass_begins
+from portal.core.prepared import AnyOf, Prepared
 from portal.jobs.models import (HOLDING, QOS_VALUE, TERMINAL, Allocation, Job, JobState, ProjectFairshare,
                                 ProjectMonthUsage)
 from portal.jobs.selectors import usage_for_pass
@@ -49,7 +50,6 @@ from scheduler import core
 from scheduler.core.autoscale import wants_capacity
 
 from .dispatch import send_launches, send_prefetch, send_stop
-from .prepared import Prepared
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def _blocking_dependencies():
         to_job__state=JobState.SUCCEEDED)
 
 
-# A datetime that stands for the pass's `now` in the prepared reads (scheduler/prepared.py): they
+# A datetime that stands for the pass's `now` in the prepared reads (portal/core/prepared.py): they
 # find its place among the parameters by identity, so any fresh object does.
 _NOW = datetime.fromtimestamp(0, tz=UTC)
 _SNAPSHOT_NODES = Prepared(lambda: _nodes().values_list(*NODE_FIELDS, "id", "protocol_version"))
@@ -181,6 +181,12 @@ _SNAPSHOT_ALLOCATIONS = Prepared(lambda: _open_allocations().values_list(*ALLOCA
 _SNAPSHOT_BLOCKED = Prepared(lambda: _blocking_dependencies().values_list("from_job_id", flat=True))
 _SNAPSHOT_QUEUED = Prepared(lambda now: _queued_jobs(now).order_by("submitted_at", "id").values(
     *JOB_FIELDS, "reason_code", "reason_message", "queue_position", **JOB_TIMES), now=_NOW)
+# The quotas and organizations of the projects with jobs in the snapshot (their slugs).
+_SNAPSHOT_QUOTAS = Prepared(lambda slugs: Quota.objects.filter(AnyOf(F("project__slug"), slugs)).values_list(
+    "project__slug", "project_id", "project__organization__slug", "guaranteed_gpus", "max_gpus", "max_running_jobs",
+    "max_time_limit_s", "gpu_hours_budget", "budget_hard_stop", "allowed_gpu_types"), slugs=[])
+_SNAPSHOT_ORGS = Prepared(lambda slugs: Organization.objects.filter(AnyOf(F("projects__slug"), slugs)).distinct()
+                          .values_list("slug", "max_gpus"), slugs=[])
 
 
 def build_snapshot(now=None):
@@ -253,25 +259,23 @@ def build_snapshot(now=None):
         job.queued_since = row["changed_s"]  # submit, or its requeue after preemption
         queued.append(job)
 
-    project_slugs = {j.project for j in queued} | {a.job.project for a in running}
-    quotas = Quota.objects.filter(project__slug__in=project_slugs).select_related("project__organization")
-    project_ids = {q.project.slug: q.project_id for q in quotas}
+    project_slugs = list({j.project for j in queued} | {a.job.project for a in running})
+    quotas = _SNAPSHOT_QUOTAS.rows(slugs=project_slugs)
+    project_ids = {q[0]: q[1] for q in quotas}
     used_hours, usage = usage_for_pass(project_ids.values(), half_life_s=settings.SCHEDULER_FAIRSHARE_HALF_LIFE_S,
                                        now=now)
     projects = {}
-    for q in quotas:
-        slug = q.project.slug
+    for slug, project_id, org, guaranteed, max_gpus, max_running, max_time, budget, hard_stop, types in quotas:
         projects[slug] = core.ProjectQuota(
-            project=slug, org=q.project.organization.slug, guaranteed_gpus=float(q.guaranteed_gpus),
-            max_gpus=float(q.max_gpus), max_running_jobs=q.max_running_jobs, max_time_limit=float(q.max_time_limit_s),
+            project=slug, org=org, guaranteed_gpus=float(guaranteed),
+            max_gpus=float(max_gpus), max_running_jobs=max_running, max_time_limit=float(max_time),
             # Only a hard stop holds jobs already queued; otherwise the budget is checked at submit.
-            gpu_hours_budget=float(q.gpu_hours_budget) if q.budget_hard_stop and q.gpu_hours_budget is not None
-            else None,
-            gpu_hours_used=used_hours.get(q.project_id, 0.0),
-            allowed_gpu_types=tuple(q.allowed_gpu_types or ()),
+            gpu_hours_budget=float(budget) if hard_stop and budget is not None else None,
+            gpu_hours_used=used_hours.get(project_id, 0.0),
+            allowed_gpu_types=tuple(types or ()),
         )
-    orgs = {o.slug: core.OrgQuota(org=o.slug, max_gpus=float(o.max_gpus) if o.max_gpus is not None else None)
-            for o in Organization.objects.filter(projects__slug__in=project_slugs).distinct()}
+    orgs = {slug: core.OrgQuota(org=slug, max_gpus=float(max_gpus) if max_gpus is not None else None)
+            for slug, max_gpus in _SNAPSHOT_ORGS.rows(slugs=project_slugs)}
     snapshot = core.Snapshot(
         now=_epoch(now), nodes=list(nodes.values()), running=running, queued=queued, projects=projects, orgs=orgs,
         usage={slug: usage.get(pid, 0.0) for slug, pid in project_ids.items()}, config=config,

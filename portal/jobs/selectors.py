@@ -14,6 +14,7 @@ from django.db.models.functions import Length
 from django.utils import timezone
 
 from agents.sandbox.volumes import checkpoint_relpath, volume_relpath
+from portal.core.prepared import AnyOf, Prepared
 from portal.tenancy.models import allowed_project_ids, staff_bypass
 
 from .models import (ACTIVE, HOLDING, TERMINAL, Allocation, Job, JobLogChunk, ProjectFairshare,
@@ -34,11 +35,14 @@ def decay(value: float, seconds: float, half_life_s: float) -> float:
     return value * 0.5 ** (seconds / half_life_s)
 
 
+UNTALLIED_COLUMNS = ("job__project_id", "started_at", "released_at", "fraction")
+
+
 def untallied_allocations(project_ids):
     """Allocations not in the usage totals yet (portal/jobs/usage.py): the open ones and those
     released since the last fold, a few per GPU whatever the history."""
     return Allocation.objects.filter(job__project_id__in=list(project_ids), tallied=False).values_list(
-        "job__project_id", "started_at", "released_at", "fraction")
+        *UNTALLIED_COLUMNS)
 
 
 def gpu_hours_used_this_month(project_ids, now: datetime | None = None) -> dict[int, float]:
@@ -89,20 +93,37 @@ def decayed_usage(project_ids, *, half_life_s: float, now: datetime | None = Non
     return _decayed(ids, half_life_s, now or timezone.now(), list(untallied_allocations(ids)))
 
 
+# usage_for_pass's three reads, compiled once (portal/core/prepared.py): a pass runs them every time,
+# for the projects in its snapshot. The placeholders stand for the project ids and the month.
+_PASS_UNTALLIED = Prepared(lambda ids: Allocation.objects.filter(
+    AnyOf(F("job__project_id"), ids), tallied=False).values_list(*UNTALLIED_COLUMNS), ids=[])
+_PASS_MONTH_TOTALS = Prepared(lambda ids, month: ProjectMonthUsage.objects.filter(
+    AnyOf(F("project_id"), ids), month=month).values_list("project_id", "gpu_s"), ids=[],
+    month=datetime(1970, 1, 1).date())
+_PASS_FAIRSHARES = Prepared(lambda ids: ProjectFairshare.objects.filter(AnyOf(F("project_id"), ids)).values_list(
+    "project_id", "half_life_s", "decayed_gpu_s", "as_of"), ids=[])
+
+
 def usage_for_pass(project_ids, *, half_life_s: float, now: datetime) -> tuple[dict[int, float], dict[int, float]]:
     """(gpu_hours_used_this_month, decayed_usage) with one read of the untallied allocations: a pass
     needs both, and the open allocations are most of those rows."""
     ids = list(project_ids)
-    rows = list(untallied_allocations(ids))
-    return _month_hours(ids, now, rows), _decayed(ids, half_life_s, now, rows)
+    rows = _PASS_UNTALLIED.rows(ids=ids)
+    totals = _PASS_MONTH_TOTALS.rows(ids=ids, month=month_start(now).date())
+    return (_month_hours(ids, now, rows, totals=totals),
+            _decayed(ids, half_life_s, now, rows, shares=_PASS_FAIRSHARES.rows(ids=ids)))
 
 
-def _month_hours(ids: list[int], now: datetime, rows: list, start: datetime | None = None) -> dict[int, float]:
-    """Hours in the month from `start` (that of `now` by default) up to `now`."""
+def _month_hours(ids: list[int], now: datetime, rows: list, start: datetime | None = None,
+                 totals: list | None = None) -> dict[int, float]:
+    """Hours in the month from `start` (that of `now` by default) up to `now`. `totals`: the
+    month's (project id, GPU-seconds) running totals, when the caller has read them."""
     start = start or month_start(now)
     used: dict[int, float] = defaultdict(float)
-    for project_id, gpu_s in ProjectMonthUsage.objects.filter(project_id__in=ids, month=start.date()).values_list(
-            "project_id", "gpu_s"):
+    if totals is None:
+        totals = ProjectMonthUsage.objects.filter(project_id__in=ids, month=start.date()).values_list(
+            "project_id", "gpu_s")
+    for project_id, gpu_s in totals:
         used[project_id] += gpu_s / 3600
     for project_id, started, released, fraction in rows:
         seconds = (min(released or now, now) - max(started, start)).total_seconds()
@@ -110,11 +131,16 @@ def _month_hours(ids: list[int], now: datetime, rows: list, start: datetime | No
     return dict(used)
 
 
-def _decayed(ids: list[int], half_life_s: float, now: datetime, rows: list) -> dict[int, float]:
+def _decayed(ids: list[int], half_life_s: float, now: datetime, rows: list,
+             shares: list | None = None) -> dict[int, float]:
+    """`shares`: the projects' (id, half-life, decayed GPU-seconds, as of) totals, when the caller
+    has read them."""
     usage: dict[int, float] = defaultdict(float)
     stale = []
-    for project_id, half_life, value, as_of in ProjectFairshare.objects.filter(project_id__in=ids).values_list(
-            "project_id", "half_life_s", "decayed_gpu_s", "as_of"):
+    if shares is None:
+        shares = ProjectFairshare.objects.filter(project_id__in=ids).values_list(
+            "project_id", "half_life_s", "decayed_gpu_s", "as_of")
+    for project_id, half_life, value, as_of in shares:
         if half_life != half_life_s:
             stale.append(project_id)
         else:
@@ -144,27 +170,31 @@ def _mounts(org: str, project: str, job_id: int, volumes: list | None) -> dict:
                                               "path": checkpoint_relpath(org, project, job_id, writable)}}
 
 
+# job_launch_parts' two reads, compiled once (portal/core/prepared.py): a pass publishes launches
+# every time it starts a job, and building these queries cost more than running them.
+# A pass may launch thousands: rows, not models (building a model each, its signals and
+# descriptors, was most of the cost), each job's columns as attributes with what it needs of its
+# project; but its times and avoided nodes, which a launch does not read. No model per allocation
+# either.
+_LAUNCH_JOBS = Prepared(lambda ids: Job.objects.filter(AnyOf(F("pk"), ids), state__in=HOLDING).values(
+    *(f.attname for f in Job._meta.concrete_fields if not isinstance(f, DateTimeField) and f.name != "avoid_nodes"),
+    node_name=F("node__name"), project_slug=F("project__slug"), org_slug=F("project__organization__slug"),
+    network_allowed=F("project__quota__network_allowed")), ids=[])
+_LAUNCH_ALLOCATIONS = Prepared(lambda ids: Allocation.objects.filter(
+    AnyOf(F("job_id"), ids), released_at__isnull=True).order_by("gpu__node__name", "gpu__index").values_list(
+    "job_id", "gpu__node__name", "gpu__index", "gpu__uuid", "fraction", "shared"), ids=[])
+
+
 def job_launch_parts(pairs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
-    """The jobs' part of the launch specs for (node name, job id) pairs, in three queries whatever
+    """The jobs' part of the launch specs for (node name, job id) pairs, in two queries whatever
     their number; pairs whose job no longer holds GPUs on that node are left out. Multi-node gangs
     get the rendezvous variables torchrun and NCCL use. `datasets` holds the job's dataset
     references as submitted and `sessions` is empty: portal.launch, above storage and interactive,
     puts in the files to fetch and the published ports (docs/design.md section 2)."""
-    ids = {job_id for _, job_id in pairs}
-    # A pass may launch thousands: rows, not models (building a model each, its signals and
-    # descriptors, was most of the cost), each job's columns as attributes with what it needs of
-    # its project; but its times and avoided nodes, which a launch does not read. No model per
-    # allocation either.
-    columns = [f.attname for f in Job._meta.concrete_fields
-               if not isinstance(f, DateTimeField) and f.name != "avoid_nodes"]
-    jobs = {row["id"]: SimpleNamespace(pk=row["id"], **row) for row in Job.objects.filter(
-        pk__in=ids, state__in=HOLDING).values(
-        *columns, node_name=F("node__name"), project_slug=F("project__slug"),
-        org_slug=F("project__organization__slug"), network_allowed=F("project__quota__network_allowed"))}
+    ids = list({job_id for _, job_id in pairs})
+    jobs = {row["id"]: SimpleNamespace(pk=row["id"], **row) for row in _LAUNCH_JOBS.rows(ids=ids)}
     allocs: dict[int, list] = defaultdict(list)
-    for job_id, *held in (Allocation.objects.filter(job_id__in=list(jobs), released_at__isnull=True)
-                          .order_by("gpu__node__name", "gpu__index")
-                          .values_list("job_id", "gpu__node__name", "gpu__index", "gpu__uuid", "fraction", "shared")):
+    for job_id, *held in _LAUNCH_ALLOCATIONS.rows(ids=list(jobs)) if jobs else ():
         allocs[job_id].append(held)  # node, index, uuid, fraction, shared
     out = {}
     for node_name, job_id in pairs:

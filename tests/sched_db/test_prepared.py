@@ -1,16 +1,25 @@
-"""Reads compiled once (scheduler/prepared.py) return what the ORM returns for the same queryset,
+"""Reads compiled once (portal/core/prepared.py) return what the ORM returns for the same queryset,
 with each call's placeholder values in place, and fall back to the ORM where the backend converts
-a placeholder."""
+a placeholder. Those of a pass and of its launches that take a list (AnyOf) read what the ORM's
+`__in` read."""
 import threading
 from datetime import timedelta
 
 import pytest
 from django.db import connections
+from django.db.models import DateTimeField, F
 from django.utils import timezone
 
-from portal.jobs.models import Job, JobState
+from portal.core.context import Actor
+from portal.core.prepared import AnyOf, Prepared
+from portal.jobs import selectors
+from portal.jobs.models import HOLDING, Allocation, Job, JobState, ProjectFairshare, ProjectMonthUsage
+from portal.jobs.selectors import month_start
+from portal.jobs.states import transition
+from portal.jobs.usage import usage_fold
+from portal.nodes.services import node_add
+from portal.tenancy.models import Organization, Quota
 from scheduler import adapter
-from scheduler.prepared import Prepared
 from tests.conftest import submit
 
 EPOCH = adapter._NOW
@@ -62,3 +71,69 @@ def test_each_thread_compiles_and_runs_on_its_own_connection(demo):
     thread.start()
     thread.join()
     assert seen == [([job.pk], True)]
+
+
+@pytest.mark.django_db
+def test_any_of_a_list_placeholder_reads_what_in_reads_for_any_length(demo):
+    jobs = [submit(demo, "alice", name=f"j{i}", resources={"gpus": 1}) for i in range(3)]
+    prepared = Prepared(lambda ids: Job.objects.filter(AnyOf(F("pk"), ids)).order_by("pk").values_list("pk", "name"),
+                        ids=[])
+    for ids in ([], [jobs[1].pk], [j.pk for j in jobs], [jobs[0].pk, jobs[2].pk, 10**9]):
+        assert prepared.rows(ids=ids) == list(Job.objects.filter(pk__in=ids).order_by("pk").values_list("pk", "name"))
+    assert prepared._local.compiled is not None  # one statement for every length
+
+
+@pytest.fixture
+def running_and_folded(demo, quiet):
+    """Jobs of two projects holding GPUs, one ended and folded into the usage totals: rows for
+    every read of a pass and of its launches."""
+    node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="4xH100-80GB")
+    jobs = [submit(demo, user, project=project, name=f"{project}{i}", resources={"gpus": 1})
+            for i, (user, project) in enumerate([("alice", "vision"), ("alice", "vision"), ("charlie", "nlp")])]
+    assert adapter.run_pass()["started"] == 3
+    transition(jobs[0].pk, to=JobState.SUCCEEDED, from_states=HOLDING)  # releases its GPU
+    usage_fold()
+    return jobs
+
+
+def same_rows(prepared_rows, orm_rows):
+    key = repr
+    return sorted(prepared_rows, key=key) == sorted(orm_rows, key=key)
+
+
+@pytest.mark.django_db
+def test_the_compiled_reads_of_a_pass_and_its_launches_equal_the_orms(demo, running_and_folded):
+    job_ids = [j.pk for j in running_and_folded] + [10**9]
+    project_ids = [demo.vision.pk, demo.nlp.pk]
+    slugs = ["vision", "nlp", "missing"]
+    month = month_start().date()
+    launch_columns = [f.attname for f in Job._meta.concrete_fields
+                      if not isinstance(f, DateTimeField) and f.name != "avoid_nodes"]
+    pairs = [
+        (selectors._LAUNCH_JOBS.rows(ids=job_ids), Job.objects.filter(pk__in=job_ids, state__in=HOLDING).values(
+            *launch_columns, node_name=F("node__name"), project_slug=F("project__slug"),
+            org_slug=F("project__organization__slug"), network_allowed=F("project__quota__network_allowed"))),
+        (selectors._LAUNCH_ALLOCATIONS.rows(ids=job_ids),
+         Allocation.objects.filter(job_id__in=job_ids, released_at__isnull=True)
+         .order_by("gpu__node__name", "gpu__index")
+         .values_list("job_id", "gpu__node__name", "gpu__index", "gpu__uuid", "fraction", "shared")),
+        (selectors._PASS_UNTALLIED.rows(ids=project_ids), selectors.untallied_allocations(project_ids)),
+        (selectors._PASS_MONTH_TOTALS.rows(ids=project_ids, month=month),
+         ProjectMonthUsage.objects.filter(project_id__in=project_ids, month=month).values_list("project_id", "gpu_s")),
+        (selectors._PASS_FAIRSHARES.rows(ids=project_ids), ProjectFairshare.objects.filter(
+            project_id__in=project_ids).values_list("project_id", "half_life_s", "decayed_gpu_s", "as_of")),
+        (adapter._SNAPSHOT_QUOTAS.rows(slugs=slugs), [
+            (q.project.slug, q.project_id, q.project.organization.slug, q.guaranteed_gpus, q.max_gpus,
+             q.max_running_jobs, q.max_time_limit_s, q.gpu_hours_budget, q.budget_hard_stop, q.allowed_gpu_types)
+            for q in Quota.objects.filter(project__slug__in=slugs).select_related("project__organization")]),
+        (adapter._SNAPSHOT_ORGS.rows(slugs=slugs),
+         [(o.slug, o.max_gpus) for o in Organization.objects.filter(projects__slug__in=slugs).distinct()]),
+    ]
+    for i, (compiled, orm) in enumerate(pairs):
+        orm = list(orm)
+        assert orm, i  # the fixture gives each read rows to compare
+        assert same_rows(compiled, orm), i
+    # The launch allocations keep their order (a gang's first node is its rendezvous master).
+    assert pairs[1][0] == list(pairs[1][1])
+    # No rows for no ids, as `__in` of an empty list.
+    assert selectors._LAUNCH_JOBS.rows(ids=[]) == [] and adapter._SNAPSHOT_QUOTAS.rows(slugs=[]) == []

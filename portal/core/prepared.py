@@ -2,7 +2,9 @@
 
 Under a stream of submits a pass runs every SCHEDULER_PASS_INTERVAL_S, and most of its reads are
 the same statement each time: building and compiling the Django query cost several times what
-running it did (the larger part of the worker's CPU in bench/vs_portal.py). A `Prepared` read
+running it did (the larger part of the worker's CPU in bench/vs_portal.py). The pass's own reads
+(scheduler/adapter.py) and those of the apps it calls (its usage figures, the launch specs it
+publishes) use it, so it lives at the bottom layer. A `Prepared` read
 compiles its queryset on first use and keeps the SQL, its parameters and the compiler, whose
 converters turn the rows into what the ORM returns (JSON decoded, decimals, aware datetimes).
 
@@ -12,12 +14,34 @@ Where the backend turns the value into another (SQLite stores datetimes as text)
 is not found, and that read is built and run through the ORM each time, as before. A compiler
 holds its thread's connection, so each thread compiles its own (the race tests run passes in
 threads).
+
+A list of values is one placeholder through `AnyOf` (`= ANY(%s)`, one array parameter), where
+`__in` writes a parameter per item and so a statement per length.
 """
 import threading
 from collections.abc import Callable
 
 from django.db import connections
+from django.db.models import Lookup
 from django.db.models.query import FlatValuesListIterable, ValuesIterable
+
+
+class AnyOf(Lookup):
+    """`AnyOf(F("field"), values)` in a filter: the field is one of `values` (a list), sent as one
+    array parameter, `field = ANY(%s)`, so the list may be a Prepared placeholder. SQLite has no
+    arrays: there it is `field IN (...)`, a parameter per item, and a Prepared read using it is
+    built and run through the ORM each time (its placeholder is not among the parameters)."""
+
+    lookup_name = "any_of"
+    prepare_rhs = False  # the list goes to the driver as it is, the same object (Prepared finds it)
+
+    def as_sql(self, compiler, connection):
+        lhs, params = self.process_lhs(compiler, connection)
+        return f"{lhs} = ANY(%s)", [*params, self.rhs]
+
+    def as_sqlite(self, compiler, connection, **extra):
+        lhs, params = self.process_lhs(compiler, connection)
+        return f"{lhs} IN ({', '.join(['%s'] * len(self.rhs))})", [*params, *self.rhs]
 
 
 class Prepared:
