@@ -102,6 +102,12 @@ class PortalClient:
             "Authorization": f"Bearer {token}",
             "User-Agent": f"gpuportal-agent/{__version__}",
         })
+        # The environment's proxy and CA bundle for the portal, read once: with trust_env, requests reads
+        # them again, and ~/.netrc, on every call (a tenth of an agent's CPU per job), and a .netrc entry
+        # for the portal's host would replace the node token with its password.
+        env = self.session.merge_environment_settings(self.base, {}, None, None, None)
+        self.session.proxies, self.session.verify = env["proxies"], env["verify"]
+        self.session.trust_env = False
         self._clock = clock
         self._sleep = sleep
         self.last_contact: float | None = None

@@ -195,3 +195,30 @@ def test_an_unanswered_request_renews_the_lease_only_while_the_portals_host_acce
         assert not off.renew_if_slow() and off.lease_renewed_at is None
     now[0] = 110.0  # the host no longer accepts connections (here: refused; a partition: the connect times out)
     assert not slow.renew_if_slow(probe_timeout_s=0.5) and slow.lease_renewed_at == 105.0
+
+
+def test_the_environment_is_read_once_and_netrc_never(stub, monkeypatch, tmp_path):
+    """The proxy for the portal comes from the environment the agent started with (read once, not at
+    every call), and a ~/.netrc entry for the portal's host does not replace the node token."""
+    proxy = PortalStub()
+    try:
+        host = stub.url.split("//", 1)[1].split(":", 1)[0]
+        netrc = tmp_path / "netrc"
+        netrc.write_text(f"machine {host} login someone password secret\n")
+        monkeypatch.setenv("NETRC", str(netrc))
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        c = client(stub.url)
+        monkeypatch.delenv("HTTP_PROXY")
+        with pytest.raises(PortalError, match="404"):  # the stub playing the proxy knows no absolute URLs
+            c.heartbeat(samples=[], jobs=[])
+        assert stub.requests == [] and len(proxy.requests) == 1  # still through the proxy it started with
+        path, _, headers = proxy.requests[0]
+        assert path == f"{stub.url}/api/agent/v1/heartbeat" and headers["Authorization"] == f"Bearer {TOKEN}"
+        direct = client(stub.url)  # started without a proxy: straight to the portal, token intact
+        direct.heartbeat(samples=[], jobs=[])
+        assert [p for p, _, _ in stub.requests] == ["/api/agent/v1/heartbeat"]
+        assert stub.requests[0][2]["Authorization"] == f"Bearer {TOKEN}"
+    finally:
+        proxy.close()
