@@ -35,7 +35,8 @@ def main():
     ap.add_argument("--nodes", type=int, default=32)
     ap.add_argument("--jobs", type=int, default=256, help="one-GPU jobs (at most 8 per node)")
     ap.add_argument("--batch", type=int, default=32, help="end reports per request; 1: single events")
-    ap.add_argument("--profile", action="store_true", help="print the top functions by cumulative time")
+    ap.add_argument("--profile", nargs="?", const="end", choices=["confirm", "running", "log", "end"],
+                    help="print the top functions by cumulative time of one step (default: end)")
     ap.add_argument("--sql", action="store_true", help="print the statements of each step's first request")
     args = ap.parse_args()
     args.jobs = min(args.jobs, args.nodes * 8)
@@ -106,19 +107,30 @@ def main():
             return r.json()
 
         steps = {}
+        profiles = []
 
-        def step(name, calls):
+        def step(name, calls, key):
+            profiler = None
+            if args.profile == key:
+                import cProfile
+
+                profiler = cProfile.Profile(time.process_time)  # CPU, not the waits on PostgreSQL
             with connection.cursor() as cursor:
                 cursor.execute("SELECT pg_backend_pid()")
                 backend = cursor.fetchone()[0]
             before = dict(messages)
             connection.queries_log.clear()  # a bounded deque: a full one would count short
             db0, c0, w0 = (backend_cpu_s(backend) or 0.0), time.process_time(), time.perf_counter()
+            if profiler:
+                profiler.enable()
             with CaptureQueriesContext(connection) as queries:
                 calls[0]()
                 head = list(queries)
                 for call in calls[1:]:
                     call()
+            if profiler:
+                profiler.disable()
+                profiles.append(profiler)
             steps[name] = {"cpu": time.process_time() - c0, "db": (backend_cpu_s(backend) or 0.0) - db0,
                            "wall": time.perf_counter() - w0, "queries": len(queries),
                            "messages": sum(messages.values()) - sum(before.values())}
@@ -128,12 +140,12 @@ def main():
                     print("  ", q["sql"][:200])
 
         step("confirm (launch spec)", [lambda pk=pk, a=a, n=n: post(f"jobs/{pk}/confirm", {"attempt": a}, agents[n])
-                                       for pk, a, n in jobs])
+                                               for pk, a, n in jobs], "confirm")
         step("running event", [lambda pk=pk, a=a, n=n: post(f"jobs/{pk}/events", {"attempt": a, "state": "running"},
-                                                          agents[n]) for pk, a, n in jobs])
+                                                          agents[n]) for pk, a, n in jobs], "running")
         step("one log chunk", [lambda pk=pk, a=a, n=n: post(f"jobs/{pk}/logs", {"attempt": a, "offset": 0,
                                                                                "data": "done\n"}, agents[n])
-                               for pk, a, n in jobs])
+                               for pk, a, n in jobs], "log")
         if args.batch <= 1:
             ends = [lambda pk=pk, a=a, n=n: post(f"jobs/{pk}/events", {"attempt": a, "state": "succeeded",
                                                                       "exit_code": 0}, agents[n])
@@ -145,16 +157,8 @@ def main():
                                                   "exit_code": 0})
             ends = [lambda evs=evs[i:i + args.batch], n=n: post("events", {"events": evs}, agents[n])
                     for n, evs in by_node.items() for i in range(0, len(evs), args.batch)]
-        profiler = None
-        if args.profile:
-            import cProfile
-
-            profiler = cProfile.Profile()
-            profiler.enable()
         step(f"end ({'single events' if args.batch <= 1 else f'batches of up to {args.batch}'}, {len(ends)} requests)",
-             ends)
-        if profiler:
-            profiler.disable()
+             ends, "end")
         left = Job.objects.filter(pk__in=[pk for pk, _, _ in jobs]).exclude(state="succeeded").count()
         if left:
             raise SystemExit(f"{left} jobs did not succeed")
@@ -171,10 +175,10 @@ def main():
               f"{(total['cpu'] + total['db']) * 1e3 / n:7.2f} {total['cpu'] * 1e3 / n:6.2f} "
               f"{total['db'] * 1e3 / n:6.2f} {total['wall'] * 1e3 / n:8.2f}")
         print(f"  Celery messages: {dict(messages) or 'none'}")
-        if profiler:
+        for profiler in profiles:
             import pstats
 
-            pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
+            pstats.Stats(profiler).sort_stats("cumulative").print_stats(45)
 
 
 if __name__ == "__main__":

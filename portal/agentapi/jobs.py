@@ -10,7 +10,7 @@ from rest_framework.response import Response
 
 from agents import protocol
 from agents.protocol import EVENT_STATES
-from portal.core.api import StrictSerializer
+from portal.core.api import StrictSerializer, validated
 from portal.jobs.reports import job_append_log, job_confirm, job_report, job_report_many
 from portal.launch import launch_spec
 from portal.nodes.agent_api import MAX_ATTEMPT, MAX_INT32, AgentView, speaks
@@ -25,10 +25,9 @@ class ConfirmView(AgentView):
     @extend_schema(request=AttemptSerializer, responses=inline_serializer("Confirmed", {
         "spec": serializers.DictField()}))
     def post(self, request, job_id):
-        data = AttemptSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        job = job_confirm(node=self.node, job_id=job_id, **data.validated_data)
-        return Response({"spec": launch_spec(job.pk, self.node.name, attempt=data.validated_data["attempt"])})
+        data = validated(AttemptSerializer, request.data)
+        job = job_confirm(node=self.node, job_id=job_id, **data)
+        return Response({"spec": launch_spec(job.pk, self.node.name, attempt=data["attempt"])})
 
 
 @speaks(protocol.SCRUB_FAILURE)
@@ -62,9 +61,8 @@ class EventView(AgentView):
     @extend_schema(request=EventSerializer, responses=inline_serializer("EventApplied", {
         "result": serializers.CharField()}))
     def post(self, request, job_id):
-        data = EventSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        return Response({"result": job_report(node=self.node, job_id=job_id, **data.validated_data)})
+        data = validated(EventSerializer, request.data)
+        return Response({"result": job_report(node=self.node, job_id=job_id, **data)})
 
 
 @speaks(protocol.BATCH_EVENT)
@@ -89,9 +87,8 @@ class EventsView(AgentView):
                                               help_text="stale: the 409 of a single report; stop that attempt."),
             "detail": serializers.CharField(required=False)}, many=True)}))
     def post(self, request):
-        data = EventsSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        return Response({"results": job_report_many(node=self.node, events=data.validated_data["events"])})
+        data = validated(EventsSerializer, request.data)
+        return Response({"results": job_report_many(node=self.node, events=data["events"])})
 
 
 @speaks(protocol.LOG)
@@ -130,6 +127,5 @@ class LogView(AgentView):
         "size": serializers.IntegerField(help_text="Bytes stored for this attempt."),
         "full": serializers.BooleanField(help_text="The attempt's log reached JOB_LOG_MAX_BYTES: stop sending.")}))
     def post(self, request, job_id):
-        data = LogSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        return Response(job_append_log(node=self.node, job_id=job_id, **data.validated_data))
+        data = validated(LogSerializer, request.data)
+        return Response(job_append_log(node=self.node, job_id=job_id, **data))

@@ -19,6 +19,7 @@ from agents.protocol import TERMINAL_EVENT_STATES
 from portal.core.errors import Conflict
 from portal.core.numbers import parse_int, parse_ints
 from portal.core.queue import SCHEDULE_PASS, request_schedule_pass, send
+from portal.core.prepared import Prepared
 
 from .models import HOLDING, TERMINAL, Allocation, Job, JobLogChunk, JobState
 from .notifications import notifications_batched
@@ -44,29 +45,34 @@ def job_nodes(job: Job) -> set[str]:
     return names
 
 
-# _read's statement on PostgreSQL, compiled once per process: every report reads one job this way,
-# and building the statement (a join and a subquery) cost more CPU than running it.
-_read_sql: str | None = None
+def _read_query(pk):
+    # PostgreSQL only: a portal on SQLite never loads django.contrib.postgres (nor psycopg).
+    from django.contrib.postgres.expressions import ArraySubquery
+
+    return Job.objects.filter(pk=pk).order_by().values_list(
+        *_JOB_COLUMNS, F("node__name"), ArraySubquery(Allocation.objects.filter(
+            job=OuterRef("pk"), released_at__isnull=True).values("gpu__node__name")))[:1]
+
+
+# _read's statement on PostgreSQL, compiled once per process (portal/core/prepared.py): every report
+# reads one job this way, and building the statement (a join and a subquery) cost more CPU than
+# running it, as did a RawQuerySet's mapping of its columns to fields.
+_JOB_COLUMNS = [f.attname for f in Job._meta.concrete_fields]
+_READ = Prepared(_read_query, pk=-(2**62))  # a placeholder no job has
 
 
 def _read(pk: int) -> Job | None:
     """The job with its node's name (`node_name`) and, on PostgreSQL, the nodes it holds GPUs on
     (`held_on`): one query for what each report checks."""
-    global _read_sql
     if connection.vendor != "postgresql":
         return Job.objects.select_related("node").filter(pk=pk).first()
-    if _read_sql is None:
-        # PostgreSQL only: a portal on SQLite never loads django.contrib.postgres (nor psycopg).
-        from django.contrib.postgres.expressions import ArraySubquery
-
-        sql, params = Job.objects.filter(pk=0).annotate(
-            node_name=F("node__name"),
-            held_on=ArraySubquery(Allocation.objects.filter(job=OuterRef("pk"), released_at__isnull=True)
-                                  .values("gpu__node__name"))).order_by()[:1].query.sql_with_params()
-        if params != (0,):  # the pk must be its only parameter
-            raise RuntimeError(f"unexpected parameters in the job read: {params!r}")
-        _read_sql = sql
-    return next(iter(Job.objects.raw(_read_sql, [pk])), None)
+    rows = _READ.rows(pk=pk)
+    if not rows:
+        return None
+    *columns, node_name, held_on = rows[0]
+    job = Job.from_db("default", _JOB_COLUMNS, columns)
+    job.node_name, job.held_on = node_name, held_on
+    return job
 
 
 def _load(job_id, attempt: int, node, *, ended: bool = False) -> Job:

@@ -1,0 +1,61 @@
+"""The reads every agent report makes, compiled once per process (portal/core/prepared.py), give the
+instances the ORM gives: the node a token names (every agent request) and the job a report names."""
+import pytest
+from django.db.models import F
+
+from portal.core.context import Actor
+from portal.jobs import reports
+from portal.jobs.models import Job
+from portal.jobs.reports import _read
+from portal.jobs.services import job_submit
+from portal.nodes import services
+from portal.nodes.models import Node
+from portal.nodes.services import node_add, node_authenticate, node_rotate_token
+from scheduler.adapter import run_pass
+
+
+def columns(obj) -> dict:
+    return {f.attname: getattr(obj, f.attname) for f in type(obj)._meta.concrete_fields}
+
+
+@pytest.fixture
+def placed(demo, sent):
+    """A 1-GPU job assigned to node gpu-01, with JSON fields that are not empty; (node, secret, job)."""
+    node, secret = node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="1xH100-80GB")
+    Node.objects.filter(pk=node.pk).update(labels={"rack": "a1"}, cached_datasets=["ab" * 32])
+    job, _ = job_submit(actor=Actor(user=demo.users["alice"]), data={
+        "project": "vision", "name": "j", "image": "gpuportal/busybox:latest", "command": ["sleep", "1"],
+        "env": {"A": "1"}, "resources": {"gpus": 1}})
+    run_pass()
+    Job.objects.filter(pk=job.pk).update(avoid_nodes={"gpu-09": 1.5})
+    return node, secret, job
+
+
+def test_a_token_reads_the_node_the_orm_reads(placed):
+    node, secret, _ = placed
+    found = node_authenticate(secret)
+    assert columns(found) == columns(Node.objects.get(pk=node.pk))
+    assert found.labels == {"rack": "a1"} and found.cached_datasets == ["ab" * 32]  # JSON decoded
+    assert not found._state.adding and found._state.db == "default"
+    found.save(update_fields=["labels"])  # an instance the ORM can write back
+    assert services._NODE_BY_DIGEST._local.compiled is not None  # its placeholder was found: compiled
+
+
+def test_a_rotated_or_unknown_token_is_refused_at_once(demo, placed):
+    node, secret, _ = placed
+    assert node_authenticate("gpn_" + "x" * 40) is None
+    assert node_authenticate(secret) is not None
+    node_rotate_token(actor=Actor(user=demo.users["admin"]), node=node)
+    assert node_authenticate(secret) is None
+
+
+def test_a_report_reads_the_job_the_orm_reads(placed):
+    node, _, job = placed
+    read = _read(job.pk)
+    expected = Job.objects.annotate(node_name=F("node__name")).get(pk=job.pk)
+    assert expected.state == "assigned"
+    assert columns(read) == columns(expected)
+    assert read.avoid_nodes == {"gpu-09": 1.5} and read.env == {"A": "1"}
+    assert (read.node_name, read.held_on) == ("gpu-01", ["gpu-01"])
+    assert _read(job.pk + 10_000) is None
+    assert reports._READ._local.compiled is not None
