@@ -7,17 +7,19 @@ CPU per pass of this process (the worker's part) and of its PostgreSQL backend, 
 wall time splits. The worker's CPU per job in bench/vs_portal.py is about passes x this / jobs.
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/test .venv/bin/python bench/sched_small_pass.py
-PROFILE=cumtime (or tottime) profiles the rounds' CPU.
+PROFILE=cumtime (or tottime) profiles the rounds' CPU; BENCH_DB names the throwaway database
+(default gpuportal_bench_small), so two runs on one server do not collide.
 """
 import os
 import time
 import uuid
 from decimal import Decimal
 
-from benchdb import DEVELOPMENT, backend_cpu_s, django_setup, throwaway_database
+from benchdb import PRODUCTION, backend_cpu_s, django_setup, throwaway_database
 
-# As bench/vs_portal.py runs the worker (tests/faults/cluster.py: DEBUG=1).
-django_setup(DEVELOPMENT, LOG_LEVEL="WARNING")
+# As bench/vs_portal.py runs the worker: production settings (DEBUG off; DEBUG=1 in the environment
+# adds the query log's CPU of its own).
+django_setup(PRODUCTION)
 
 from django.core.management import call_command  # noqa: E402
 from django.utils import timezone  # noqa: E402

@@ -117,20 +117,25 @@ def _cancel_failed_dependents() -> int:
     return ended
 
 
+_EARLIER_ATTEMPTS = Prepared(lambda: Allocation.objects.filter(
+    released_at__isnull=False, attempt__lt=F("job__attempt"),
+    job__state__in=[JobState.QUEUED, *HOLDING]).values_list("job_id", "started_at", "released_at", "fraction"))
+
+
 def _attained_gpu_s() -> dict[int, float]:
     """GPU-seconds each queued or running job got from its earlier attempts (the las policy
     orders and preempts by it; the core adds a running attempt's own service)."""
     out: dict[int, float] = defaultdict(float)
-    for job_id, started, released, fraction in Allocation.objects.filter(
-            released_at__isnull=False, attempt__lt=F("job__attempt"),
-            job__state__in=[JobState.QUEUED, *HOLDING]).values_list("job_id", "started_at", "released_at", "fraction"):
+    for job_id, started, released, fraction in _EARLIER_ATTEMPTS.rows():
         out[job_id] += max((released - started).total_seconds(), 0.0) * float(fraction)
     return out
 
 
 NODE_STATES = (NodeState.READY, NodeState.DRAINING)
 NODE_FIELDS = ("name", "pool", "state", "sandbox", "queue_verified_at", "cpus", "memory_mb", "cached_datasets")
-GPU_FIELDS = ("id", "node__name", "index", "model", "memory_mb", "health", "mode", "topology")
+GPU_FIELDS = ("id", "node__name", "index", "model", "memory_mb", "health", "mode")
+# And its topology, NULL where none was reported: only the GPUs with one have their JSON decoded.
+GPU_TOPOLOGY = NullIf("topology", Value({}, output_field=JSONField()))
 # What the snapshot reads of a job as it is stored; JOB_TIMES below adds the columns it reads computed.
 JOB_FIELDS = ("id", "project__slug", "project__organization__slug", "user__username", "gpus", "time_limit_s",
               "gpu_type", "gpu_memory_mb", "priority", "preemptible", "array_parent_id", "array_limit", "sandbox",
@@ -175,7 +180,7 @@ def _blocking_dependencies():
 # find its place among the parameters by identity, so any fresh object does.
 _NOW = datetime.fromtimestamp(0, tz=UTC)
 _SNAPSHOT_NODES = Prepared(lambda: _nodes().values_list(*NODE_FIELDS, "id", "protocol_version"))
-_SNAPSHOT_GPUS = Prepared(lambda: _gpus().values_list(*GPU_FIELDS))
+_SNAPSHOT_GPUS = Prepared(lambda: _gpus().values_list(*GPU_FIELDS, GPU_TOPOLOGY))
 _SNAPSHOT_HOLDING = Prepared(lambda: _holding_jobs().values(*JOB_FIELDS, **JOB_TIMES))
 _SNAPSHOT_ALLOCATIONS = Prepared(lambda: _open_allocations().values_list(*ALLOCATION_FIELDS, Epoch("started_at")))
 _SNAPSHOT_BLOCKED = Prepared(lambda: _blocking_dependencies().values_list("from_job_id", flat=True))
@@ -309,7 +314,7 @@ def _digest_sql(now) -> tuple[str, list]:
     job_columns = _columns(JOB_FIELDS) + ("submitted_at", "state_changed_at", "datasets", "avoid_nodes")
     sources = [
         _nodes().values_list(*NODE_FIELDS),
-        _gpus().values_list(*_columns(GPU_FIELDS)),
+        _gpus().values_list(*_columns(GPU_FIELDS), "topology"),
         _holding_jobs().values_list(*job_columns, "state", "attempt"),
         _queued_jobs(now).values_list(*job_columns),
         _open_allocations().values_list(*ALLOCATION_FIELDS, "started_at"),
@@ -506,6 +511,8 @@ def _update_reasons(changed: list[tuple[int, str, str, int | None]]) -> None:
 _STALE_LAUNCHES = Prepared(lambda cutoff: Job.objects.filter(
     state__in=[JobState.ASSIGNED, JobState.STARTING], state_changed_at__lt=cutoff).values_list(
     "id", "attempt", "node__name"), cutoff=_NOW)
+_GANG_NODES = Prepared(lambda ids: Allocation.objects.filter(
+    AnyOf(F("job_id"), ids), released_at__isnull=True).values_list("job_id", "gpu__node__name"), ids=[])
 
 
 def _resend_stale_launches(now) -> list[tuple[str, int, int]]:
@@ -522,8 +529,7 @@ def _resend_stale_launches(now) -> list[tuple[str, int, int]]:
     if not stale:
         return out
     gang_nodes = defaultdict(set)
-    for job_id, node_name in Allocation.objects.filter(job_id__in=list(stale), released_at__isnull=True).values_list(
-            "job_id", "gpu__node__name"):
+    for job_id, node_name in _GANG_NODES.rows(ids=list(stale)):
         gang_nodes[job_id].add(node_name)
     for job_id, attempt, node_name in stale.values():
         for name in sorted(gang_nodes.get(job_id) or {node_name}):
@@ -684,6 +690,10 @@ def run_pass(*, wait: bool = False) -> dict:
     }
 
 
+_PROTOCOLS = Prepared(lambda names: Node.objects.filter(AnyOf(F("name"), names)).values_list(
+    "name", "protocol_version"), names=[])
+
+
 def _publish(launches, stops, prefetch=None, protocols=None) -> None:
     """`protocols`: the agents' protocol versions by node name as the snapshot read them; the
     nodes of re-sent launches it lacks are read here."""
@@ -694,7 +704,7 @@ def _publish(launches, stops, prefetch=None, protocols=None) -> None:
         versions = dict(protocols or {})
         unknown = {node for node, _, _ in launches} - versions.keys()
         if unknown:
-            versions.update(Node.objects.filter(name__in=unknown).values_list("name", "protocol_version"))
+            versions.update(_PROTOCOLS.rows(names=list(unknown)))
         batched = {name for name, version in versions.items() if speaks(version, LAUNCHES_SINCE)}
         send_launches(launches, launch_specs([(node, job_id) for node, job_id, _ in launches]), batched)
     if prefetch:

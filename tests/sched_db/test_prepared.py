@@ -17,6 +17,7 @@ from portal.jobs.models import HOLDING, Allocation, Job, JobState, ProjectFairsh
 from portal.jobs.selectors import month_start
 from portal.jobs.states import transition
 from portal.jobs.usage import usage_fold
+from portal.nodes.models import Node
 from portal.nodes.services import node_add
 from portal.tenancy.models import Organization, Quota
 from scheduler import adapter
@@ -93,6 +94,12 @@ def running_and_folded(demo, quiet):
     assert adapter.run_pass()["started"] == 3
     transition(jobs[0].pk, to=JobState.SUCCEEDED, from_states=HOLDING)  # releases its GPU
     usage_fold()
+    # An earlier attempt of a running job, released (what the las policy counts).
+    now, gpu = timezone.now(), Allocation.objects.filter(job=jobs[1]).values_list("gpu_id", flat=True).get()
+    Allocation.objects.create(job=jobs[1], attempt=1, gpu_id=gpu, started_at=now - timedelta(hours=1),
+                              released_at=now - timedelta(minutes=30))
+    Job.objects.filter(pk=jobs[1].pk).update(attempt=2)
+    Allocation.objects.filter(job=jobs[1], released_at__isnull=True).update(attempt=2)
     return jobs
 
 
@@ -128,6 +135,13 @@ def test_the_compiled_reads_of_a_pass_and_its_launches_equal_the_orms(demo, runn
             for q in Quota.objects.filter(project__slug__in=slugs).select_related("project__organization")]),
         (adapter._SNAPSHOT_ORGS.rows(slugs=slugs),
          [(o.slug, o.max_gpus) for o in Organization.objects.filter(projects__slug__in=slugs).distinct()]),
+        (adapter._EARLIER_ATTEMPTS.rows(), Allocation.objects.filter(
+            released_at__isnull=False, attempt__lt=F("job__attempt"),
+            job__state__in=[JobState.QUEUED, *HOLDING]).values_list("job_id", "started_at", "released_at", "fraction")),
+        (adapter._GANG_NODES.rows(ids=job_ids), Allocation.objects.filter(
+            job_id__in=job_ids, released_at__isnull=True).values_list("job_id", "gpu__node__name")),
+        (adapter._PROTOCOLS.rows(names=["gpu-01", "missing"]),
+         Node.objects.filter(name__in=["gpu-01", "missing"]).values_list("name", "protocol_version")),
     ]
     for i, (compiled, orm) in enumerate(pairs):
         orm = list(orm)
