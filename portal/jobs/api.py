@@ -1,4 +1,5 @@
 import functools
+import threading
 from collections import Counter
 from decimal import Decimal
 
@@ -113,6 +114,27 @@ class JobSerializer(serializers.ModelSerializer):
         if histograms is None:
             return dict(Counter(job.tasks.values_list("state", flat=True)))
         return histograms.get(job.pk, {})
+
+
+# One JobSerializer a thread, for the submit's answer (`_job_answer`).
+_answerers = threading.local()
+
+
+def _job_answer(job: Job, context: dict) -> dict:
+    """``JobSerializer(job, context=context).data``. A serializer made for each request builds its
+    fields from the model (most of what serializing one job costs); the submit's answer is written
+    by one instance a thread instead, whose context is this request's while it writes. Its fields
+    keep no state of their own between calls: they read the job and, through their root, the
+    context (tests/jobs/test_submit.py compares the answer with a GET of the job)."""
+    answerer = getattr(_answerers, "serializer", None)
+    if answerer is None:
+        answerer = _answerers.serializer = JobSerializer()
+        answerer.fields  # bound once
+    answerer._context = context
+    try:
+        return answerer.to_representation(job)
+    finally:
+        answerer._context = {}
 
 
 class JobDetailSerializer(JobSerializer):
@@ -237,7 +259,7 @@ class JobViewSet(mixins.ListModelMixin, TenantViewSet):
         job, created = job_submit(actor=self.actor, data=request.data, idempotency_key=key)
         if not created or job.is_array_parent:  # a replayed job, or one whose tasks are counted: read back
             job = self.get_queryset().get(pk=job.pk)
-        return Response(JobSerializer(job, context=self.get_serializer_context()).data,
+        return Response(_job_answer(job, self.get_serializer_context()),
                         status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
     @extend_schema(request=JobBatchSerializer, responses={201: JobBatchResultSerializer})
