@@ -19,7 +19,7 @@ from agents.protocol import TERMINAL_EVENT_STATES
 from portal.core.errors import Conflict
 from portal.core.numbers import parse_int, parse_ints
 from portal.core.queue import SCHEDULE_PASS, request_schedule_pass, send
-from portal.core.prepared import Prepared
+from portal.core.prepared import AnyOf, Prepared
 
 from .models import HOLDING, TERMINAL, Allocation, Job, JobLogChunk, JobState
 from .notifications import notifications_batched
@@ -45,34 +45,55 @@ def job_nodes(job: Job) -> set[str]:
     return names
 
 
-def _read_query(pk):
+def _job_rows(jobs):
+    """`jobs` as rows of the job's columns, its node's name and the nodes it holds GPUs on."""
     # PostgreSQL only: a portal on SQLite never loads django.contrib.postgres (nor psycopg).
     from django.contrib.postgres.expressions import ArraySubquery
 
-    return Job.objects.filter(pk=pk).order_by().values_list(
-        *_JOB_COLUMNS, F("node__name"), ArraySubquery(Allocation.objects.filter(
-            job=OuterRef("pk"), released_at__isnull=True).values("gpu__node__name")))[:1]
+    return jobs.order_by().values_list(*_JOB_COLUMNS, F("node__name"), ArraySubquery(Allocation.objects.filter(
+        job=OuterRef("pk"), released_at__isnull=True).values("gpu__node__name")))
 
 
-# _read's statement on PostgreSQL, compiled once per process (portal/core/prepared.py): every report
-# reads one job this way, and building the statement (a join and a subquery) cost more CPU than
+def _job_from_row(row) -> Job:
+    *columns, node_name, held_on = row
+    job = Job.from_db("default", _JOB_COLUMNS, columns)
+    job.node_name, job.held_on = node_name, held_on
+    return job
+
+
+# _read's statements on PostgreSQL, compiled once per process (portal/core/prepared.py): every report
+# reads its job this way, and building the statement (a join and a subquery) cost more CPU than
 # running it, as did a RawQuerySet's mapping of its columns to fields.
 _JOB_COLUMNS = [f.attname for f in Job._meta.concrete_fields]
-_READ = Prepared(_read_query, pk=-(2**62))  # a placeholder no job has
+_READ = Prepared(lambda pk: _job_rows(Job.objects.filter(pk=pk))[:1], pk=-(2**62))  # no job has that pk
+_READ_MANY = Prepared(lambda ids: _job_rows(Job.objects.filter(AnyOf(F("pk"), ids))), ids=[])
 
 
 def _read(pk: int) -> Job | None:
     """The job with its node's name (`node_name`) and, on PostgreSQL, the nodes it holds GPUs on
-    (`held_on`): one query for what each report checks."""
+    (`held_on`): one query for what each report checks, or none for a job of a batch read before
+    (`_prefetch`)."""
     if connection.vendor != "postgresql":
         return Job.objects.select_related("node").filter(pk=pk).first()
+    read = getattr(_batch, "read", None)
+    if read is not None and pk in read:
+        return read.pop(pk)  # taken once: a second report of the job in the batch reads it anew
     rows = _READ.rows(pk=pk)
-    if not rows:
+    return _job_from_row(rows[0]) if rows else None
+
+
+def _prefetch(events: list[dict], indexes: list[int]) -> dict | None:
+    """The jobs of a batch's events, read in one statement for `_read`, or None where each is read
+    when its turn comes: one event alone, or a batch with a report that may move other jobs
+    (a GPU it could not scrub or a node problem drains the node, which migrates its
+    checkpointing jobs). A job the statement does not find is None there, as `_read` would say."""
+    if len(indexes) < 2 or connection.vendor != "postgresql" or any(
+            events[i].get("scrub_failures") or events[i].get("node_problem") for i in indexes):
         return None
-    *columns, node_name, held_on = rows[0]
-    job = Job.from_db("default", _JOB_COLUMNS, columns)
-    job.node_name, job.held_on = node_name, held_on
-    return job
+    ids = sorted({pk for i in indexes if (pk := parse_int(events[i]["job_id"])) is not None})
+    if not ids:
+        return None
+    return dict.fromkeys(ids) | {job.pk: job for job in map(_job_from_row, _READ_MANY.rows(ids=ids))}
 
 
 def _load(job_id, attempt: int, node, *, ended: bool = False) -> Job:
@@ -218,7 +239,8 @@ def job_report_many(*, node, events: list[dict]) -> list[dict]:
     return [results[i] for i in range(len(events))]
 
 
-# The nodes whose jobs ended in the batch being applied (job_report_many), or None outside one.
+# The batch being applied (job_report_many): the nodes whose jobs ended in it (`ended_on`) and its
+# jobs read at once and not yet taken (`read`, _prefetch); None outside one.
 _batch = threading.local()
 
 
@@ -227,9 +249,10 @@ def _apply(node, events: list[dict], indexes: list[int]) -> dict[int, dict]:
     (a draining node settled, a scheduling pass) is done once for all of them (_after_end)."""
     _batch.ended_on = ended_on = set()
     try:
+        _batch.read = _prefetch(events, indexes)
         results = {i: _report_one(node, events[i]) for i in indexes}
     finally:
-        _batch.ended_on = None
+        _batch.ended_on = _batch.read = None
     _ended(ended_on)
     return results
 

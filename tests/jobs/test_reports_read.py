@@ -1,7 +1,9 @@
 """The reads every agent report makes, compiled once per process (portal/core/prepared.py), give the
 instances the ORM gives: the node a token names (every agent request) and the job a report names."""
 import pytest
+from django.db import connection
 from django.db.models import F
+from django.test.utils import CaptureQueriesContext
 
 from portal.core.context import Actor
 from portal.jobs import reports
@@ -59,3 +61,56 @@ def test_a_report_reads_the_job_the_orm_reads(placed):
     assert (read.node_name, read.held_on) == ("gpu-01", ["gpu-01"])
     assert _read(job.pk + 10_000) is None
     assert reports._READ._local.compiled is not None
+
+
+@pytest.fixture
+def three_starting(demo, sent):
+    """Node gpu-01 and three 1-GPU jobs it confirmed (starting): (node, jobs)."""
+    node, _ = node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="4xH100-80GB")
+    jobs = [job_submit(actor=Actor(user=demo.users["alice"]), data={
+        "project": "vision", "name": f"j{i}", "image": "gpuportal/busybox:latest", "command": ["true"],
+        "resources": {"gpus": 1}})[0] for i in range(3)]
+    run_pass()
+    for job in jobs:
+        reports.job_confirm(node=node, job_id=str(job.pk), attempt=1)
+    return node, jobs
+
+
+def end(job, state="succeeded", **more):
+    return {"job_id": str(job.pk), "attempt": 1, "state": state, "exit_code": 0, "message": "",
+            "scrub_failures": [], "node_problem": "", "lease_expired": False, "not_startable": "", **more}
+
+
+def job_reads(queries) -> int:
+    table = Job._meta.db_table
+    return sum(q["sql"].startswith("SELECT") and f'FROM "{table}"' in q["sql"] for q in queries)
+
+
+def test_a_batch_reads_its_jobs_in_one_statement(three_starting):
+    node, jobs = three_starting
+    with CaptureQueriesContext(connection) as queries:
+        results = reports.job_report_many(node=node, events=[end(job) for job in reversed(jobs)])
+    assert [r["result"] for r in results] == ["applied"] * 3
+    assert job_reads(queries) == 1
+    assert set(Job.objects.filter(pk__in=[j.pk for j in jobs]).values_list("state", flat=True)) == {"succeeded"}
+
+
+def test_a_job_twice_in_a_batch_is_read_again_for_its_second_report(three_starting):
+    node, (job, other, _) = three_starting
+    running = end(job, "running", exit_code=None)
+    results = reports.job_report_many(node=node, events=[running, end(other), running])
+    # The second `running` sees the first one's effect: a duplicate, not applied again.
+    assert [r["result"] for r in results] == ["applied", "applied", "duplicate"]
+    assert Job.objects.get(pk=job.pk).state == "running"
+
+
+def test_a_batch_with_a_node_problem_reads_each_job_in_its_turn(three_starting):
+    # The drain a node problem causes moves the node's checkpointing jobs to their next attempt:
+    # a later report in the batch for such a job is stale, as it would be alone.
+    node, (broken, checkpointing, _) = three_starting
+    Job.objects.filter(pk=checkpointing.pk).update(checkpoint_signal="SIGUSR1")
+    events = [end(broken, "failed", node_problem="sandbox could not be killed"),
+              end(checkpointing, "running", exit_code=None)]
+    results = reports.job_report_many(node=node, events=events)
+    assert [r["result"] for r in results] == ["applied", "stale"]
+    assert Job.objects.get(pk=checkpointing.pk).attempt == 2

@@ -35,7 +35,8 @@ BODIES = {
     EventsSerializer: [
         {"events": [END]}, {"events": [END, {**END, "job_id": "18", "state": "failed", "exit_code": None}]},
         {"events": [END] * 1000}, {"events": []}, {"events": END}, {"events": None}, {},
-        {"events": [END, {**END, "attempt": -1}, {**END, "job_id": 17}]}, {"events": [END, {**END, "job_id": "x" * 65}]},
+        {"events": [END, {**END, "attempt": -1}, {**END, "job_id": 17}]},
+        {"events": [END, {**END, "job_id": "x" * 65}]},
         {"events": [{**END, "scrub_failures": [{"gpu_index": -1, "message": ""}]}]},
         {"events": [{k: v for k, v in END.items() if k != "job_id"}]}, {"events": [END], "more": []},
         {"events": ["not an event"]}, None,
