@@ -1,5 +1,6 @@
-"""The reads every agent report makes, compiled once per process (portal/core/prepared.py), give the
-instances the ORM gives: the node a token names (every agent request) and the job a report names."""
+"""The statements every agent report makes, compiled once per process (portal/core/prepared.py) or
+written by hand, do what the ORM's did: the node a token names (every agent request), the job a
+report names (all the jobs of a batch at once), and a log chunk's INSERT."""
 import pytest
 from django.db import connection
 from django.db.models import F
@@ -7,7 +8,7 @@ from django.test.utils import CaptureQueriesContext
 
 from portal.core.context import Actor
 from portal.jobs import reports
-from portal.jobs.models import Job
+from portal.jobs.models import Job, JobLogChunk
 from portal.jobs.reports import _read
 from portal.jobs.services import job_submit
 from portal.nodes import services
@@ -114,3 +115,20 @@ def test_a_batch_with_a_node_problem_reads_each_job_in_its_turn(three_starting):
     results = reports.job_report_many(node=node, events=events)
     assert [r["result"] for r in results] == ["applied", "stale"]
     assert Job.objects.get(pk=checkpointing.pk).attempt == 2
+
+
+@pytest.mark.django_db(transaction=True)  # outside a transaction, as a request stores a chunk: one INSERT
+def test_a_log_chunk_is_stored_as_sent_and_a_racing_copy_is_not_stored_twice(three_starting, monkeypatch):
+    node, (job, _, _) = three_starting
+    assert not connection.in_atomic_block
+    chunk = b"nul\x00 bad\xff\n"
+    assert reports.job_append_log(node=node, job_id=str(job.pk), attempt=1, offset=0, data=chunk) == {
+        "stored": True, "size": len(chunk), "full": False}
+    row = JobLogChunk.objects.get(job=job, attempt=1)
+    assert (row.offset, bytes(row.data), row.marker) == (0, chunk, False)
+    # Another request stored the same chunk between this one's read of the log's end and its INSERT.
+    ends = iter([(0, False)])
+    monkeypatch.setattr(reports, "log_end", lambda job, attempt: next(ends, (len(chunk), False)))
+    assert reports.job_append_log(node=node, job_id=str(job.pk), attempt=1, offset=0, data=chunk) == {
+        "stored": False, "size": len(chunk), "full": False}
+    assert JobLogChunk.objects.filter(job=job).count() == 1
