@@ -35,14 +35,11 @@ def decay(value: float, seconds: float, half_life_s: float) -> float:
     return value * 0.5 ** (seconds / half_life_s)
 
 
-UNTALLIED_COLUMNS = ("job__project_id", "started_at", "released_at", "fraction")
-
-
 def untallied_allocations(project_ids):
     """Allocations not in the usage totals yet (portal/jobs/usage.py): the open ones and those
     released since the last fold, a few per GPU whatever the history."""
     return Allocation.objects.filter(job__project_id__in=list(project_ids), tallied=False).values_list(
-        *UNTALLIED_COLUMNS)
+        "job__project_id", "started_at", "released_at", "fraction")
 
 
 def gpu_hours_used_this_month(project_ids, now: datetime | None = None) -> dict[int, float]:
@@ -93,37 +90,62 @@ def decayed_usage(project_ids, *, half_life_s: float, now: datetime | None = Non
     return _decayed(ids, half_life_s, now or timezone.now(), list(untallied_allocations(ids)))
 
 
-# usage_for_pass's three reads, compiled once (portal/core/prepared.py): a pass runs them every time,
-# for the projects in its snapshot. The placeholders stand for the project ids and the month.
-_PASS_UNTALLIED = Prepared(lambda ids: Allocation.objects.filter(
-    AnyOf(F("job__project_id"), ids), tallied=False).values_list(*UNTALLIED_COLUMNS), ids=[])
-_PASS_MONTH_TOTALS = Prepared(lambda ids, month: ProjectMonthUsage.objects.filter(
-    AnyOf(F("project_id"), ids), month=month).values_list("project_id", "gpu_s"), ids=[],
-    month=datetime(1970, 1, 1).date())
-_PASS_FAIRSHARES = Prepared(lambda ids: ProjectFairshare.objects.filter(AnyOf(F("project_id"), ids)).values_list(
-    "project_id", "half_life_s", "decayed_gpu_s", "as_of"), ids=[])
-
-
 def usage_for_pass(project_ids, *, half_life_s: float, now: datetime) -> tuple[dict[int, float], dict[int, float]]:
-    """(gpu_hours_used_this_month, decayed_usage) with one read of the untallied allocations: a pass
-    needs both, and the open allocations are most of those rows."""
+    """(gpu_hours_used_this_month, decayed_usage) as a pass needs both. On PostgreSQL in one
+    statement compiled once per process that sums where the rows are: the untallied allocations
+    (every open one, and those released since the last fold) were hundreds of rows whose transfer
+    and conversion cost a pass more than the sums. Elsewhere, or while a fair-share total is kept
+    under another half-life (the next fold rebuilds it), one read of those rows serves both."""
     ids = list(project_ids)
-    rows = _PASS_UNTALLIED.rows(ids=ids)
-    totals = _PASS_MONTH_TOTALS.rows(ids=ids, month=month_start(now).date())
-    return (_month_hours(ids, now, rows, totals=totals),
-            _decayed(ids, half_life_s, now, rows, shares=_PASS_FAIRSHARES.rows(ids=ids)))
+    if connection.vendor == "postgresql":
+        hours, usage, stale = {}, {}, False
+        for project_id, used_s, decayed_s, other_half_life in _PASS_USAGE.rows(
+                ids=ids, month=month_start(now).date(), now=now, start=month_start(now), half_life=float(half_life_s)):
+            stale = stale or other_half_life
+            if used_s is not None:
+                hours[project_id] = used_s / 3600
+            if decayed_s is not None:
+                usage[project_id] = decayed_s
+        if not stale:
+            return hours, usage
+    rows = list(untallied_allocations(ids))
+    return _month_hours(ids, now, rows), _decayed(ids, half_life_s, now, rows)
 
 
-def _month_hours(ids: list[int], now: datetime, rows: list, start: datetime | None = None,
-                 totals: list | None = None) -> dict[int, float]:
-    """Hours in the month from `start` (that of `now` by default) up to `now`. `totals`: the
-    month's (project id, GPU-seconds) running totals, when the caller has read them."""
+def _pass_usage_sql(ids, month, now, start, half_life) -> tuple[str, list]:
+    """usage_for_pass's statement: per project, this month's GPU-seconds (the month's total and
+    the untallied allocations' overlap with the month, open ones up to now), the decayed
+    GPU-seconds (the fair-share total decayed to now and each untallied allocation decayed from
+    its end), and whether a fair-share total was kept under another half-life. A sum is NULL
+    where the project has no row of its kind, as _month_hours and _decayed leave it out."""
+    allocation, job = Allocation._meta.db_table, Job._meta.db_table
+    return (
+        f"SELECT project_id, sum(used), sum(decayed), bool_or(other) FROM ("
+        f"SELECT project_id, gpu_s AS used, NULL::float8 AS decayed, false AS other "
+        f"FROM {ProjectMonthUsage._meta.db_table} WHERE project_id = ANY(%s) AND month = %s "
+        f"UNION ALL SELECT project_id, NULL, decayed_gpu_s * power(0.5, extract(epoch FROM %s - as_of)::float8 / %s), "
+        f"half_life_s <> %s FROM {ProjectFairshare._meta.db_table} WHERE project_id = ANY(%s) "
+        f"UNION ALL SELECT j.project_id, greatest(0, extract(epoch FROM "
+        f"least(coalesce(a.released_at, %s), %s) - greatest(a.started_at, %s))::float8) * a.fraction::float8, "
+        f"greatest(0, extract(epoch FROM coalesce(a.released_at, %s) - a.started_at)::float8) * a.fraction::float8 "
+        f"* power(0.5, extract(epoch FROM %s - coalesce(a.released_at, %s))::float8 / %s), false "
+        f"FROM {allocation} a JOIN {job} j ON j.id = a.job_id WHERE j.project_id = ANY(%s) AND NOT a.tallied"
+        f") usage GROUP BY project_id",
+        [ids, month, now, half_life, half_life, ids, now, now, start, now, now, now, half_life, ids])
+
+
+# Placeholders for its values (portal/core/prepared.py finds them among the parameters by identity).
+_PASS_USAGE = Prepared(_pass_usage_sql, ids=[], month=datetime(1970, 1, 1).date(),
+                       now=datetime(1970, 1, 1, tzinfo=dt_timezone.utc),
+                       start=datetime(1970, 1, 2, tzinfo=dt_timezone.utc), half_life=float("inf"))
+
+
+def _month_hours(ids: list[int], now: datetime, rows: list, start: datetime | None = None) -> dict[int, float]:
+    """Hours in the month from `start` (that of `now` by default) up to `now`."""
     start = start or month_start(now)
     used: dict[int, float] = defaultdict(float)
-    if totals is None:
-        totals = ProjectMonthUsage.objects.filter(project_id__in=ids, month=start.date()).values_list(
-            "project_id", "gpu_s")
-    for project_id, gpu_s in totals:
+    for project_id, gpu_s in ProjectMonthUsage.objects.filter(project_id__in=ids, month=start.date()).values_list(
+            "project_id", "gpu_s"):
         used[project_id] += gpu_s / 3600
     for project_id, started, released, fraction in rows:
         seconds = (min(released or now, now) - max(started, start)).total_seconds()
@@ -131,16 +153,11 @@ def _month_hours(ids: list[int], now: datetime, rows: list, start: datetime | No
     return dict(used)
 
 
-def _decayed(ids: list[int], half_life_s: float, now: datetime, rows: list,
-             shares: list | None = None) -> dict[int, float]:
-    """`shares`: the projects' (id, half-life, decayed GPU-seconds, as of) totals, when the caller
-    has read them."""
+def _decayed(ids: list[int], half_life_s: float, now: datetime, rows: list) -> dict[int, float]:
     usage: dict[int, float] = defaultdict(float)
     stale = []
-    if shares is None:
-        shares = ProjectFairshare.objects.filter(project_id__in=ids).values_list(
-            "project_id", "half_life_s", "decayed_gpu_s", "as_of")
-    for project_id, half_life, value, as_of in shares:
+    for project_id, half_life, value, as_of in ProjectFairshare.objects.filter(project_id__in=ids).values_list(
+            "project_id", "half_life_s", "decayed_gpu_s", "as_of"):
         if half_life != half_life_s:
             stale.append(project_id)
         else:

@@ -14,7 +14,6 @@ from portal.core.context import Actor
 from portal.core.prepared import AnyOf, Prepared
 from portal.jobs import selectors
 from portal.jobs.models import HOLDING, Allocation, Job, JobState, ProjectFairshare, ProjectMonthUsage
-from portal.jobs.selectors import month_start
 from portal.jobs.states import transition
 from portal.jobs.usage import usage_fold
 from portal.nodes.models import Node
@@ -113,7 +112,6 @@ def test_the_compiled_reads_of_a_pass_and_its_launches_equal_the_orms(demo, runn
     job_ids = [j.pk for j in running_and_folded] + [10**9]
     project_ids = [demo.vision.pk, demo.nlp.pk]
     slugs = ["vision", "nlp", "missing"]
-    month = month_start().date()
     launch_columns = [f.attname for f in Job._meta.concrete_fields
                       if not isinstance(f, DateTimeField) and f.name != "avoid_nodes"]
     pairs = [
@@ -124,11 +122,6 @@ def test_the_compiled_reads_of_a_pass_and_its_launches_equal_the_orms(demo, runn
          Allocation.objects.filter(job_id__in=job_ids, released_at__isnull=True)
          .order_by("gpu__node__name", "gpu__index")
          .values_list("job_id", "gpu__node__name", "gpu__index", "gpu__uuid", "fraction", "shared")),
-        (selectors._PASS_UNTALLIED.rows(ids=project_ids), selectors.untallied_allocations(project_ids)),
-        (selectors._PASS_MONTH_TOTALS.rows(ids=project_ids, month=month),
-         ProjectMonthUsage.objects.filter(project_id__in=project_ids, month=month).values_list("project_id", "gpu_s")),
-        (selectors._PASS_FAIRSHARES.rows(ids=project_ids), ProjectFairshare.objects.filter(
-            project_id__in=project_ids).values_list("project_id", "half_life_s", "decayed_gpu_s", "as_of")),
         (adapter._SNAPSHOT_QUOTAS.rows(slugs=slugs), [
             (q.project.slug, q.project_id, q.project.organization.slug, q.guaranteed_gpus, q.max_gpus,
              q.max_running_jobs, q.max_time_limit_s, q.gpu_hours_budget, q.budget_hard_stop, q.allowed_gpu_types)
@@ -151,3 +144,21 @@ def test_the_compiled_reads_of_a_pass_and_its_launches_equal_the_orms(demo, runn
     assert pairs[1][0] == list(pairs[1][1])
     # No rows for no ids, as `__in` of an empty list.
     assert selectors._LAUNCH_JOBS.rows(ids=[]) == [] and adapter._SNAPSHOT_QUOTAS.rows(slugs=[]) == []
+
+
+@pytest.mark.django_db
+def test_a_passes_usage_figures_are_summed_by_one_compiled_statement_as_python_sums_the_rows(
+        demo, running_and_folded):
+    now, half_life = timezone.now(), 7 * 86400.0
+    project_ids = [demo.vision.pk, demo.nlp.pk]
+    assert ProjectMonthUsage.objects.exists() and ProjectFairshare.objects.exists()
+    for at in (now, now + timedelta(hours=5)):
+        hours, usage = selectors.usage_for_pass(project_ids, half_life_s=half_life, now=at)
+        rows = list(selectors.untallied_allocations(project_ids))
+        expected_hours = selectors._month_hours(project_ids, at, rows)
+        expected_usage = selectors._decayed(project_ids, half_life, at, rows)
+        assert hours.keys() == expected_hours.keys() == set(project_ids)
+        assert usage.keys() == expected_usage.keys() == set(project_ids)
+        assert all(hours[p] == pytest.approx(expected_hours[p], rel=1e-12) for p in project_ids)
+        assert all(usage[p] == pytest.approx(expected_usage[p], rel=1e-12) for p in project_ids)
+    assert selectors._PASS_USAGE._local.compiled is not None
