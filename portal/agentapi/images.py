@@ -13,7 +13,7 @@ from rest_framework import serializers
 from rest_framework.response import Response
 
 from agents import protocol
-from portal.core.api import StrictCharField, StrictSerializer
+from portal.core.api import StrictCharField, StrictSerializer, validated
 from portal.jobs.models import JobState
 from portal.jobs.reports import held_job, job_progress
 from portal.nodes.agent_api import MAX_ATTEMPT, AgentView, speaks
@@ -35,9 +35,7 @@ class RegistryAuthView(AgentView):
         "password": serializers.CharField(help_text="Its secret, for this pull only; \"\" when none."),
         "problem": serializers.CharField(required=False, help_text="Why the stored login cannot be used.")}))
     def post(self, request, job_id):
-        data = RegistryAuthSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        answer = job_registry_auth(node=self.node, job_id=job_id, **data.validated_data)
+        answer = job_registry_auth(node=self.node, job_id=job_id, **validated(RegistryAuthSerializer, request.data))
         return Response(answer, headers={"Cache-Control": "no-store"})
 
 
@@ -71,6 +69,5 @@ class ProgressView(AgentView):
     @extend_schema(request=ProgressSerializer, responses=inline_serializer("ProgressApplied", {
         "result": serializers.CharField()}))
     def post(self, request, job_id):
-        data = ProgressSerializer(data=request.data)
-        data.is_valid(raise_exception=True)
-        return Response({"result": job_progress(node=self.node, job_id=job_id, **data.validated_data)})
+        data = validated(ProgressSerializer, request.data)
+        return Response({"result": job_progress(node=self.node, job_id=job_id, **data)})

@@ -1,4 +1,5 @@
-"""The agent's job reports (confirm, events, a batch of events, log chunks) are checked by one
+"""The agent's job reports (confirm, events, a batch of events, log chunks, launch progress, registry
+logins) are checked by one
 serializer instance per class (portal.core.api.validated) instead of one built per request: it
 must take and refuse exactly what a fresh serializer takes and refuses, with the same field-level
 messages, and a refused body must leave nothing behind for the next one."""
@@ -7,6 +8,7 @@ import copy
 import pytest
 from rest_framework import serializers
 
+from portal.agentapi.images import ProgressSerializer, RegistryAuthSerializer
 from portal.agentapi.jobs import AttemptSerializer, EventSerializer, EventsSerializer, LogSerializer
 from portal.core.api import validated
 
@@ -48,6 +50,13 @@ BODIES = {
         {"attempt": 1, "offset": 0}, {"attempt": 1, "offset": 0, "data": "x", "data_base64": "eA=="},
         {"attempt": 1, "offset": -1, "data": "x"}, {"attempt": 1, "offset": 0, "data": 5}, None,
     ],
+    ProgressSerializer: [
+        {"attempt": 1, "stage": "pulling", "message": "Pulling image busybox"},
+        {"attempt": 1, "stage": "pulling", "message": "  padded  "}, {"attempt": 1, "stage": "pulling", "message": ""},
+        {"attempt": 1, "stage": "sleeping", "message": "x"}, {"attempt": 1, "stage": "pulling", "message": 5},
+        {"attempt": 1, "stage": "pulling", "message": "x" * 100_000}, {"attempt": 1, "stage": "pulling"}, None,
+    ],
+    RegistryAuthSerializer: [{"attempt": 1}, {"attempt": -1}, {"attempt": 1, "registry": "x"}, [], None],
 }
 CASES = [(cls, body) for cls, bodies in BODIES.items() for body in bodies]
 
