@@ -29,9 +29,6 @@ def transition(job_id: int, *, to: str, from_states, attempt: int | None = None,
     (which never changes): the job is then not read again after its UPDATE.
     """
     now = timezone.now()
-    qs = Job.objects.filter(pk=job_id, state__in=list(from_states))
-    if attempt is not None:
-        qs = qs.filter(attempt=attempt)
     values = {"state": to, "state_changed_at": now, **fields}
     if to in TERMINAL:
         values.setdefault("ended_at", now)
@@ -42,14 +39,14 @@ def transition(job_id: int, *, to: str, from_states, attempt: int | None = None,
     if connection.vendor == "postgresql" and (to in HOLDING or array_parent_id is None):
         # Not an array task (its parent is refreshed in the transaction below): the row, its event
         # and the release of its GPUs in one statement, atomic on its own, instead of a transaction.
-        moved_attempt = _update_with_event(qs, values, to, message[:300], now)
+        moved_attempt = _update_with_event(_update(job_id, from_states, attempt, values), to, message[:300], now)
         if moved_attempt is None:
             return False
         if kind := notification_kind(to, fields.get("reason_code", "")):
             notify_on_commit(job_id, moved_attempt, kind)
         return True
     with transaction.atomic():
-        if qs.update(**values) != 1:
+        if _moving(job_id, from_states, attempt).update(**values) != 1:
             return False
         if attempt is None or array_parent_id is _UNREAD:
             row = Job.objects.values("attempt", "array_parent_id").get(pk=job_id)
@@ -67,12 +64,62 @@ def transition(job_id: int, *, to: str, from_states, attempt: int | None = None,
     return True
 
 
-def _update_with_event(qs, values: dict, to: str, message: str, now) -> int | None:
-    """qs.update(**values) and, when it moved the job, its timeline event and (leaving the holding
-    states) the release of its GPUs, in one statement; the attempt it moved, or None."""
+def _moving(job_id: int, from_states, attempt: int | None):
+    qs = Job.objects.filter(pk=job_id, state__in=list(from_states))
+    return qs if attempt is None else qs.filter(attempt=attempt)
+
+
+# transition()'s UPDATE statements by shape (the states it moves from, whether it names the attempt,
+# the columns it sets and which are NULL or first-start only): compiling the ORM's UPDATE cost about
+# as much CPU as running it, and an agent's report makes one.
+_UPDATES: dict[tuple, str] = {}
+
+
+def _update(job_id: int, from_states, attempt: int | None, values: dict) -> tuple[str, list]:
+    """``_moving(...).update(**values)`` as SQL and parameters: compiled by the ORM once per shape.
+    A shape is kept only when the parameters built here for it are the ORM's own, so a value the
+    ORM would convert differently (JSON, a model) is compiled every time instead."""
+    shape = (tuple(from_states), attempt is not None, tuple((name, _kind(value)) for name, value in values.items()))
+    sql = _UPDATES.get(shape)
+    if sql is not None:
+        return sql, _update_params(job_id, from_states, attempt, values)
+    qs = _moving(job_id, from_states, attempt)
     query = qs.query.chain(UpdateQuery)
     query.add_update_values(values)
     sql, params = query.get_compiler(qs.db).as_sql()
+    if all(kind is not None for _, kind in shape[2]) and _update_params(job_id, from_states, attempt, values) == list(params):
+        _UPDATES[shape] = sql
+    return sql, list(params)
+
+
+def _kind(value):
+    """How `value` enters the UPDATE: a parameter, NULL (no parameter), the first-start Coalesce,
+    or None (anything else: not kept)."""
+    if value is None:
+        return "null"
+    if isinstance(value, Coalesce):
+        first, second = value.get_source_expressions()
+        if isinstance(first, F) and isinstance(second, Value):
+            return f"coalesce:{first.name}"
+        return None
+    return None if hasattr(value, "resolve_expression") or hasattr(value, "prepare_database_save") else "value"
+
+
+def _update_params(job_id: int, from_states, attempt: int | None, values: dict) -> list:
+    params = []
+    for name, value in values.items():
+        if isinstance(value, Coalesce):
+            params.append(value.get_source_expressions()[1].value)
+        elif value is not None:
+            params.append(Job._meta.get_field(name).get_db_prep_save(value, connection=connection))
+    params += [int(job_id), *dict.fromkeys(from_states)]
+    return params + ([int(attempt)] if attempt is not None else [])
+
+
+def _update_with_event(update: tuple[str, list], to: str, message: str, now) -> int | None:
+    """The job's UPDATE (`_update`) and, when it moved the job, its timeline event and (leaving the
+    holding states) the release of its GPUs, in one statement; the attempt it moved, or None."""
+    sql, params = update
     job, event, allocation = Job._meta.db_table, JobEvent._meta.db_table, Allocation._meta.db_table
     release = "" if to in HOLDING else (
         f", released AS (UPDATE {allocation} SET released_at = %s "
