@@ -81,7 +81,9 @@ class ProcessDriver:
         try:
             root.mkdir()
         except FileExistsError:
-            raise SandboxError(f"sandbox {ref} already exists") from None
+            if not self._unfinished_launch_cleared(root, spec):
+                raise SandboxError(f"sandbox {ref} already exists") from None
+            root.mkdir()
         workdir = root / "work"
         workdir.mkdir()
         # A bare process sees the host's GPU numbering, so pass host indexes.
@@ -137,6 +139,37 @@ class ProcessDriver:
         if self._exits is not None:
             self._exits.add(ref, p.pid)
         return handle
+
+    def _unfinished_launch_cleared(self, root: Path, spec: LaunchSpec) -> bool:
+        """The sandbox folder of this attempt exists. With its record, it is a sandbox (the agent
+        adopts it): False. Without one, an agent died inside launch(), between the folder and
+        the record. If the wrapper had started (a session leader working in the folder's work/),
+        it runs the job: its record is written now, for the agent to adopt it (False), so the job
+        does not run twice. If not, nothing started: the half-made folder is removed (True)."""
+        if (root / "record.json").exists():
+            return False
+        workdir = str(root / "work")
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            pid = int(proc.name)
+            try:
+                if os.readlink(proc / "cwd") != workdir or os.getsid(pid) != pid:
+                    continue
+            except OSError:
+                continue
+            log.warning("job %s attempt %s: an agent died while starting it; adopting its process %d",
+                        spec.job_id, spec.attempt, pid)
+            (root / "record.json.tmp").write_text(json.dumps({
+                "job_id": spec.job_id, "attempt": spec.attempt, "pid": pid, "start_ticks": _start_ticks(pid),
+                "started_at": root.stat().st_mtime, "time_limit_s": spec.time_limit_s, "node": self.node,
+                "gpu_indexes": spec.gpu_indexes, "sessions": spec.sessions, "sessions_dir": None, "env": None}))
+            os.replace(root / "record.json.tmp", root / "record.json")
+            return False
+        log.warning("job %s attempt %s: removing the sandbox folder an agent left half-made", spec.job_id,
+                    spec.attempt)
+        shutil.rmtree(root, ignore_errors=True)
+        return True
 
     def poll(self, handle: SandboxHandle) -> tuple[str, int | None]:
         p = self._children.get(handle.ref)

@@ -1,4 +1,5 @@
 import logging
+import subprocess
 import time
 
 import pytest
@@ -75,3 +76,29 @@ def test_duplicate_and_bad_command(driver):
     driver.remove(h)
     with pytest.raises(SandboxError, match="no-such-binary"):
         driver.launch(make_spec(command=["no-such-binary"]))
+
+
+def test_a_launch_an_agent_died_in_is_finished_once(driver, tmp_path):
+    """An agent killed inside launch(), between the sandbox folder and its record: the next launch
+    of that attempt starts it when nothing had started, and adopts the process that had, so the job
+    neither fails on "already exists" nor runs twice."""
+    spec = make_spec(job_id="j7", attempt=1, command=["true"])
+    (driver.state_dir / "gpuportal-j7-1" / "work").mkdir(parents=True)  # folder made, nothing started
+    h = driver.launch(spec)
+    assert wait_done(driver, h) == (EXITED, 0)
+    driver.remove(h)
+
+    spec = make_spec(job_id="j8", attempt=1, command=["true"])
+    work = driver.state_dir / "gpuportal-j8-1" / "work"
+    work.mkdir(parents=True)  # the wrapper had started when the agent died: its process runs on
+    orphan = subprocess.Popen(["sleep", "300"], cwd=work, start_new_session=True)
+    try:
+        with pytest.raises(SandboxError, match="already exists"):
+            driver.launch(spec)
+        ((job, attempt, adopted),) = ProcessDriver(node="p", state_dir=str(tmp_path)).list_own()
+        assert (job, attempt) == ("j8", 1) and driver.poll(adopted) == (RUNNING, None)
+        assert driver._record(adopted.ref)["pid"] == orphan.pid
+        assert orphan.poll() is None  # adopted, not started a second time nor killed
+    finally:
+        orphan.kill()
+        orphan.wait()
