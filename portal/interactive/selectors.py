@@ -3,9 +3,10 @@
 from datetime import timedelta
 
 from django.conf import settings
-from django.db.models import Q
+from django.db.models import F, Q
 from django.utils import timezone
 
+from portal.core.prepared import AnyOf, Prepared
 from portal.jobs.models import TERMINAL, JobState
 from portal.tenancy.models import Membership
 
@@ -77,14 +78,18 @@ def _terminal():
     return list(TERMINAL)
 
 
+# Compiled once per process: every pass that starts jobs reads their sessions.
+_LAUNCH_SESSIONS = Prepared(lambda ids: Session.objects.filter(AnyOf(F("job_id"), ids)).order_by("job_id", "name")
+                            .values_list("job_id", "name", "port", "kind", "secret", "job__attempt", "legacy_key",
+                                         "legacy_attempt"), ids=[])
+
+
 def launch_sessions(job_ids: list[int]) -> dict[int, list[dict]]:
     """What the agent needs to publish each job's sessions, in one query for any number of jobs."""
     out: dict[int, list[dict]] = {}
     if not job_ids:
         return out
-    rows = Session.objects.filter(job_id__in=job_ids).order_by("job_id", "name") \
-        .values_list("job_id", "name", "port", "kind", "secret", "job__attempt", "legacy_key", "legacy_attempt")
-    for job_id, name, port, kind, secret, attempt, legacy_key, legacy_attempt in rows:
+    for job_id, name, port, kind, secret, attempt, legacy_key, legacy_attempt in _LAUNCH_SESSIONS.rows(ids=list(job_ids)):
         out.setdefault(job_id, []).append({"name": name, "port": port, "kind": kind,
                                            # this attempt's own
                                            "secret": key_for(secret, attempt, legacy_key, legacy_attempt),
