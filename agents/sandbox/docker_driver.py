@@ -63,6 +63,10 @@ SESSIONS_MOUNT = "/run/gpuportal"
 # The network of jobs with network (a gang spread over nodes gets its own). Its bridge, and a gang's, are
 # named gpj<hash>: the egress policy matches traffic coming in from them by that prefix.
 JOB_NETWORK = "gpuportal-jobs"
+# A container that died by SIGKILL without the engine's OOMKilled flag: how far back its event log
+# is read for an "oom" event, and how long a late one is waited for (_oom_killed).
+OOM_EVENT_LOOKBACK_S = 24 * 3600
+OOM_EVENT_GRACE_S = 1.0
 BRIDGE_PREFIX = "gpj"
 EGRESS_CHAIN = "GPUPORTAL-DOCKER"
 LABEL_SIMULATED = "gpuportal.simulated_gpus"  # "1" on a GPU job run on simulated GPUs
@@ -121,6 +125,9 @@ class DockerDriver:
         # The container each poll inspected last, for the log reads that follow it in the agent's pass (they
         # need only its id and labels): one inspect a running job a pass, however much of its log is read.
         self._polled: dict = {}
+        # Containers whose exit the engine flagged no OOM kill for, checked against its event log
+        # (_oom_killed): container id -> whether an "oom" event was found. Forgotten on remove.
+        self._oom_checked: dict[str, bool] = {}
         # Simulated GPUs (a laptop, CI, the demo): a GPU job runs without the NVIDIA runtime, with the
         # same environment, limits and isolation as on real GPUs, and its log says so first.
         self.simulated_gpus = simulated_gpus
@@ -642,7 +649,41 @@ class DockerDriver:
         # OOMKilled is set when the kernel killed any process in the container for
         # memory, even if the job's main process then exited 0: report it, the
         # job's output is likely incomplete.
-        return (OOM if st.get("OOMKilled") else EXITED), st.get("ExitCode")
+        code = st.get("ExitCode")
+        return (OOM if st.get("OOMKilled") or self._oom_killed(c.id, code, st.get("FinishedAt")) else EXITED), code
+
+    def _oom_killed(self, container_id: str, code, finished_at: str | None) -> bool:
+        """Whether the engine logged an "oom" event for a container that died by SIGKILL (137).
+
+        The engine sets OOMKilled only if containerd's OOM event reached it before the exit event;
+        they race, and under load the exit can win (the flag stays false, though the event comes
+        a few milliseconds later). The event log has it either way: read it once per container,
+        waiting for a late one until ``OOM_EVENT_GRACE_S`` after the container's end (not at all
+        when polled later than that, so a burst of killed jobs costs one wait). Only 137: the
+        kernel's OOM killer sends SIGKILL, and a job whose parent process reports a child's kill
+        otherwise is reported as the exit it chose."""
+        if code != 137:
+            return False
+        seen = self._oom_checked.get(container_id)
+        if seen is None:
+            seen = self._oom_checked[container_id] = self._oom_event_logged(container_id, _parse_ts(finished_at))
+        return seen
+
+    def _oom_event_logged(self, container_id: str, finished: float | None) -> bool:
+        now = time.time()
+        until = max(now, finished + OOM_EVENT_GRACE_S) if finished else now
+        try:
+            stream = self.client.api.events(
+                since=now - OOM_EVENT_LOOKBACK_S, until=until, decode=True,
+                filters={"type": "container", "event": ["oom"], "container": [container_id]})
+        except docker.errors.APIError:
+            return False
+        try:
+            for _event in stream:
+                return True  # the first one is enough: stop reading before the grace is up
+            return False
+        finally:
+            stream.close()
 
     def read_logs(self, handle: SandboxHandle, offset: int) -> bytes:
         """Read incrementally: each call asks the engine only for what is new (docker_logs.py)."""
@@ -724,6 +765,7 @@ class DockerDriver:
         self._force_remove(handle.ref)
         self._logs.pop(handle.ref, None)
         self._polled.pop(handle.ref, None)
+        self._oom_checked.pop(handle.ref, None)
         outputs = self.outputs_dir(handle)
         if outputs:  # uploaded (or given up) by now: the agent removes a sandbox after its report
             shutil.rmtree(outputs, ignore_errors=True)

@@ -49,6 +49,21 @@ def test_memory_over_the_limit_is_oom(docker_driver):
     assert state == OOM and code == 137
 
 
+def test_an_oom_kill_the_engine_did_not_flag_is_found_in_its_event_log(docker_driver, docker_client):
+    # The engine's OOMKilled loses a race with the exit under load; poll then reads the engine's
+    # "oom" event for the container. Asked directly here, as the race cannot be forced.
+    oom = docker_driver.launch(make_spec(memory_mb=32, command=["sh", "-c", "head -c 200000000 /dev/zero | sort"]))
+    killed = docker_driver.launch(make_spec(job_id="killed-1", command=["sleep", "30"]))
+    assert wait_done(docker_driver, oom, timeout=60)[1] == 137
+    docker_client.api.kill(killed.ref)
+    assert wait_done(docker_driver, killed) == (EXITED, 137)
+    for handle, logged in ((oom, True), (killed, False)):
+        finished = docker_client.api.inspect_container(handle.ref)["State"]["FinishedAt"]
+        docker_driver._oom_checked.pop(handle.ref, None)
+        assert docker_driver._oom_killed(handle.ref, 137, finished) is logged
+    assert docker_driver._oom_killed(oom.ref, 0, None) is False  # only a SIGKILL can be the OOM killer's
+
+
 def test_stop_sends_sigterm_first(docker_driver):
     h = docker_driver.launch(make_spec(command=[
         "sh", "-c", "trap 'echo got-TERM; exit 0' TERM; echo ready; while :; do sleep 0.1; done"]))
