@@ -175,6 +175,9 @@ try:
 except Exception as exc:  # dj_database_url raises several types for a bad URL
     raise ImproperlyConfigured(f"DATABASE_URL: cannot parse {_database_url!r}: {exc}") from None
 if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    # Django's backend with a health check that reads the socket instead of asking the server
+    # (portal/core/postgres/base.py): no SELECT 1 before each request's first statement.
+    DATABASES["default"]["ENGINE"] = "portal.core.postgres"
     # A database that does not answer fails a request within seconds (a 503, portal/core/middleware.py)
     # instead of holding it for the system's TCP timeout.
     DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
