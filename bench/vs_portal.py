@@ -8,7 +8,9 @@ every job has ended, and prints one JSON line:
 - submit_rate_jobs_s: N / the client's wall time;
 - makespan_s: first submit to last end (the database's submitted_at and ended_at);
 - cpu_s: CPU seconds during the run of the control plane (gunicorn, the worker, beat, Redis,
-  PostgreSQL) and of the agents (their process groups; jobs run in sessions of their own).
+  PostgreSQL) and of the agents (their process groups; jobs run in sessions of their own);
+  agents.jobs: what the agents' reaped children took, each job's supervisor (the process
+  sandbox's job parent, a Python interpreter) and the job itself (`true`).
 
     .venv/bin/python bench/vs_portal.py [--jobs 1000]
 """
@@ -44,6 +46,18 @@ def cpu_of(pids, reaped: tuple[int, ...] = ()) -> float:
         total += (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
         if pid in reaped:
             total += (int(fields[13]) + int(fields[14])) / TICK  # cutime, cstime
+    return total
+
+
+def children_cpu(pids) -> float:
+    """CPU seconds of the reaped children of `pids` (cutime, cstime)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[13]) + int(fields[14])) / TICK
     return total
 
 
@@ -111,6 +125,8 @@ def main() -> int:
         # Backends and gunicorn workers that exit during the run are counted by their parents.
         reaped = (postmaster(c), c.procs["web"][0].pid)
         before = {k: cpu_of(v, reaped) for k, v in groups(c).items()}
+        agents = [proc.pid for key, (proc, _) in c.procs.items() if key.startswith("fault-")]
+        jobs_before = children_cpu(agents)
         t0 = time.perf_counter()
         for _ in range(args.jobs):
             r = session.post(f"{c.url}/api/v1/jobs/", json=body, timeout=60)
@@ -121,9 +137,10 @@ def main() -> int:
                  >= args.jobs, 1800, "every job to end")
         wall_s = time.perf_counter() - t0
         after = {k: cpu_of(v, reaped) for k, v in groups(c).items() if k in before}
+        after["agents.jobs"] = children_cpu(agents) - jobs_before
         (makespan, succeeded), = c.sql("SELECT extract(epoch FROM max(ended_at) - min(submitted_at)), "
                                        "count(*) FILTER (WHERE state = 'succeeded') FROM jobs_job")
-        cpu = {k: round(after[k] - before[k], 2) for k in after}
+        cpu = {k: round(after[k] - before.get(k, 0.0), 2) for k in after}
         # Where a job's time went: submit to assigned (the pass), assigned to running (publish,
         # confirm, start), running to its end (the exit noticed and reported); p50 and p95 in s.
         phases = c.sql(

@@ -43,12 +43,14 @@ rows = [("makespan (s)", portal["makespan_s"], slurm and slurm["makespan_s"]),
         ("control-plane CPU per job (ms)", portal["cpu_ms_per_job"]["control"],
          slurm and round(slurm["cpu_s"]["slurmctld"] * 1000 / jobs, 1)),
         ("node-side CPU per job (ms)", portal["cpu_ms_per_job"]["agents"],
-         slurm and round(slurm["cpu_s"]["slurmd_all"] * 1000 / jobs, 1))]
+         slurm and round(slurm["cpu_s"]["slurmd_all"] * 1000 / jobs, 1)),
+        # Each job's supervisor and the job; Slurm's bench counts no slurmstepd.
+        ("job supervisor + job CPU per job (ms)", portal["cpu_ms_per_job"].get("agents.jobs"), None)]
 print(f"{jobs} one-GPU `true` jobs, 16 nodes x 8 GPUs; gpuportal {portal['succeeded']} succeeded"
       + (f", Slurm {slurm['completed']} completed" if slurm else " (Slurm side not run)"))
 print(f"| | gpuportal | Slurm | gpuportal / Slurm |\n|---|---|---|---|")
 for name, ours, theirs in rows:
-    ratio = f"{ours / theirs:.2f}" if theirs else "-"
+    ratio = f"{ours / theirs:.2f}" if theirs and ours is not None else "-"
     print(f"| {name} | {ours} | {theirs if theirs is not None else '-'} | {ratio} |")
 print(f"(raw JSON in {out})")
 EOF

@@ -42,8 +42,8 @@ log = logging.getLogger(__name__)
 
 LOG_READ_MAX_BYTES = 1024 * 1024  # one read_logs call returns at most this; the agent reads on
 
-# The job's parent is the per-job supervisor (agents/supervisor/lease.py), run with -I (no PYTHON*
-# variables from the job's environment, no user site, nothing of the agent importable): it waits for the
+# The job's parent is the per-job supervisor (agents/supervisor/lease.py), run with -I -S (no PYTHON*
+# variables from the job's environment, no site, nothing of the agent importable): it waits for the
 # job, writes its exit code, and fences the job when the node's lease file says the lease ran out.
 WRAPPER = SUPERVISOR_SOURCE
 
@@ -116,7 +116,7 @@ class ProcessDriver:
             raise SandboxError(f"could not start {exe!r}: no such executable")
         with open(root / "log", "wb") as logf:
             try:
-                p = subprocess.Popen([sys.executable, "-I", "-c", WRAPPER, "process", str(root / "exit"),
+                p = subprocess.Popen([sys.executable, "-I", "-S", "-c", WRAPPER, "process", str(root / "exit"),
                                       str(self.lease_path), str(self.lease_s), str(self.fence_grace_s),
                                       "--", *spec.command],
                                      cwd=workdir, env=env, stdin=subprocess.DEVNULL,

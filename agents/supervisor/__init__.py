@@ -9,7 +9,7 @@ the agent: it re-reads that file every half second and, once the deadline has pa
 re-places a silent node's jobs only after the lease, the fence grace and a margin (NODE_TIMEOUT_S), so
 the old attempt is dead before the new one starts, whether the agent is alive, frozen or gone.
 
-``lease.py`` uses the standard library only: the process sandbox runs it with ``python -I -c`` as the
+``lease.py`` uses the standard library only: the process sandbox runs it with ``python -I -S -c`` as the
 job's parent (``SOURCE``), where nothing of the agent's environment or packages is importable.
 """
 

@@ -274,3 +274,32 @@ def test_a_supervisor_starts_on_the_standard_library_alone():
                              os.path.dirname(os.path.abspath(__file__))))).stdout.split()
     assert out[0] == "True"  # the process sandbox's job parent still reads lease.py's text
     assert not {"docker", "requests", "urllib3", "pathlib", "fnmatch"} & set(out[1:])
+
+
+def test_a_process_jobs_supervisor_imports_no_json_re_subprocess_or_enum(tmp_path):
+    """The process sandbox's job parent (lease.py's text under ``python -I -S``) runs once per job: it
+    reads the lease without json (and the re it imports), starts the job without subprocess and names
+    signals without enum, each a measurable share of its start-up."""
+    from agents.supervisor import SOURCE
+
+    write_lease(tmp_path / "lease", time.time() + 60, 3.0)
+    probe = "import atexit, sys\natexit.register(lambda: print(*sorted(sys.modules), file=sys.stderr))\n" + SOURCE
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", probe, "process", str(tmp_path / "exit"),
+                          str(tmp_path / "lease"), "60", "3", "--", "sh", "-c", "exit 3"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 3 and (tmp_path / "exit").read_text() == "3\n"
+    assert not {"json", "re", "subprocess", "threading", "enum", "site"} & set(out.stderr.split())
+
+
+@pytest.mark.parametrize("text, read", [
+    ('{"deadline": 1750000000.25, "fence_grace_s": 3.0}', (1750000000.25, 3.0)),
+    ('{"fence_grace_s": 5, "deadline": 12}\n', (12.0, 5.0)),
+    ('{"deadline": 1750000000.25}', None),  # no grace: a half-written or foreign file keeps the last
+    ('{"deadline": "soon", "fence_grace_s": 3}', None),
+    ('{"deadline": 1, "fence_grace_s": 3', None),
+    ('', None),
+    ('[1, 2]', None),
+])
+def test_the_lease_file_is_read_without_json(tmp_path, text, read):
+    (tmp_path / "lease").write_text(text)
+    assert read_lease(tmp_path / "lease") == read
