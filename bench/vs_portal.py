@@ -34,16 +34,18 @@ NODES, GPUS_PER_NODE = 16, 8
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_of(pids, reaped: tuple[int, ...] = ()) -> float:
-    """CPU seconds of `pids`; for those in `reaped`, with their reaped children's (a PostgreSQL
-    backend that exits during the run is counted in its postmaster's cutime and cstime)."""
+def cpu_of(pids, reaped: tuple[int, ...] = (), own: bool = True) -> float:
+    """CPU seconds of `pids` (with `own` False: none of their own); for those in `reaped`, with their
+    reaped children's (a PostgreSQL backend that exits during the run is counted in its postmaster's
+    cutime and cstime)."""
     total = 0.0
     for pid in pids:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        total += (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+        if own:
+            total += (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
         if pid in reaped:
             total += (int(fields[13]) + int(fields[14])) / TICK  # cutime, cstime
     return total
@@ -51,14 +53,7 @@ def cpu_of(pids, reaped: tuple[int, ...] = ()) -> float:
 
 def children_cpu(pids) -> float:
     """CPU seconds of the reaped children of `pids` (cutime, cstime)."""
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[13]) + int(fields[14])) / TICK
-    return total
+    return cpu_of(pids, tuple(pids), own=False)
 
 
 def processes() -> dict[int, tuple[int, int]]:
