@@ -54,8 +54,8 @@ import urllib.parse
 import requests
 
 from agents import __version__
-from agents.protocol import (BATCH_EVENT, CONFIRM, EVENT, EVENT_MESSAGE_MAX, EVENT_STATES, EVENTS, HEARTBEAT, LOG,
-                             NODE_PROBLEM_MAX, PROBE, PROTOCOL_VERSION, REGISTER, Message)
+from agents.protocol import (BATCH_CONFIRM, BATCH_EVENT, CONFIRM, CONFIRMS, EVENT, EVENT_MESSAGE_MAX, EVENT_STATES,
+                             EVENTS, HEARTBEAT, LOG, NODE_PROBLEM_MAX, PROBE, PROTOCOL_VERSION, REGISTER, Message)
 from agents.protocol import PROGRESS, PROGRESS_MESSAGE_MAX, REGISTRY_AUTH
 
 log = logging.getLogger(__name__)
@@ -273,6 +273,14 @@ class PortalClient:
     def confirm(self, job_id: str, attempt: int) -> dict:
         """Fencing: may this node start this attempt? -> the spec; StaleAttempt if not."""
         return self._report(CONFIRM, {"attempt": attempt}, job_id).get("spec") or {}
+
+    def confirm_batch(self, confirms: list[dict]) -> list[dict]:
+        """Several launches' confirmations in one request (protocol 1.7): each ``{job_id, attempt}``.
+        -> one ``{job_id, result[, spec][, detail]}`` per confirmation, in order: ``result``
+        "confirmed" with the launch spec, or "stale" (a single confirm's 409). A portal before 1.7
+        answers PortalError 404."""
+        return self._report(CONFIRMS, {"confirms": [
+            BATCH_CONFIRM.body(job_id=str(c["job_id"]), attempt=int(c["attempt"])) for c in confirms]})["results"]
 
     def event(self, job_id: str, attempt: int, state: str, *, exit_code: int | None = None,
               message: str = "", scrub_failures: list[dict] | None = None, node_problem: str = "",

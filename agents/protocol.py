@@ -12,13 +12,14 @@ from dataclasses import dataclass
 # The version of the agent API's message shapes, "MAJOR.MINOR", sent at registration. The portal
 # refuses an agent whose major differs (its messages would be misread); a minor adds optional
 # fields only. An agent that sends no version predates this field and speaks 1.x.
-PROTOCOL_VERSION = "1.6"  # 1.1: a terminal event may say lease_expired; 1.2: POST events takes several at once
+PROTOCOL_VERSION = "1.7"  # 1.1: a terminal event may say lease_expired; 1.2: POST events takes several at once
 # 1.3: register and heartbeat may carry cached_datasets (the digests in the node's dataset cache)
 # 1.4: the agent takes agent.launches, a node's launches of one scheduling pass in one message
 # 1.5: a failed event may say not_startable: the node could not start the attempt for want of something
 #      it may have later or another node has now (its dataset cache full): requeued, not counted as failed
 # 1.6: the agent may upload artifacts straight to an S3-compatible storage (presigned PUTs the portal
 #      issues per file, then a confirm): POST jobs/<id>/artifacts/uploads and .../artifacts/confirm
+# 1.7: POST confirms takes several launches' confirmations at once (the launches of one pass on a node)
 
 
 def protocol_major(version: str) -> int:
@@ -166,9 +167,15 @@ EVENT = Message("jobs/{job_id}/events", ("attempt", "state"),
 BATCH_EVENT = Message(None, ("job_id",) + EVENT.required, EVENT.optional)
 EVENTS = Message("events", ("events",))
 EVENTS_MAX = 200  # events in one request; a node with more ending at once sends several
+# Protocol 1.7: several launches' confirmations in one request (a node's launches of one pass), each a
+# CONFIRM with its job_id, applied in one transaction where the portal can. The answer lists each one's
+# result in order: "confirmed" with its launch spec, or "stale" (the 409 of a single confirm: start
+# nothing). A portal before 1.7 answers 404: the agent confirms them one by one.
+BATCH_CONFIRM = Message(None, ("job_id",) + CONFIRM.required)
+CONFIRMS = Message("confirms", ("confirms",))
 LOG = Message("jobs/{job_id}/logs", ("attempt", "offset"), ("data", "data_base64"))  # exactly one of the two
 MESSAGES = (GPU_INVENTORY, REGISTER, PROBE, SAMPLE, HEARTBEAT_JOB, HEARTBEAT, CONFIRM, SCRUB_FAILURE, EVENT, BATCH_EVENT,
-            EVENTS, LOG)
+            EVENTS, BATCH_CONFIRM, CONFIRMS, LOG)
 # Private images (an agent asks only when it must pull; a portal without them answers 404): the project's
 # login to the registry of the attempt's image, and what a launch is doing before it runs (the job's reason).
 REGISTRY_AUTH = Message("jobs/{job_id}/registry-auth", ("attempt",))

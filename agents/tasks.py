@@ -72,6 +72,7 @@ def launches(self, items: list) -> list[str]:
     `launch` takes it. Those the portal could not confirm are retried alone, with backoff as
     `launch`'s; a redelivered one that already runs here is a duplicate, a no-op."""
     agent = _the_agent()
+    agent.expect_launches(min(len(items), LAUNCH_THREADS))  # their confirmations in one request
     with ThreadPoolExecutor(max_workers=max(1, min(len(items), LAUNCH_THREADS))) as pool:
         futures = [pool.submit(agent.launch, str(job_id), int(attempt), spec) for job_id, attempt, spec in items]
     results, again = [], []

@@ -54,6 +54,12 @@ Key = tuple[str, int]
 STOPPED = "stopped"  # _gpus_ready: a stop arrived while the launch waited
 # Log chunks refused (or log reads failed) in a row before the agent gives that part of the log up.
 LOG_REFUSALS = 3
+# A node's launches of one pass go up together (GroupSender.gather): their confirmations wait at most
+# this long for one another (the threads start within milliseconds), and their `running` reports
+# this long after their confirmation (their sandboxes start, a container in a few hundred ms); a
+# launch that fails sends none, so the others wait the bound out.
+GATHER_S = 0.05
+RUNNING_GATHER_S = 0.5
 # How long before its deadline the lease check asks whether the portal is slow rather than gone (at most a
 # third of the lease): the probe takes up to a second, and the renewal must reach the lease file in time.
 SLOW_PROBE_AHEAD_S = 2.0
@@ -103,18 +109,27 @@ class GroupSender:
     """Reports of several threads in one request (group commit): a thread whose report finds no request
     in flight sends it with every report queued meanwhile, up to ``EVENTS_MAX``; the others wait for its
     answer, so launches that go together share their ``starting`` and ``running`` requests and none
-    waits for a timer. ``send_many(reports)`` returns one outcome a report (a result, or the exception)."""
+    waits for a timer. ``send_many(reports)`` returns one outcome a report (a result, or the exception).
+
+    ``gather(n, within_s)`` says n reports are coming together (a node's launches of one pass): the
+    next request waits for them, up to ``within_s``, rather than going with the first alone."""
 
     def __init__(self, send_many):
         self._send_many = send_many
         self._cond = threading.Condition()
         self._queue: list[dict] = []
         self._busy = False
+        self._gather, self._gather_until = 0, 0.0
+
+    def gather(self, n: int, within_s: float) -> None:
+        with self._cond:
+            self._gather, self._gather_until = n, time.monotonic() + within_s
 
     def send(self, report: dict):
         slot = {"report": report, "done": False, "outcome": None}
         with self._cond:
             self._queue.append(slot)
+            self._cond.notify_all()  # a sender gathering a group counts it
         while True:
             with self._cond:
                 while self._busy and not slot["done"]:
@@ -122,6 +137,9 @@ class GroupSender:
                 if slot["done"]:
                     return slot["outcome"]
                 self._busy = True
+                while len(self._queue) < self._gather and (left := self._gather_until - time.monotonic()) > 0:
+                    self._cond.wait(left)
+                self._gather = 0
                 batch, self._queue = self._queue[:EVENTS_MAX], self._queue[EVENTS_MAX:]
             try:
                 outcomes = self._send_many([s["report"] for s in batch])
@@ -192,6 +210,10 @@ class Agent:
         self.batch_events = True
         # `starting` and `running` reports of launches that go together share requests (protocol 1.2).
         self._launch_reports = GroupSender(self._send_launch_reports)
+        # Confirmations of launches that go together (a node's launches of one pass) share requests
+        # (protocol 1.7); off for a portal that speaks an older one.
+        self.batch_confirms = True
+        self._confirms = GroupSender(self._send_confirms)
         self._supervising = False  # run_supervisor's loop runs: stop threads hand their ends to its passes
         self.says_not_startable = True  # the portal takes not_startable (protocol 1.5); register says
 
@@ -213,6 +235,7 @@ class Agent:
         self.node_id = resp.get("node")
         self.batch_events = _speaks(resp.get("protocol_version"), (1, 2))
         self.says_not_startable = _speaks(resp.get("protocol_version"), (1, 5))
+        self.batch_confirms = _speaks(resp.get("protocol_version"), (1, 7))
         self.heartbeat_interval_s = float(resp.get("heartbeat_interval_s") or self.heartbeat_interval_s)
         self.lease_s = float(resp.get("lease_s") or self.lease_s)
         self.fence_grace_s = float(resp.get("fence_grace_s", self.fence_grace_s))
@@ -283,7 +306,7 @@ class Agent:
     def _launch(self, job_id: str, attempt: int, spec: dict) -> str:
         held = self._lease_renewed()  # the lease this confirmation stands on
         try:
-            confirmed = self.client.confirm(job_id, attempt)
+            confirmed = self._confirm(job_id, attempt)
         except StaleAttempt:
             log.info("job %s attempt %s: portal says stale, starting nothing", job_id, attempt)
             return "stale"
@@ -425,6 +448,58 @@ class Agent:
             log.warning("job %s attempt %s: could not report running; the heartbeat will", job_id, attempt)
         return "started"
 
+    def expect_launches(self, n: int) -> None:
+        """``n`` launches start now side by side (a node's launches of one pass, agents/tasks.py): their
+        confirmations go up in one request, and so, once confirmed, do their ``running`` reports."""
+        if n > 1 and self.batch_confirms:  # one by one, they go faster each from its own thread
+            self._confirms.gather(n, GATHER_S)
+
+    def _confirm(self, job_id: str, attempt: int) -> dict:
+        """``client.confirm``, in one request with the other launches confirming meanwhile
+        (``GroupSender``): the launch spec, or raises as ``client.confirm`` does."""
+        outcome = self._confirms.send({"job_id": job_id, "attempt": attempt})
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def _send_confirms(self, confirms: list[dict]) -> list:
+        """Confirmations in one request where the portal takes batches (protocol 1.7), else one by one:
+        each one's launch spec, or StaleAttempt, or what its request raised."""
+        try:
+            results = self._batch_answers("batch_confirms", "confirm_batch", confirms)
+        except PortalUnreachable as exc:
+            return [exc] * len(confirms)
+        if results is None:
+            return [self._confirm_one(c) for c in confirms]
+        confirmed = sum(r.get("result") == "confirmed" for r in results)
+        if confirmed > 1 and self.batch_events:  # they start side by side: their `running` reports too
+            self._launch_reports.gather(confirmed, RUNNING_GATHER_S)
+        return [r.get("spec") or {} if r.get("result") == "confirmed" else
+                StaleAttempt(f"job {c['job_id']} attempt {c['attempt']}: {r.get('detail') or 'stale'}", 409)
+                for c, r in zip(confirms, results)]
+
+    def _batch_answers(self, flag: str, method: str, items: list[dict]) -> list[dict] | None:
+        """The portal's answers to ``client.<method>(items)``, one per item, or None where it is not to be
+        asked so (one item, or ``self.<flag>`` off) or did not answer so: a portal that answers 404 or 405
+        takes no batches, and ``self.<flag>`` turns off. Raises PortalUnreachable."""
+        if len(items) < 2 or not getattr(self, flag) or not hasattr(self.client, method):
+            return None
+        try:
+            results = getattr(self.client, method)(items)
+        except PortalUnreachable:
+            raise
+        except PortalError as exc:
+            if exc.status in (404, 405):
+                setattr(self, flag, False)
+            return None
+        return results if len(results) == len(items) else None
+
+    def _confirm_one(self, confirm: dict):
+        try:
+            return self.client.confirm(confirm["job_id"], confirm["attempt"])
+        except PortalError as exc:  # StaleAttempt among them
+            return exc
+
     def _report_state(self, job_id: str, attempt: int, state: str) -> None:
         """Report a launch's ``starting`` or ``running``; launches that report together share one request
         (``GroupSender``). Raises as ``client.event`` does (StaleAttempt: the portal moved on)."""
@@ -437,18 +512,13 @@ class Agent:
     def _send_launch_reports(self, reports: list[dict]) -> list:
         """Launch reports in one request where the portal takes batches (protocol 1.2), else one by one:
         each one's "applied", "duplicate" or "stale", or what its request raised."""
-        if len(reports) > 1 and self.batch_events and hasattr(self.client, "event_batch"):
-            try:
-                results = self.client.event_batch(reports)
-            except PortalUnreachable as exc:
-                return [exc] * len(reports)
-            except PortalError as exc:
-                if exc.status in (404, 405):
-                    self.batch_events = False
-                results = []
-            if len(results) == len(reports):
-                return [r.get("result") or "applied" for r in results]
-        return [self._send_one_launch_report(r) for r in reports]
+        try:
+            results = self._batch_answers("batch_events", "event_batch", reports)
+        except PortalUnreachable as exc:
+            return [exc] * len(reports)
+        if results is None:
+            return [self._send_one_launch_report(r) for r in reports]
+        return [r.get("result") or "applied" for r in results]
 
     def _send_one_launch_report(self, report: dict):
         try:

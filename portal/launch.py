@@ -27,6 +27,18 @@ def launch_spec(job_id: int, node_name: str, attempt: int | None = None) -> dict
     return _launch_specs([(node_name, job_id)]).get((node_name, job_id))
 
 
+def confirmed_launch_specs(node_name: str, attempts: dict[int, int]) -> dict[int, dict]:
+    """``launch_spec`` for several jobs of one node, each at the attempt just confirmed (job id ->
+    attempt): those the pass cached in one read, the others built together."""
+    keys = {job_id: _cache_key(node_name, job_id, attempt) for job_id, attempt in attempts.items()}
+    cached = cache.get_many(list(keys.values())) if keys else {}
+    specs = {job_id: cached[key] for job_id, key in keys.items() if key in cached}
+    missing = [(node_name, job_id) for job_id in attempts if job_id not in specs]
+    if missing:
+        specs |= {job_id: spec for (_, job_id), spec in _launch_specs(missing).items()}
+    return specs
+
+
 def launch_specs(pairs: list[tuple[str, int]]) -> dict[tuple[str, int], dict]:
     """Launch specs for (node name, job id) pairs in at most five queries, whatever their number.
     Each is kept in the cache for LAUNCH_SPEC_CACHE_S for its confirmation (launch_spec); not

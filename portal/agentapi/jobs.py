@@ -11,8 +11,9 @@ from rest_framework.response import Response
 from agents import protocol
 from agents.protocol import EVENT_STATES
 from portal.core.api import StrictSerializer, validated
-from portal.jobs.reports import job_append_log, job_confirm, job_report, job_report_many
-from portal.launch import launch_spec
+from portal.core.numbers import parse_int
+from portal.jobs.reports import job_append_log, job_confirm, job_confirm_many, job_report, job_report_many
+from portal.launch import confirmed_launch_specs, launch_spec
 from portal.nodes.agent_api import MAX_ATTEMPT, MAX_INT32, AgentView, speaks
 
 
@@ -28,6 +29,40 @@ class ConfirmView(AgentView):
         data = validated(AttemptSerializer, request.data)
         job = job_confirm(node=self.node, job_id=job_id, **data)
         return Response({"spec": launch_spec(job.pk, self.node.name, attempt=data["attempt"])})
+
+
+@speaks(protocol.BATCH_CONFIRM)
+class BatchConfirmSerializer(AttemptSerializer):
+    """One confirmation of a batch: a launch's attempt with its job id (protocol 1.7)."""
+
+    job_id = serializers.CharField(max_length=64)  # one the portal does not know is answered stale
+
+
+@speaks(protocol.CONFIRMS)
+class ConfirmsSerializer(StrictSerializer):
+    confirms = BatchConfirmSerializer(many=True, allow_empty=False, max_length=protocol.EVENTS_MAX)
+
+
+class ConfirmsView(AgentView):
+    """Several launches' confirmations in one request (protocol 1.7): a node's launches of one pass."""
+
+    @extend_schema(request=ConfirmsSerializer, responses=inline_serializer("ConfirmsApplied", {
+        "results": inline_serializer("ConfirmResult", {
+            "job_id": serializers.CharField(),
+            "result": serializers.ChoiceField(choices=["confirmed", "stale"],
+                                              help_text="stale: the 409 of a single confirm; start nothing."),
+            "spec": serializers.DictField(required=False, help_text="The launch spec, when confirmed."),
+            "detail": serializers.CharField(required=False)}, many=True)}))
+    def post(self, request):
+        confirms = validated(ConfirmsSerializer, request.data)["confirms"]
+        results = job_confirm_many(node=self.node, confirms=confirms)
+        attempts = {parse_int(c["job_id"]): c["attempt"] for c, r in zip(confirms, results)
+                    if r["result"] == "confirmed"}
+        specs = confirmed_launch_specs(self.node.name, attempts)
+        for c, r in zip(confirms, results):
+            if r["result"] == "confirmed":
+                r["spec"] = specs.get(parse_int(c["job_id"])) or {}
+        return Response({"results": results})
 
 
 @speaks(protocol.SCRUB_FAILURE)

@@ -13,6 +13,7 @@ urlpatterns = [
     path("heartbeat", heartbeat.HeartbeatView.as_view(), name="heartbeat"),
     path("probe", nodes.ProbeView.as_view(), name="probe"),
     path("events", jobs.EventsView.as_view(), name="events-batch"),
+    path("confirms", jobs.ConfirmsView.as_view(), name="confirms-batch"),
     path("jobs/<str:job_id>/confirm", jobs.ConfirmView.as_view(), name="confirm"),
     path("jobs/<str:job_id>/events", jobs.EventView.as_view(), name="events"),
     path("jobs/<str:job_id>/logs", jobs.LogView.as_view(), name="logs"),

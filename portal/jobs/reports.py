@@ -216,27 +216,37 @@ def job_report_many(*, node, events: list[dict]) -> list[dict]:
     """Apply several reports of one node at once (protocol 1.2: many jobs ending together), in one
     transaction, each as ``job_report`` would alone: idempotent, fenced by its attempt, a stale one
     answered ``{"result": "stale"}`` (the 409 of a single report) without undoing the others.
-    Returns one ``{"job_id", "result"[, "detail"]}`` per event, in order.
+    Returns one ``{"job_id", "result"[, "detail"]}`` per event, in order (``_in_id_order``)."""
+    return _in_id_order(node, events, _report_one, "reports")
 
-    Jobs are applied in id order, so two batches (or a batch and a scheduling pass, which also
-    locks by id) take their row locks in one order. Should the database still pick this
-    transaction as a deadlock's victim, nothing of it stays, and each event is applied again in
-    a transaction of its own."""
-    order = sorted(range(len(events)), key=lambda i: (parse_int(events[i]["job_id"]) or 0, i))
+
+def job_confirm_many(*, node, confirms: list[dict]) -> list[dict]:
+    """Confirm several launches of one node at once (protocol 1.7: a node's launches of one pass), in
+    one transaction, each as ``job_confirm`` would alone. Returns one ``{"job_id", "result"[,
+    "detail"]}`` per confirmation, in order: "confirmed", or "stale" (the 409 of a single confirm)."""
+    return _in_id_order(node, confirms, _confirm_one, "confirmations")
+
+
+def _in_id_order(node, items: list[dict], one, what: str) -> list[dict]:
+    """``one(node, item)`` for each item in one transaction, in job id order, so two batches (or a
+    batch and a scheduling pass, which also locks by id) take their row locks in one order. Should
+    the database still pick this transaction as a deadlock's victim, nothing of it stays, and each
+    item is applied again in a transaction of its own."""
+    order = sorted(range(len(items)), key=lambda i: (parse_int(items[i]["job_id"]) or 0, i))
     with notifications_batched():
         try:
             with transaction.atomic():
-                results = _apply(node, events, order)
+                results = _apply(node, items, order, one)
         except OperationalError as exc:
             if getattr(exc, "__cause__", None) is None or type(exc.__cause__).__name__ != "DeadlockDetected":
                 raise
-            log.warning("node %s: a batch of %d reports lost a deadlock; applying them one by one", node.name,
-                        len(events))
+            log.warning("node %s: a batch of %d %s lost a deadlock; applying them one by one", node.name,
+                        len(items), what)
             results = {}
             for i in order:
                 with transaction.atomic():
-                    results.update(_apply(node, events, [i]))
-    return [results[i] for i in range(len(events))]
+                    results.update(_apply(node, items, [i], one))
+    return [results[i] for i in range(len(items))]
 
 
 # The batch being applied (job_report_many): the nodes whose jobs ended in it (`ended_on`) and its
@@ -244,13 +254,13 @@ def job_report_many(*, node, events: list[dict]) -> list[dict]:
 _batch = threading.local()
 
 
-def _apply(node, events: list[dict], indexes: list[int]) -> dict[int, dict]:
-    """Apply events[i] for each of `indexes` in the caller's transaction; what each end asks for
-    (a draining node settled, a scheduling pass) is done once for all of them (_after_end)."""
+def _apply(node, events: list[dict], indexes: list[int], one) -> dict[int, dict]:
+    """``one(node, events[i])`` for each of `indexes` in the caller's transaction; what each end asks
+    for (a draining node settled, a scheduling pass) is done once for all of them (_after_end)."""
     _batch.ended_on = ended_on = set()
     try:
         _batch.read = _prefetch(events, indexes)
-        results = {i: _report_one(node, events[i]) for i in indexes}
+        results = {i: one(node, events[i]) for i in indexes}
     finally:
         _batch.ended_on = _batch.read = None
     _ended(ended_on)
@@ -265,6 +275,14 @@ def _report_one(node, event: dict) -> dict:
         return {"job_id": event["job_id"], "result": job_report(node=node, job_id=event["job_id"], **fields)}
     except Conflict as exc:
         return {"job_id": event["job_id"], "result": "stale", "detail": exc.message[:300]}
+
+
+def _confirm_one(node, item: dict) -> dict:
+    try:
+        job_confirm(node=node, job_id=item["job_id"], attempt=item["attempt"])
+    except Conflict as exc:  # raised before anything is written
+        return {"job_id": item["job_id"], "result": "stale", "detail": exc.message[:300]}
+    return {"job_id": item["job_id"], "result": "confirmed"}
 
 
 def _checkpoint_saved(pk: int, attempt: int) -> None:

@@ -162,3 +162,38 @@ def test_reports_queued_while_one_is_in_flight_go_up_together_in_the_next_reques
         th.join(10)
     assert sent[0] == ["a"] and sorted(sent[1]) == ["b", "c", "d"] and len(sent) == 2
     assert outcomes == {"a": "applied", "b": "applied", "c": "stale", "d": "applied"}
+
+
+def test_a_group_announced_with_gather_goes_up_in_one_request_and_a_short_one_waits_only_the_bound():
+    """GroupSender.gather(n): the first report waits for the other n - 1 (a node's launches of one
+    pass confirming), so they share one request; when fewer come, it goes once the bound is up."""
+    import threading
+    import time
+
+    from agents.worker import GroupSender
+
+    sent = []
+    sender = GroupSender(lambda reports: sent.append(sorted(r["job_id"] for r in reports)) or ["ok"] * len(reports))
+
+    def send_all(ids, stagger_s=0.0):
+        threads = [threading.Thread(target=sender.send, args=({"job_id": j},)) for j in ids]
+        for th in threads:
+            th.start()
+            time.sleep(stagger_s)  # the launches' threads come a little apart, as a pool starts them
+        for th in threads:
+            th.join(10)
+
+    sender.gather(4, within_s=10)
+    send_all("abcd", stagger_s=0.02)
+    assert sent == [["a", "b", "c", "d"]]
+
+    del sent[:]
+    sender.gather(3, within_s=0.3)  # one of three never reports (its launch failed)
+    t0 = time.monotonic()
+    send_all("xy")
+    took = time.monotonic() - t0
+    assert sent == [["x", "y"]] and 0.25 <= took < 5
+
+    del sent[:]
+    send_all("z")  # nothing announced: it goes at once
+    assert sent == [["z"]]

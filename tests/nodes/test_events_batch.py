@@ -159,9 +159,9 @@ def test_a_batch_rolled_back_by_a_deadlock_mails_and_passes_from_its_one_by_one_
     class DeadlockDetected(Exception):
         pass
 
-    def apply_once_then_lose(node, events, indexes):
+    def apply_once_then_lose(node, events, indexes, one):
         calls.append(list(indexes))
-        results = real(node, events, indexes)
+        results = real(node, events, indexes, one)
         if len(calls) == 1:
             raise OperationalError("deadlock detected") from DeadlockDetected()
         return results
