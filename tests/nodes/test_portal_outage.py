@@ -16,6 +16,7 @@ from portal.nodes.models import Node, ReaperState
 from portal.jobs.node_effects import nodes_reap
 from portal.nodes.services import node_add
 from tests.conftest import agent_client, make_token
+from tests.procs import wait_for
 
 SAMPLE = {"gpu_uuid": "GPU-o-0", "gpu_index": 0, "utilization": 50.0, "memory_used_mb": 100, "temperature_c": 40,
           "power_w": 100.0, "ecc_errors": 0, "xid_errors": []}
@@ -193,6 +194,10 @@ def test_a_database_restart_costs_no_failed_request(agent):
     with psycopg.connect(host=db["HOST"], port=db["PORT"] or 5432, user=db["USER"], dbname=db["NAME"],
                          autocommit=True) as other:
         assert other.execute("SELECT pg_terminate_backend(%s)", [pid]).fetchone()[0]
+        # The call returns as the signal is sent; the backend says goodbye and ends a moment later
+        # (a restart's requests come later still: the server is down for seconds).
+        gone = "SELECT count(*) = 0 FROM pg_stat_activity WHERE pid = %s"
+        wait_for(lambda: other.execute(gone, [pid]).fetchone()[0], 10, "the terminated backend to end")
     # What a WSGI server's request_started does before each request (the test client skips it).
     from django.db import close_old_connections
 
