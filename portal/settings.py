@@ -335,7 +335,7 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_THROTTLE_CLASSES": [
         "rest_framework.throttling.AnonRateThrottle",
-        "rest_framework.throttling.UserRateThrottle",
+        "portal.core.throttling.UserRateThrottle",  # counted in O(1) a request (portal/core/throttling.py)
     ],
     "DEFAULT_THROTTLE_RATES": {
         "anon": env_str("API_ANON_RATE", "60/min"),

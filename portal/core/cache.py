@@ -17,9 +17,9 @@ log = logging.getLogger(__name__)
 RETRY_AFTER_S = 5.0
 
 
-def _degrading(name: str, default_for):
-    """Wrap RedisCache.<name>: on a Redis error answer default_for(*args) instead of raising."""
-    method = getattr(RedisCache, name)
+def _degrading(name: str, default_for, method=None):
+    """Wrap RedisCache.<name> (or ``method``): on a Redis error answer default_for(*args) instead of raising."""
+    method = method or getattr(RedisCache, name)
 
     def wrapper(self, *args, **kwargs):
         if time.monotonic() < self._down_until:
@@ -71,6 +71,25 @@ class ReusingRedisClient(RedisCacheClient):
         pipeline.execute()
 
 
+def _window_counts(self, key: str, window: int, ttl_s: int) -> tuple[int, int]:
+    """Count one hit in fixed window ``window`` of ``key``: (its count now, the window before's),
+    in one round trip; each window's counter expires ``ttl_s`` after its last hit."""
+    current, previous = self.make_key(f"{key}:{window}"), self.make_key(f"{key}:{window - 1}")
+    pipeline = self._cache.get_client(current, write=True).pipeline(transaction=False)
+    pipeline.incr(current)
+    pipeline.expire(current, ttl_s)
+    pipeline.get(previous)
+    count, _, before = pipeline.execute()
+    return int(count), int(before or 0)
+
+
+def _window_uncount(self, key: str, window: int) -> None:
+    """Take back the hit ``window_counts`` counted (a refused request is not one)."""
+    current = self.make_key(f"{key}:{window}")
+    self._cache.get_client(current, write=True).decr(current)
+
+
+
 class ResilientRedisCache(RedisCache):
     def __init__(self, server, params):
         super().__init__(server, params)
@@ -89,3 +108,6 @@ class ResilientRedisCache(RedisCache):
     delete_many = _degrading("delete_many", lambda *a, **k: None)
     incr = _degrading("incr", lambda key, delta=1, *a, **k: delta)
     clear = _degrading("clear", lambda *a, **k: False)
+    # Throttle counters (portal/core/throttling.py); not counted while Redis is out: nothing is throttled.
+    window_counts = _degrading("window_counts", lambda *a, **k: (0, 0), _window_counts)
+    window_uncount = _degrading("window_uncount", lambda *a, **k: None, _window_uncount)
