@@ -189,6 +189,7 @@ class Agent:
         self.fenced = False  # True after the lease ran out, until the portal answers again
         self._started = clock()
         self._lease_file_lock = threading.Lock()
+        self._lease_written = None  # (renewed at, lease, fence grace) of the lease file's last write
         if hasattr(client, "on_lease_renewed"):  # each renewal reaches the lease file at once, retries included
             client.on_lease_renewed = self.write_lease
         self._lock = threading.RLock()
@@ -1141,11 +1142,18 @@ class Agent:
             return
         with self._lease_file_lock:  # one writer at a time, so a later renewal is never overwritten
             renewed = getattr(self.client, "lease_renewed_at", None)
-            left = (renewed if renewed is not None else self._started) + self.lease_s - self._clock()
+            since = renewed if renewed is not None else self._started
+            # Each launch asks for it (its supervisor reads the file from its start), but the deadline
+            # moves only with a renewal: a node's launches of one pass write it (and fsync) once.
+            wanted = (since, self.lease_s, self.fence_grace_s)
+            if wanted == self._lease_written and os.path.exists(path):
+                return
             try:
-                write_lease(path, self._wall() + left, self.fence_grace_s)
+                write_lease(path, self._wall() + since + self.lease_s - self._clock(), self.fence_grace_s)
             except OSError as exc:  # the supervisors keep the last deadline they read: it only runs out
                 log.error("could not write the lease file %s: %s", path, exc)
+                return
+            self._lease_written = wanted
 
     def check_lease(self) -> bool:
         """Stop every sandbox once the portal has been silent for longer than the

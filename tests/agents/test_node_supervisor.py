@@ -303,3 +303,25 @@ def test_a_process_jobs_supervisor_imports_no_json_re_subprocess_or_enum(tmp_pat
 def test_the_lease_file_is_read_without_json(tmp_path, text, read):
     (tmp_path / "lease").write_text(text)
     assert read_lease(tmp_path / "lease") == read
+
+
+def test_the_lease_file_is_written_again_only_when_the_lease_moves(tmp_path):
+    """Each launch asks for the lease file (its supervisor reads it from its start); a node's launches
+    of one pass between two renewals write it, and fsync it, once."""
+    driver = ProcessDriver(node="leasefile", state_dir=str(tmp_path))
+    client = PortalClient("http://127.0.0.1:9", TOKEN, timeout_s=1, retries=0)
+    agent = Agent(name="leasefile", client=client, driver=driver, probe=SimProbe("1xH100-80GB", node_name="leasefile"))
+    client.lease_renewed_at = time.monotonic()
+    agent.write_lease()
+    first = os.stat(driver.lease_path).st_ino  # each write replaces the file
+    for _ in range(3):
+        agent.write_lease()
+    assert os.stat(driver.lease_path).st_ino == first
+    client.lease_renewed_at += 5  # a heartbeat renewed it: the deadline moves 5 s on
+    before = read_lease(driver.lease_path)[0]
+    agent.write_lease()
+    assert os.stat(driver.lease_path).st_ino != first
+    assert abs(read_lease(driver.lease_path)[0] - (before + 5)) < 0.5
+    os.unlink(driver.lease_path)  # gone behind its back: written again
+    agent.write_lease()
+    assert read_lease(driver.lease_path) is not None
