@@ -189,7 +189,8 @@ MATRIX = {
     **{f"agent:{name}": [e("POST", f"/api/agent/v1/{path}", NOBODY, body={"attempt": 1})] for name, path in [
         ("register", "register"), ("heartbeat", "heartbeat"), ("confirm", "jobs/{vision_job}/confirm"),
         ("events", "jobs/{vision_job}/events"), ("logs", "jobs/{vision_job}/logs"), ("probe", "probe"),
-        ("events-batch", "events"), ("registry-auth", "jobs/{vision_job}/registry-auth"),
+        ("events-batch", "events"), ("confirms-batch", "confirms"),
+        ("registry-auth", "jobs/{vision_job}/registry-auth"),
         ("progress", "jobs/{vision_job}/progress"), ("artifact-uploads", "jobs/{vision_job}/artifacts/uploads"),
         ("artifact-confirm", "jobs/{vision_job}/artifacts/confirm")]},
     "agent:dataset-file": [e("GET", "/api/agent/v1/datasets/" + "0" * 64 + "/file", NOBODY)],
