@@ -178,6 +178,15 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     # Django's backend with a health check that reads the socket instead of asking the server
     # (portal/core/postgres/base.py): no SELECT 1 before each request's first statement.
     DATABASES["default"]["ENGINE"] = "portal.core.postgres"
+    # Statements a connection runs often are prepared on the server, so PostgreSQL parses and plans
+    # them once per connection instead of for every call (planning cost more than executing on the
+    # agent API's and the submit's statements). This binds parameters on the server (Django's
+    # server_side_binding). DB_PREPARE_THRESHOLD: the executions after which a statement is
+    # prepared; 0 turns it off (behind a pooler in transaction mode, which cannot keep them).
+    _prepare_after = env_int("DB_PREPARE_THRESHOLD", 2, minimum=0)
+    if _prepare_after:
+        DATABASES["default"].setdefault("OPTIONS", {}).update(
+            server_side_binding=True, prepare_threshold=_prepare_after)
     # A database that does not answer fails a request within seconds (a 503, portal/core/middleware.py)
     # instead of holding it for the system's TCP timeout.
     DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
