@@ -88,21 +88,28 @@ def groups(c: fc.Cluster) -> dict[str, list[int]]:
     return parts
 
 
+# The portal's default timers (the fault suite's are short, to make its faults quick).
+TIMERS = {"NODE_HEARTBEAT_INTERVAL_S": "5", "AGENT_LEASE_S": "15", "AGENT_FENCE_GRACE_S": "3",
+          "NODE_TIMEOUT_S": "20", "NODE_REAP_INTERVAL_S": "5", "LAUNCH_RESEND_S": "60"}
+
+
+def production(c: fc.Cluster) -> None:
+    """Production settings (the fault suite runs with DEBUG on, whose query log costs CPU of its own),
+    over plain HTTP on loopback as gunicorn behind nginx sees it."""
+    c.env.update({"GUNICORN_WORKERS": "4", "GUNICORN_THREADS": "1", "LOG_LEVEL": "WARNING", "DEBUG": "0",
+                  "SECRET_KEY": "vs-slurm-" + "abcdefghij" * 6, "ALLOWED_HOSTS": "127.0.0.1,localhost",
+                  "SECURE_SSL_REDIRECT": "0", "SESSION_COOKIE_SECURE": "0", "CSRF_COOKIE_SECURE": "0"})
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=1000)
     args = parser.parse_args()
     fc.AGENTS, fc.GPUS_PER_AGENT = NODES, GPUS_PER_NODE
     fc.netns.available = lambda: "the bench runs every agent on loopback"
-    timers = {"NODE_HEARTBEAT_INTERVAL_S": "5", "AGENT_LEASE_S": "15", "AGENT_FENCE_GRACE_S": "3",
-              "NODE_TIMEOUT_S": "20", "NODE_REAP_INTERVAL_S": "5", "LAUNCH_RESEND_S": "60"}
     tmp = Path(tempfile.mkdtemp(prefix="vs-portal-"))
-    c = fc.Cluster(tmp, timers=timers)
-    # Production settings (the fault suite runs with DEBUG on, whose query log costs CPU of its own),
-    # over plain HTTP on loopback as gunicorn behind nginx sees it.
-    c.env.update({"GUNICORN_WORKERS": "4", "GUNICORN_THREADS": "1", "LOG_LEVEL": "WARNING", "DEBUG": "0",
-                  "SECRET_KEY": "vs-slurm-" + "abcdefghij" * 6, "ALLOWED_HOSTS": "127.0.0.1,localhost",
-                  "SECURE_SSL_REDIRECT": "0", "SESSION_COOKIE_SECURE": "0", "CSRF_COOKIE_SECURE": "0"})
+    c = fc.Cluster(tmp, timers=TIMERS)
+    production(c)
     try:
         t = time.perf_counter()
         c.start_all()

@@ -74,8 +74,10 @@ def test_a_job_is_killed_at_its_lease_deadline_with_no_agent_alive(tmp_path, lau
              "the supervisor to kill the job")
     # SIGTERM was ignored: it took the SIGKILL after the grace, and not before the deadline.
     assert time.time() >= deadline + GRACE_S - 0.1
-    # A restarted agent adopts the attempt and reads the fence from the exit record.
+    # A restarted agent adopts the attempt and reads the fence from the exit record, once the
+    # supervisor is gone too (the one SIGKILL to the group ends the job and it in either order).
     (_, _, handle), = driver.list_own()
+    wait_for(lambda: driver.poll(handle)[0] != RUNNING, 10, "the supervisor to end")
     assert driver.poll(handle) == (FENCED, 128 + signal.SIGKILL)
     assert b"lease ran out" in driver.read_logs(handle, 0)
 
