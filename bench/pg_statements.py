@@ -16,12 +16,11 @@ import tempfile
 from pathlib import Path
 
 import psycopg
-import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import tests.faults.cluster as fc  # noqa: E402
-from vs_portal import GPUS_PER_NODE, NODES, TIMERS, production  # noqa: E402 (bench/ is on the path)
+import vs_portal  # noqa: E402 (bench/ is on the path)
 from tests.procs import wait_for  # noqa: E402
 
 
@@ -30,11 +29,11 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=400)
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
-    fc.AGENTS, fc.GPUS_PER_AGENT = NODES, GPUS_PER_NODE
+    fc.AGENTS, fc.GPUS_PER_AGENT = vs_portal.NODES, vs_portal.GPUS_PER_NODE
     fc.netns.available = lambda: "the bench runs every agent on loopback"
     tmp = Path(tempfile.mkdtemp(prefix="pg-statements-"))
-    c = fc.Cluster(tmp, timers=TIMERS)
-    production(c)
+    c = fc.Cluster(tmp, timers=vs_portal.TIMERS)
+    vs_portal.production(c)
     admin = c.dsn.replace("dbname=gpuportal", "dbname=postgres")
     try:
         c.start_postgres()  # once to set the extension up (each setting needs its own restart)
@@ -45,21 +44,12 @@ def main() -> int:
             c.start_postgres()
         c.stop_postgres()
         c.start_all()
-        c.sql("UPDATE tenancy_quota SET max_gpus = %s, max_running_jobs = NULL WHERE project_id = "
-              "(SELECT id FROM tenancy_project WHERE slug = 'vision') RETURNING id", (NODES * GPUS_PER_NODE,))
-        c.sql("UPDATE tenancy_organization SET max_gpus = NULL RETURNING id")
+        vs_portal.lift_caps(c)
         with psycopg.connect(c.dsn, autocommit=True) as conn:
             conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
             conn.execute("SELECT pg_stat_statements_reset()")
-        body = {"project": "vision", "name": "pg-statements", "image": "gpuportal/busybox:latest",
-                "command": ["true"], "resources": {"gpus": 1, "cpus": 0.1, "memory_mb": 64}, "time_limit": 600}
-        session = requests.Session()
-        session.headers.update(c.headers())
-        for _ in range(args.jobs):
-            r = session.post(f"{c.url}/api/v1/jobs/", json=body, timeout=60)
-            assert r.status_code == 201, r.text[:300]
-        wait_for(lambda: c.sql("SELECT count(*) FROM jobs_job WHERE state NOT IN ('succeeded', 'failed', "
-                               "'cancelled', 'timeout', 'node_fail', 'oom')", col=0)[0] == 0, 600, "every job to end")
+        vs_portal.submit_all(c, args.jobs)
+        wait_for(lambda: vs_portal.ended(c) >= args.jobs, 600, "every job to end")
         n = args.jobs
         with psycopg.connect(c.dsn, autocommit=True) as conn:
             calls, exec_ms, plan_ms = conn.execute(

@@ -101,6 +101,30 @@ def production(c: fc.Cluster) -> None:
                   "SECURE_SSL_REDIRECT": "0", "SESSION_COOKIE_SECURE": "0", "CSRF_COOKIE_SECURE": "0"})
 
 
+def lift_caps(c: fc.Cluster) -> None:
+    """The demo tenant caps `vision` at 16 GPUs and 20 running jobs; Slurm's side has no limits, so
+    neither has this one: the whole 16 x 8 GPUs are the project's (its GPU-hour budget stays)."""
+    c.sql("UPDATE tenancy_quota SET max_gpus = %s, max_running_jobs = NULL WHERE project_id = "
+          "(SELECT id FROM tenancy_project WHERE slug = 'vision') RETURNING id", (NODES * GPUS_PER_NODE,))
+    c.sql("UPDATE tenancy_organization SET max_gpus = NULL RETURNING id")
+
+
+def submit_all(c: fc.Cluster, jobs: int) -> None:
+    """`jobs` one-GPU `true` jobs to `vision`, one POST after the other, as alice."""
+    body = {"project": "vision", "name": "vs-slurm", "image": "gpuportal/busybox:latest", "command": ["true"],
+            "resources": {"gpus": 1, "cpus": 0.1, "memory_mb": 64}, "time_limit": 600}
+    session = requests.Session()
+    session.headers.update(c.headers())
+    for _ in range(jobs):
+        r = session.post(f"{c.url}/api/v1/jobs/", json=body, timeout=60)
+        assert r.status_code == 201, r.text[:300]
+
+
+def ended(c: fc.Cluster) -> int:
+    return c.sql("SELECT count(*) FROM jobs_job WHERE state IN "
+                 "('succeeded', 'failed', 'cancelled', 'timeout', 'node_fail', 'oom')", col=0)[0]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=1000)
@@ -115,28 +139,16 @@ def main() -> int:
         c.start_all()
         print(f"installation up in {time.perf_counter() - t:.0f}s ({NODES} nodes x {GPUS_PER_NODE} GPUs)",
               file=sys.stderr)
-        # The demo tenant caps `vision` at 16 GPUs and 20 running jobs; Slurm's side has no limits, so
-        # neither has this one: the whole 16 x 8 GPUs are the project's (its GPU-hour budget stays).
-        c.sql("UPDATE tenancy_quota SET max_gpus = %s, max_running_jobs = NULL WHERE project_id = "
-              "(SELECT id FROM tenancy_project WHERE slug = 'vision') RETURNING id", (NODES * GPUS_PER_NODE,))
-        c.sql("UPDATE tenancy_organization SET max_gpus = NULL RETURNING id")
-        body = {"project": "vision", "name": "vs-slurm", "image": "gpuportal/busybox:latest", "command": ["true"],
-                "resources": {"gpus": 1, "cpus": 0.1, "memory_mb": 64}, "time_limit": 600}
-        session = requests.Session()
-        session.headers.update(c.headers())
+        lift_caps(c)
         # Backends and gunicorn workers that exit during the run are counted by their parents.
         reaped = (postmaster(c), c.procs["web"][0].pid)
         before = {k: cpu_of(v, reaped) for k, v in groups(c).items()}
         agents = [proc.pid for key, (proc, _) in c.procs.items() if key.startswith("fault-")]
         jobs_before = children_cpu(agents)
         t0 = time.perf_counter()
-        for _ in range(args.jobs):
-            r = session.post(f"{c.url}/api/v1/jobs/", json=body, timeout=60)
-            assert r.status_code == 201, r.text[:300]
+        submit_all(c, args.jobs)
         submit_s = time.perf_counter() - t0
-        wait_for(lambda: c.sql("SELECT count(*) FROM jobs_job WHERE state IN "
-                               "('succeeded', 'failed', 'cancelled', 'timeout', 'node_fail', 'oom')", col=0)[0]
-                 >= args.jobs, 1800, "every job to end")
+        wait_for(lambda: ended(c) >= args.jobs, 1800, "every job to end")
         wall_s = time.perf_counter() - t0
         after = {k: cpu_of(v, reaped) for k, v in groups(c).items() if k in before}
         after["agents.jobs"] = children_cpu(agents) - jobs_before
