@@ -9,7 +9,7 @@ every job has ended, and prints one JSON line:
 - makespan_s: first submit to last end (the database's submitted_at and ended_at);
 - cpu_s: CPU seconds during the run of the control plane (gunicorn, the worker, beat, Redis,
   PostgreSQL) and of the agents (their process groups; jobs run in sessions of their own);
-  agents.jobs: what the agents' reaped children took, each job's supervisor (the process
+  jobs: what the agents' reaped children took, each job's supervisor (the process
   sandbox's job parent, a Python interpreter) and the job itself (`true`).
 
     .venv/bin/python bench/vs_portal.py [--jobs 1000]
@@ -151,7 +151,7 @@ def main() -> int:
         wait_for(lambda: ended(c) >= args.jobs, 1800, "every job to end")
         wall_s = time.perf_counter() - t0
         after = {k: cpu_of(v, reaped) for k, v in groups(c).items() if k in before}
-        after["agents.jobs"] = children_cpu(agents) - jobs_before
+        after["jobs"] = children_cpu(agents) - jobs_before
         (makespan, succeeded), = c.sql("SELECT extract(epoch FROM max(ended_at) - min(submitted_at)), "
                                        "count(*) FILTER (WHERE state = 'succeeded') FROM jobs_job")
         cpu = {k: round(after[k] - before.get(k, 0.0), 2) for k in after}

@@ -45,7 +45,7 @@ rows = [("makespan (s)", portal["makespan_s"], slurm and slurm["makespan_s"]),
         ("node-side CPU per job (ms)", portal["cpu_ms_per_job"]["agents"],
          slurm and round(slurm["cpu_s"]["slurmd_all"] * 1000 / jobs, 1)),
         # Each job's supervisor and the job; Slurm's bench counts no slurmstepd.
-        ("job supervisor + job CPU per job (ms)", portal["cpu_ms_per_job"].get("agents.jobs"), None)]
+        ("job supervisor + job CPU per job (ms)", portal["cpu_ms_per_job"].get("jobs"), None)]
 print(f"{jobs} one-GPU `true` jobs, 16 nodes x 8 GPUs; gpuportal {portal['succeeded']} succeeded"
       + (f", Slurm {slurm['completed']} completed" if slurm else " (Slurm side not run)"))
 print(f"| | gpuportal | Slurm | gpuportal / Slurm |\n|---|---|---|---|")
