@@ -165,9 +165,7 @@ def _reap(pid: int) -> int | None:
         done, status = os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:  # reaped already: cannot happen with one waiter, but never hang on it
         return 255
-    if done == 0:
-        return None
-    return _code(-os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+    return None if done == 0 else _code(os.waitstatus_to_exitcode(status))
 
 
 def _exit_waiter(pid: int):

@@ -89,7 +89,6 @@ def _window_uncount(self, key: str, window: int) -> None:
     self._cache.get_client(current, write=True).decr(current)
 
 
-
 class ResilientRedisCache(RedisCache):
     def __init__(self, server, params):
         super().__init__(server, params)

@@ -24,12 +24,9 @@ def test_an_idle_healthy_connection_is_usable_without_asking_the_server(pg, monk
     for _ in range(20):
         assert connection.is_usable()
     assert asked == []
-    # Something waiting on the socket (here a notice the server sends unasked) is checked with the server.
+    # Something waiting on the socket (here a notification the server sends unasked) is checked with the server.
     monkeypatch.undo()
-    with raw.cursor() as cur:
-        cur.execute("LISTEN gpuportal_test")
-        cur.execute("NOTIFY gpuportal_test")  # delivered now, read with the next result
-    raw.commit() if not raw.autocommit else None
+    raw.execute("LISTEN gpuportal_test")
     other = connections.create_connection("default")
     try:
         other.ensure_connection()
@@ -38,9 +35,12 @@ def test_an_idle_healthy_connection_is_usable_without_asking_the_server(pg, monk
         deadline = time.monotonic() + 10
         while not asked and time.monotonic() < deadline:
             assert connection.is_usable()
+            time.sleep(0.01)
         assert asked, "a notification waiting on the socket should have been checked with SELECT 1"
     finally:
         other.close()
+        monkeypatch.undo()
+        raw.execute("UNLISTEN gpuportal_test")
 
 
 @pytest.mark.django_db(transaction=True)

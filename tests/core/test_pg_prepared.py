@@ -16,11 +16,12 @@ def test_a_query_run_again_is_prepared_on_the_server_and_answers_the_same():
     def prepared():
         with connection.cursor() as cur:
             cur.execute("SELECT statement FROM pg_prepared_statements WHERE statement LIKE %s",
-                        ['%FROM "jobs_job" WHERE "jobs_job"."name" = $1%'])
+                        ['%WHERE ("jobs_job"."name" = $1 AND "jobs_job"."priority" = $2)%'])
             return [row[0] for row in cur.fetchall()]
 
     assert prepared() == []
-    answers = [list(Job.objects.filter(name=f"nothing-{i}").values_list("pk", flat=True))
+    # A query no other test makes, so none has prepared it on this connection before.
+    answers = [list(Job.objects.filter(name=f"nothing-{i}", priority=-7).values_list("pk", flat=True))
                for i in range(options["prepare_threshold"] + 2)]
     assert answers == [[]] * len(answers)
     assert len(prepared()) == 1  # one server-side statement, whatever the parameter
