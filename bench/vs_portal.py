@@ -10,7 +10,7 @@ every job has ended, and prints one JSON line:
 - cpu_s: CPU seconds during the run of the control plane (gunicorn, the worker, beat, Redis,
   PostgreSQL) and of the agents (their process groups; jobs run in sessions of their own);
   jobs: what the agents' reaped children took, each job's supervisor (the process
-  sandbox's job parent, a Python interpreter) and the job itself (`true`).
+  sandbox's job parent, forked by the agent's spawner, which reaps it) and the job itself (`true`).
 
     .venv/bin/python bench/vs_portal.py [--jobs 1000]
 """
@@ -143,15 +143,15 @@ def main() -> int:
         # Backends and gunicorn workers that exit during the run are counted by their parents.
         reaped = (postmaster(c), c.procs["web"][0].pid)
         before = {k: cpu_of(v, reaped) for k, v in groups(c).items()}
-        agents = [proc.pid for key, (proc, _) in c.procs.items() if key.startswith("fault-")]
-        jobs_before = children_cpu(agents)
+        # The agents' groups hold each agent and its process spawner, which reaps the jobs' supervisors.
+        jobs_before = children_cpu(groups(c)["agents"])
         t0 = time.perf_counter()
         submit_all(c, args.jobs)
         submit_s = time.perf_counter() - t0
         wait_for(lambda: ended(c) >= args.jobs, 1800, "every job to end")
         wall_s = time.perf_counter() - t0
         after = {k: cpu_of(v, reaped) for k, v in groups(c).items() if k in before}
-        after["jobs"] = children_cpu(agents) - jobs_before
+        after["jobs"] = children_cpu(groups(c)["agents"]) - jobs_before
         (makespan, succeeded), = c.sql("SELECT extract(epoch FROM max(ended_at) - min(submitted_at)), "
                                        "count(*) FILTER (WHERE state = 'succeeded') FROM jobs_job")
         cpu = {k: round(after[k] - before.get(k, 0.0), 2) for k in after}

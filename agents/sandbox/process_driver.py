@@ -9,7 +9,9 @@ Each job's folder lives in the agent's state folder (``<state>/process-<node>``,
 made 0700 and never followed through a link: ``kvm_domain.driver_dir``), with a
 small JSON record that lets a restarted agent find the jobs it started
 (``list_own``). The job runs under a small per-job supervisor (``WRAPPER``,
-agents/supervisor/lease.py) that waits for it and writes its exit code to
+agents/supervisor/lease.py), forked for each launch by the node's process spawner
+(``Spawner``, one long-lived process per agent: a fork costs a fraction of a new
+interpreter's start), that waits for it and writes its exit code to
 ``exit`` in that folder (atomically, by rename) before it exits itself, so a
 job that ends while no agent is its parent (the agent restarted) still has its
 real exit code for the adopting agent. The supervisor also reads the node's
@@ -41,10 +43,12 @@ from agents.supervisor.lease import FENCED
 log = logging.getLogger(__name__)
 
 LOG_READ_MAX_BYTES = 1024 * 1024  # one read_logs call returns at most this; the agent reads on
+REAP_WAIT_S = 1.0  # how long poll waits for the spawner's exit record of a supervisor killed first
 
-# The job's parent is the per-job supervisor (agents/supervisor/lease.py), run with -I -S (no PYTHON*
-# variables from the job's environment, no site, nothing of the agent importable): it waits for the
-# job, writes its exit code, and fences the job when the node's lease file says the lease ran out.
+# The job's parent is the per-job supervisor (agents/supervisor/lease.py), forked by the node's spawner,
+# which runs with -I -S (no PYTHON* variables from the agent's environment, no site, nothing of the agent
+# importable): it waits for the job, writes its exit code, and fences the job when the node's lease
+# file says the lease ran out.
 WRAPPER = SUPERVISOR_SOURCE
 
 
@@ -55,12 +59,17 @@ class ProcessDriver:
         self.node = node
         # state_dir is the agent's (--state-dir); the driver's own folder is made private in it.
         self.state_dir = driver_dir("process", node, state_dir)
-        self._children: dict[str, subprocess.Popen] = {}
+        self._spawner = Spawner()
+        self._spawned: dict[str, tuple[int, int | None]] = {}  # ref -> (pid, start ticks) of our launches
         # The node's lease, written by the agent after each renewal and read by every job's supervisor;
         # lease_s and fence_grace_s (set by the agent from its registration) stand in until it exists.
         self.lease_path = self.state_dir / "lease"
         self.lease_s, self.fence_grace_s = 60.0, 3.0
         self._exits: ExitWatcher | None = None
+
+    def close(self) -> None:
+        """End the node's spawner (the jobs it started live on)."""
+        self._spawner.close()
 
     def watch_exits(self, ended) -> None:
         """Call ``ended(ref)`` as soon as a job's supervisor process exits (a pidfd per job, one
@@ -114,30 +123,29 @@ class ProcessDriver:
             shutil.rmtree(root, ignore_errors=True)
             shutil.rmtree(sessions_dir or root, ignore_errors=True)
             raise SandboxError(f"could not start {exe!r}: no such executable")
-        with open(root / "log", "wb") as logf:
-            try:
-                p = subprocess.Popen([sys.executable, "-I", "-S", "-c", WRAPPER, "process", str(root / "exit"),
-                                      str(self.lease_path), str(self.lease_s), str(self.fence_grace_s),
-                                      "--", *spec.command],
-                                     cwd=workdir, env=env, stdin=subprocess.DEVNULL,
-                                     stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
-            except OSError as exc:
-                shutil.rmtree(root, ignore_errors=True)
-                shutil.rmtree(sessions_dir or root, ignore_errors=True)
-                raise SandboxError(f"could not start {exe!r}: {exc}") from None
+        try:
+            pid = self._spawner.spawn({
+                "exit": str(root / "exit"), "lease": str(self.lease_path), "lease_s": self.lease_s,
+                "grace_s": self.fence_grace_s, "cwd": str(workdir), "log": str(root / "log"), "env": env,
+                "argv": list(spec.command)}, workdir)
+        except SandboxError as exc:
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(sessions_dir or root, ignore_errors=True)
+            raise SandboxError(f"could not start {exe!r}: {exc}") from None
         handle = SandboxHandle(driver=self.name, ref=ref, job_id=spec.job_id, attempt=spec.attempt,
                                started_at=time.time(), time_limit_s=spec.time_limit_s,
                                gpu_indexes=list(spec.gpu_indexes))
+        ticks = _start_ticks(pid)
         (root / "record.json.tmp").write_text(json.dumps({
-            "job_id": spec.job_id, "attempt": spec.attempt, "pid": p.pid,
-            "start_ticks": _start_ticks(p.pid), "started_at": handle.started_at,
+            "job_id": spec.job_id, "attempt": spec.attempt, "pid": pid,
+            "start_ticks": ticks, "started_at": handle.started_at,
             "time_limit_s": spec.time_limit_s, "node": self.node, "gpu_indexes": spec.gpu_indexes,
             "sessions": spec.sessions, "sessions_dir": sessions_dir, "env": env if spec.sessions else None,
         }))
         os.replace(root / "record.json.tmp", root / "record.json")  # list_own never reads half a record
-        self._children[ref] = p
+        self._spawned[ref] = (pid, ticks)
         if self._exits is not None:
-            self._exits.add(ref, p.pid)
+            self._exits.add(ref, pid)
         return handle
 
     def _unfinished_launch_cleared(self, root: Path, spec: LaunchSpec) -> bool:
@@ -148,16 +156,8 @@ class ProcessDriver:
         does not run twice. If not, nothing started: the half-made folder is removed (True)."""
         if (root / "record.json").exists():
             return False
-        workdir = str(root / "work")
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit():
-                continue
-            pid = int(proc.name)
-            try:
-                if os.readlink(proc / "cwd") != workdir or os.getsid(pid) != pid:
-                    continue
-            except OSError:
-                continue
+        pid = _session_leader_in(str(root / "work"))
+        if pid is not None:
             log.warning("job %s attempt %s: an agent died while starting it; adopting its process %d",
                         spec.job_id, spec.attempt, pid)
             (root / "record.json.tmp").write_text(json.dumps({
@@ -172,21 +172,20 @@ class ProcessDriver:
         return True
 
     def poll(self, handle: SandboxHandle) -> tuple[str, int | None]:
-        p = self._children.get(handle.ref)
-        if p is not None:
-            rc = p.poll()
-            if rc is None:
-                return RUNNING, None
-            code, fenced = self._exit_record(handle.ref)
-            if fenced:
-                return FENCED, code
-            # Report a signal death the way a shell (and Docker) does: 128 + signal.
-            return EXITED, (128 - rc if rc < 0 else rc)
-        rec = self._record(handle.ref)
-        if rec and _alive(rec["pid"], rec.get("start_ticks")):
+        spawned = self._spawned.get(handle.ref)
+        if spawned is None:  # adopted after a restart
+            rec = self._record(handle.ref)
+            spawned = (rec["pid"], rec.get("start_ticks")) if rec else None
+        if spawned and _alive(*spawned):
             return RUNNING, None
-        # Not our child (adopted after a restart): the wrapper wrote the code before it exited.
+        # The supervisor wrote the code before it exited; if it was killed first (SIGKILL to the
+        # group), its spawner writes the code from the wait status as it reaps it: a moment later.
         code, fenced = self._exit_record(handle.ref)
+        if code is None and spawned and self._spawner.spawned(spawned[0]):
+            deadline = time.monotonic() + REAP_WAIT_S
+            while code is None and time.monotonic() < deadline and self._spawner.alive():
+                time.sleep(0.005)
+                code, fenced = self._exit_record(handle.ref)
         return (FENCED if fenced else EXITED), code
 
     def read_logs(self, handle: SandboxHandle, offset: int) -> bytes:
@@ -211,9 +210,9 @@ class ProcessDriver:
             time.sleep(0.05)
         # Kill the group even if the leader exited: it may have left children.
         _killpg(pgid, signal.SIGKILL)
-        p = self._children.get(handle.ref)
-        if p is not None:
-            p.wait()
+        deadline = time.monotonic() + 5
+        while _alive(pgid, rec.get("start_ticks")) and time.monotonic() < deadline:
+            time.sleep(0.005)
 
     def signal(self, handle: SandboxHandle, name: str) -> None:
         """Send the job's process group a signal by name (a checkpointing job's SIGUSR1); the
@@ -244,7 +243,7 @@ class ProcessDriver:
     def remove(self, handle: SandboxHandle) -> None:
         if self.poll(handle)[0] == RUNNING:
             self.stop(handle, 0)
-        self._children.pop(handle.ref, None)
+        self._spawned.pop(handle.ref, None)
         rec = self._record(handle.ref) or {}
         if rec.get("sessions_dir"):
             shutil.rmtree(rec["sessions_dir"], ignore_errors=True)
@@ -312,6 +311,82 @@ def _publish_sessions(spec: LaunchSpec, env: dict) -> str:
     return folder
 
 
+class Spawner:
+    """The agent's end of the node's process spawner (agents/supervisor/lease.py, ``serve_spawns``):
+    started at the first launch, and again if it has died; launches take turns on its pipe."""
+
+    def __init__(self):
+        import threading
+
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._pids: set[int] = set()
+
+    def spawn(self, request: dict, workdir: Path) -> int:
+        """The pid of the job's supervisor, forked by the spawner. SandboxError if none started."""
+        line = json.dumps(request).encode() + b"\n"
+        with self._lock:
+            proc = self._proc
+            if proc is None or proc.poll() is not None:
+                proc = self._start()
+            try:
+                proc.stdin.write(line)
+                proc.stdin.flush()
+            except OSError:  # it died since: it had the request from nobody, so start one and ask again
+                proc = self._start()
+                proc.stdin.write(line)
+                proc.stdin.flush()
+            answer = proc.stdout.readline().decode().strip()
+            if answer.isdigit():
+                self._pids.add(int(answer))
+                return int(answer)
+        if answer:
+            raise SandboxError(f"the node's process spawner refused: {answer}")
+        # It died with the request: its child, if it forked one, is the session leader working in
+        # workdir. Found, it is the job (started once); not found, nothing started.
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            pid = _session_leader_in(str(workdir))
+            if pid is not None:
+                return pid
+            time.sleep(0.02)
+        raise SandboxError("the node's process spawner ended without starting the job")
+
+    def spawned(self, pid: int) -> bool:
+        """Whether the spawner running now forked ``pid`` (so it will write its exit record)."""
+        return pid in self._pids
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._proc is not None:
+                self._proc.stdin.close()
+                try:
+                    self._proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    self._proc.wait()
+                self._proc.stdout.close()
+                self._proc = None
+
+    def _start(self) -> subprocess.Popen:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+        self._pids = set()  # a new spawner writes no record for the old one's children
+        try:
+            # In the agent's group (a signal to the agent's group ends it; its children have sessions
+            # of their own), its stderr the agent's.
+            self._proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", WRAPPER, "spawner"],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        except OSError as exc:
+            self._proc = None
+            raise SandboxError(f"the node's process spawner did not start: {exc}") from None
+        return self._proc
+
+
 class ExitWatcher:
     """One thread that waits on a pidfd per process (Linux 5.3+) and calls ``ended(ref)`` when one
     exits: the agent learns of an exit at once instead of at its next poll. Where pidfds are not
@@ -348,6 +423,20 @@ class ExitWatcher:
                     self.ended(key.data)
                 except Exception:  # the agent's ticks still notice it
                     log.exception("exit of %s: notifying the agent failed", key.data)
+
+
+def _session_leader_in(workdir: str) -> int | None:
+    """The pid of a session leader working in ``workdir`` (a job's supervisor), if one runs."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        pid = int(proc.name)
+        try:
+            if os.readlink(proc / "cwd") == workdir and os.getsid(pid) == pid:
+                return pid
+        except OSError:
+            continue
+    return None
 
 
 def _killpg(pgid: int, sig: int) -> None:

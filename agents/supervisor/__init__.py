@@ -10,7 +10,7 @@ re-places a silent node's jobs only after the lease, the fence grace and a margi
 the old attempt is dead before the new one starts, whether the agent is alive, frozen or gone.
 
 ``lease.py`` uses the standard library only: the process sandbox runs it with ``python -I -S -c`` as the
-job's parent (``SOURCE``), where nothing of the agent's environment or packages is importable.
+node's spawner of the jobs' parents (``SOURCE``), where nothing of the agent's packages is importable.
 """
 
 import os

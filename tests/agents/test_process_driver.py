@@ -1,6 +1,9 @@
 import logging
+import os
+import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +14,62 @@ from tests.agents.conftest import make_spec, wait_done
 
 @pytest.fixture
 def driver(tmp_path):
-    return ProcessDriver(node="p", state_dir=str(tmp_path))
+    d = ProcessDriver(node="p", state_dir=str(tmp_path))
+    yield d
+    d.close()
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_one_spawner_forks_every_jobs_supervisor(driver):
+    """The jobs' supervisors are forked by one spawner per node, not started as interpreters by the
+    agent: each leads a session of its own (the group stop() signals), and each job's code arrives."""
+    handles = [driver.launch(make_spec(command=["sh", "-c", f"exit {i}"])) for i in range(3)]
+    sleeper = driver.launch(make_spec(command=["sleep", "300"]))
+    pid = driver._record(sleeper.ref)["pid"]
+    spawner = driver._spawner._proc.pid
+    assert _parent(pid) == spawner != os.getpid() and os.getsid(pid) == pid
+    assert [wait_done(driver, h) for h in handles] == [(EXITED, 0), (EXITED, 1), (EXITED, 2)]
+    driver.stop(sleeper, grace_s=2)
+    assert wait_done(driver, sleeper) == (EXITED, 143)
+
+
+def test_a_supervisor_killed_first_gets_its_code_from_the_spawner(driver):
+    """SIGKILL to the job's group ends its supervisor before it writes the exit record: the spawner,
+    its parent, writes the code from the wait status, as the agent's own waitpid used to say it."""
+    h = driver.launch(make_spec(command=["sleep", "300"]))
+    pid = driver._record(h.ref)["pid"]
+    os.killpg(pid, signal.SIGKILL)
+    assert wait_done(driver, h) == (EXITED, 137)
+    assert (driver.state_dir / h.ref / "exit").read_text() == "137\n"
+
+
+def test_jobs_outlive_their_spawner_and_a_new_one_starts_at_the_next_launch(driver, tmp_path):
+    """The spawner dies (the agent's group killed, or it alone): its jobs run on in their sessions,
+    each supervisor still writes its code, and the next launch starts another spawner."""
+    h = driver.launch(make_spec(command=["sh", "-c", "read _ < /dev/null; sleep 300"]))
+    first = driver._spawner._proc
+    first.kill()
+    first.wait()
+    assert driver.poll(h) == (RUNNING, None)
+    h2 = driver.launch(make_spec(command=["true"]))
+    assert driver._spawner._proc.pid != first.pid
+    assert wait_done(driver, h2) == (EXITED, 0)
+    driver.stop(h, grace_s=2)
+    assert wait_done(driver, h) == (EXITED, 143)
+
+
+def test_the_agent_gone_ends_the_spawner_not_the_jobs(driver):
+    """End of the spawner's input (the agent exited) ends the spawner; the job runs on."""
+    h = driver.launch(make_spec(command=["sleep", "300"]))
+    spawner = driver._spawner._proc
+    driver.close()
+    assert spawner.returncode == 0
+    assert driver.poll(h) == (RUNNING, None)
+    driver.stop(h, grace_s=2)
+    assert wait_done(driver, h)[0] == EXITED
 
 
 def test_runs_a_command_and_returns_output_and_exit_code(driver, caplog):
