@@ -57,6 +57,18 @@ def scan(folder: str | os.PathLike) -> Outputs:
     return out
 
 
+def empty(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds nothing at all (or is gone): nothing to upload, nothing to name. A link
+    is not empty: ``scan`` names it."""
+    if os.path.islink(folder):
+        return False
+    try:
+        with os.scandir(folder) as it:
+            return next(it, None) is None
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+
+
 def _walk(fd: int, prefix: str, depth: int, out: Outputs, seen: list[int]) -> None:
     with os.scandir(fd) as it:
         entries = sorted(it, key=lambda e: e.name)

@@ -915,6 +915,9 @@ class Agent:
         if not folder:
             t.outputs_note = ""
             return True
+        if not t.outputs.sent and artifacts.empty(folder):  # most jobs: no thread, no wait for the next tick
+            t.outputs_note = ""
+            return True
         if not self.background:
             self._upload_outputs(t, folder)
             return t.outputs_note is not None

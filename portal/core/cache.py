@@ -89,6 +89,17 @@ def _window_uncount(self, key: str, window: int) -> None:
     self._cache.get_client(current, write=True).decr(current)
 
 
+def _flag_and_get(self, flag: str, ttl_s: int, other: str):
+    """Set ``flag`` unless it is set (as ``add``) and read ``other``, in one round trip: (whether the
+    flag was set now, ``other``'s value or None)."""
+    flag_key, other_key = self.make_key(flag), self.make_key(other)
+    pipeline = self._cache.get_client(flag_key, write=True).pipeline(transaction=False)
+    pipeline.set(flag_key, self._cache._serializer.dumps(1), nx=True, ex=ttl_s)
+    pipeline.get(other_key)
+    added, raw = pipeline.execute()
+    return bool(added), None if raw is None else self._cache._serializer.loads(raw)
+
+
 class ResilientRedisCache(RedisCache):
     def __init__(self, server, params):
         super().__init__(server, params)
@@ -110,3 +121,5 @@ class ResilientRedisCache(RedisCache):
     # Throttle counters (portal/core/throttling.py); not counted while Redis is out: nothing is throttled.
     window_counts = _degrading("window_counts", lambda *a, **k: (0, 0), _window_counts)
     window_uncount = _degrading("window_uncount", lambda *a, **k: None, _window_uncount)
+    # The scheduling pass's request (portal/core/passes.py); while Redis is out every request publishes.
+    flag_and_get = _degrading("flag_and_get", lambda *a, **k: (True, None), _flag_and_get)

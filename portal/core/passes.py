@@ -31,9 +31,11 @@ def pass_request() -> float | None:
     the countdown (seconds) that keeps passes SCHEDULER_PASS_INTERVAL_S apart."""
     if not shared_cache():
         return 0.0
-    if not cache.add(FLAG, 1, timeout=FLAG_TTL_S) and cache.get(FLAG) is not None:
-        return None  # (add and get both fail while Redis is down: then publish)
-    last = cache.get(LAST_START)
+    # One round trip (a submit's): the flag set if unset, and when the last pass started. While Redis
+    # is down it answers "set, no last start": publish now.
+    added, last = cache.flag_and_get(FLAG, FLAG_TTL_S, LAST_START)
+    if not added:
+        return None
     return max(0.0, last + settings.SCHEDULER_PASS_INTERVAL_S - time.time()) if last else 0.0
 
 

@@ -12,6 +12,7 @@ from portal.core import locks
 from portal.core.context import Actor
 from portal.core.errors import Conflict, Forbidden, InvalidInput, ServiceError, Unprocessable, check_valid
 from portal.core.queue import request_schedule_pass
+from portal.core.plainsql import insert
 from portal.core.services import audit_record, require_operator
 from portal.core.text import check_plain_name
 from portal.tenancy.access import check_token_project, user_can
@@ -95,10 +96,11 @@ def job_submit(*, actor: Actor, data: dict, idempotency_key: str = "") -> tuple[
             deps = _dependencies(project, v["depends_on"])
             common = job_fields(actor, project, v, template)
             # An array parent is never scheduled itself: its tasks carry the reasons.
-            job = Job.objects.create(**common, array=v["array"], is_array_parent=bool(v["array"]),
-                                     idempotency_key=idempotency_key, idempotency_fingerprint=fingerprint,
-                                     reason_code="" if v["array"] else "new",
-                                     reason_message="" if v["array"] else "Waiting for the scheduler's next pass.")
+            job = Job(**common, array=v["array"], is_array_parent=bool(v["array"]),
+                      idempotency_key=idempotency_key, idempotency_fingerprint=fingerprint,
+                      reason_code="" if v["array"] else "new",
+                      reason_message="" if v["array"] else "Waiting for the scheduler's next pass.")
+            insert(job)
             if deps:  # a new job has none to replace: no query for the common case
                 job.depends_on.set(deps)
             _dependencies_known(job, deps)

@@ -103,3 +103,20 @@ def test_scan_never_follows_a_link_out(tmp_path):
     os.symlink(tmp_path, tmp_path / "top-link")
     with pytest.raises(OSError):
         scan(tmp_path / "top-link")
+
+
+def test_an_empty_outputs_folder_is_told_apart_without_a_scan(tmp_path):
+    """The agent skips the upload (and its thread) for a job that wrote no outputs: only a folder with
+    nothing in it, or none, counts as empty; a link, even to an empty folder, goes to ``scan``."""
+    import os
+
+    from agents.artifacts import empty
+
+    top = tmp_path / "outputs"
+    top.mkdir()
+    assert empty(top) and empty(tmp_path / "missing")
+    (top / "sub").mkdir()
+    assert not empty(top)  # an empty folder inside is still something to look at
+    (tmp_path / "hollow").mkdir()
+    os.symlink(tmp_path / "hollow", tmp_path / "link")
+    assert not empty(tmp_path / "link")
