@@ -1,7 +1,8 @@
 """Where PostgreSQL's time goes per job: `bench/vs_portal.py`'s installation (16 nodes x 8 simulated
 GPUs, process sandbox, gunicorn with 4 workers, production settings) with pg_stat_statements, N
 one-GPU `true` jobs from one serial client; prints statements, execution and planning time per job,
-in all and for the costliest statements.
+in all and for the costliest statements (with the share of their calls PostgreSQL planned: a
+prepared statement it keeps a generic plan for is not planned again).
 
     .venv/bin/python bench/pg_statements.py [--jobs 400] [--top 25]
 
@@ -55,11 +56,11 @@ def main() -> int:
             calls, exec_ms, plan_ms = conn.execute(
                 "SELECT sum(calls), sum(total_exec_time), sum(total_plan_time) FROM pg_stat_statements").fetchone()
             top = conn.execute(
-                "SELECT calls, total_exec_time, total_plan_time, left(regexp_replace(query, '\\s+', ' ', 'g'), 100) "
+                "SELECT calls, plans, total_exec_time, total_plan_time, left(regexp_replace(query, '\\s+', ' ', 'g'), 100) "
                 "FROM pg_stat_statements ORDER BY total_exec_time + total_plan_time DESC LIMIT %s", (args.top,)).fetchall()
         print(f"{n} jobs: {calls / n:.1f} statements a job; execution {exec_ms / n:.2f} ms, planning {plan_ms / n:.2f} ms a job")
-        for calls, ex, pl, query in top:
-            print(f"{calls / n:6.2f}/job  exec {ex / n:6.3f}  plan {pl / n:6.3f} ms/job  {query}")
+        for calls, plans, ex, pl, query in top:
+            print(f"{calls / n:6.2f}/job  exec {ex / n:6.3f}  plan {pl / n:6.3f} ms/job  planned {plans / calls:4.0%}  {query}")
         return 0
     finally:
         c.close()
