@@ -167,7 +167,12 @@ def main() -> None:
             db = connection.settings_dict
             env = {**os.environ, "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{name}",
                    "DEBUG": "0", "ALLOWED_HOSTS": "127.0.0.1,localhost", "SECURE_SSL_REDIRECT": "0",
-                   "LOG_LEVEL": "WARNING"}
+                   "LOG_LEVEL": "WARNING",
+                   # Every pass full: each round clears the queue's positions behind the scheduler's
+                   # back, which a pass that finds nothing changed would leave as they are.
+                   "SCHEDULER_REPLAN_S": "0",
+                   # No mail: the bench has no SMTP server, and ends nobody asked to hear of.
+                   "EMAIL_BACKEND": "django.core.mail.backends.locmem.EmailBackend"}
             port = free_port()
             web = subprocess.Popen([sys.executable, "-m", "gunicorn", "portal.wsgi", "-b", f"127.0.0.1:{port}",
                                     "-w", str(args.workers), "--preload", "--timeout", "300", "--log-level", "warning"],
