@@ -147,21 +147,23 @@ def test_log_and_event_calls_do_not_renew_the_lease():
 def test_a_heartbeat_retrying_through_an_outage_keeps_the_lease_file_fresh(tmp_path):
     """One heartbeat call retries for twice the lease while the portal gives its outage answer: each
     answer renews the lease and reaches the node's lease file at once (not when the call gives up),
-    so the jobs' supervisors never fence them."""
+    so the jobs' supervisors never fence them. A 5 s lease, not LEASE_S: under the whole suite one
+    answer (a fsync of the lease file with it) once took over 2 s, and the lease lapsed between two."""
+    lease_s = 5.0
     stub = PortalStub()
-    client = PortalClient(stub.url, TOKEN, timeout_s=2, retries=40, backoff_s=0.1, max_backoff_s=0.1)
+    client = PortalClient(stub.url, TOKEN, timeout_s=2, retries=40, backoff_s=0.3, max_backoff_s=0.3)
     driver = ProcessDriver(node="retry", state_dir=str(tmp_path))
     agent = Agent(name="retry", client=client, driver=driver, probe=SimProbe("1xH100-80GB", node_name="retry"),
                   stop_grace_s=1.0, scrub_gpus=False)
     try:
         agent.register()
-        agent.lease_s, agent.fence_grace_s = LEASE_S, 0.5
+        agent.lease_s, agent.fence_grace_s = lease_s, 0.5
         assert agent.launch("j1", 1, JOB) == "started"
         stub.outage = True
         t0 = time.monotonic()
         with pytest.raises(PortalUnreachable):
             client.heartbeat(samples=[], jobs=[])
-        assert time.monotonic() - t0 > 2 * LEASE_S
+        assert time.monotonic() - t0 > 2 * lease_s
         assert running(type("Live", (), dict(driver=driver)), "j1")
     finally:
         for _, _, handle in driver.list_own():
