@@ -243,7 +243,9 @@ class ProcessDriver:
     def remove(self, handle: SandboxHandle) -> None:
         if self.poll(handle)[0] == RUNNING:
             self.stop(handle, 0)
-        self._spawned.pop(handle.ref, None)
+        spawned = self._spawned.pop(handle.ref, None)
+        if spawned is not None:
+            self._spawner.forget(spawned[0])
         rec = self._record(handle.ref) or {}
         if rec.get("sessions_dir"):
             shutil.rmtree(rec["sessions_dir"], ignore_errors=True)
@@ -355,6 +357,10 @@ class Spawner:
     def spawned(self, pid: int) -> bool:
         """Whether the spawner running now forked ``pid`` (so it will write its exit record)."""
         return pid in self._pids
+
+    def forget(self, pid: int) -> None:
+        """The sandbox of ``pid`` is gone: no need to remember it (an agent runs millions of jobs)."""
+        self._pids.discard(pid)
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None

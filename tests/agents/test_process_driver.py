@@ -34,6 +34,9 @@ def test_one_spawner_forks_every_jobs_supervisor(driver):
     assert [wait_done(driver, h) for h in handles] == [(EXITED, 0), (EXITED, 1), (EXITED, 2)]
     driver.stop(sleeper, grace_s=2)
     assert wait_done(driver, sleeper) == (EXITED, 143)
+    for h in [*handles, sleeper]:
+        driver.remove(h)
+    assert driver._spawner._pids == set()  # a removed sandbox's pid is not kept for ever
 
 
 def test_a_supervisor_killed_first_gets_its_code_from_the_spawner(driver):
