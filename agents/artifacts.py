@@ -65,8 +65,10 @@ def empty(folder: str | os.PathLike) -> bool:
     try:
         with os.scandir(folder) as it:
             return next(it, None) is None
-    except (FileNotFoundError, NotADirectoryError):
+    except FileNotFoundError:  # as scan: gone is nothing; anything else goes to scan, which names it
         return True
+    except OSError:
+        return False
 
 
 def _walk(fd: int, prefix: str, depth: int, out: Outputs, seen: list[int]) -> None:

@@ -174,8 +174,6 @@ try:
                                                   conn_health_checks=True)}
 except Exception as exc:  # dj_database_url raises several types for a bad URL
     raise ImproperlyConfigured(f"DATABASE_URL: cannot parse {_database_url!r}: {exc}") from None
-# How many statements a PostgreSQL connection keeps prepared (portal/core/postgres/base.py).
-DB_PREPARED_MAX = env_int("DB_PREPARED_MAX", 500, minimum=1)
 if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
     # Django's backend with a health check that reads the socket instead of asking the server
     # (portal/core/postgres/base.py): no SELECT 1 before each request's first statement.

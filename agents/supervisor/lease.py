@@ -225,9 +225,15 @@ def serve_spawns() -> int:
             try:
                 req = json.loads(line)
                 exit_path = req["exit"]
-                started_r, started_w = os.pipe()
+            except (ValueError, KeyError, TypeError) as exc:
+                os.write(1, f"error {exc!r}\n".encode())
+                continue
+            started_r, started_w = os.pipe()
+            try:
                 pid = os.fork()
-            except (ValueError, KeyError, TypeError, OSError) as exc:
+            except OSError as exc:
+                os.close(started_r)
+                os.close(started_w)
                 os.write(1, f"error {exc!r}\n".encode())
                 continue
             if pid == 0:

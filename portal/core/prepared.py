@@ -27,6 +27,14 @@ from django.db.models import Lookup
 from django.db.models.query import FlatValuesListIterable, ValuesIterable
 
 
+def any_array(db_type: str) -> str:
+    """``ANY(...)`` of one array parameter, read through a sub-SELECT: PostgreSQL plans without looking
+    into it, so a prepared statement gets the same plan for any list (it keeps a generic plan) instead
+    of one made for each list's length on every call, which cost more than running the hot reads.
+    Index scans still use it."""
+    return f"ANY((SELECT %s)::{db_type}[])"
+
+
 class AnyOf(Lookup):
     """`AnyOf(F("field"), values)` in a filter: the field is one of `values` (a list), sent as one
     array parameter, `field = ANY(%s)`, so the list may be a Prepared placeholder. SQLite has no
@@ -38,10 +46,7 @@ class AnyOf(Lookup):
 
     def as_sql(self, compiler, connection):
         lhs, params = self.process_lhs(compiler, connection)
-        # The array behind a sub-SELECT: PostgreSQL plans without looking into it, so a prepared read
-        # gets the same plan for any list (it keeps a generic plan) instead of one made for each list's
-        # length on every call, which cost more than running these reads. Index scans still use it.
-        return f"{lhs} = ANY((SELECT %s)::{self.lhs.output_field.db_type(connection)}[])", [*params, self.rhs]
+        return f"{lhs} = {any_array(self.lhs.output_field.db_type(connection))}", [*params, self.rhs]
 
     def as_sqlite(self, compiler, connection, **extra):
         lhs, params = self.process_lhs(compiler, connection)

@@ -6,8 +6,8 @@ sends and parses a list of thousands of floats twice, and two requests at once l
 hits. This one counts hits in Redis (``window_counts``: an INCR of the current fixed window and a
 read of the one before, in one round trip; a refused request is taken back) and weighs the previous
 window by how much of it still lies within the sliding window, as nginx and Cloudflare estimate a
-sliding window: the limit holds to within the rate's rounding, whatever the rate. Without Redis (the embedded mode's in-process
-cache) DRF's own counting applies.
+sliding window: the limit holds to within the rate's rounding, whatever the rate. Without Redis
+(the embedded mode's in-process cache) DRF's own counting applies.
 """
 from django.core.cache import cache
 from rest_framework import throttling

@@ -14,7 +14,7 @@ from django.db.models.functions import Length
 from django.utils import timezone
 
 from agents.sandbox.volumes import checkpoint_relpath, volume_relpath
-from portal.core.prepared import AnyOf, Prepared
+from portal.core.prepared import AnyOf, Prepared, any_array
 from portal.tenancy.models import allowed_project_ids, staff_bypass
 
 from .models import (ACTIVE, HOLDING, TERMINAL, Allocation, Job, JobLogChunk, ProjectFairshare,
@@ -60,19 +60,17 @@ def _month_hours_sql(ids: list[int], now: datetime) -> dict[int, float]:
     project's budget with it, and under a stream of short jobs the untallied allocations are a few
     hundred rows whose transfer and conversion cost more than the sum."""
     start = month_start(now)
-    # One project (a submit's) by `=`, not `= ANY(array)`: prepared, PostgreSQL keeps a generic plan
-    # for it, where an array of unknown length made it plan every call anew (a custom plan looked cheaper).
-    which, key = ("= %s", ids[0]) if len(ids) == 1 else ("= ANY(%s)", ids)
+    ids_in = "= " + any_array("bigint")  # one generic plan, whatever the list (a submit's is one project)
     with connection.cursor() as cursor:
         cursor.execute(
             f"SELECT project_id, sum(s) / 3600 FROM ("
             f"SELECT project_id, gpu_s AS s FROM {ProjectMonthUsage._meta.db_table} "
-            f"WHERE project_id {which} AND month = %s "
+            f"WHERE project_id {ids_in} AND month = %s "
             f"UNION ALL SELECT j.project_id, greatest(0, extract(epoch FROM "
             f"least(coalesce(a.released_at, %s), %s) - greatest(a.started_at, %s)))::float8 * a.fraction::float8 "
             f"FROM {Allocation._meta.db_table} a JOIN {Job._meta.db_table} j ON j.id = a.job_id "
-            f"WHERE j.project_id {which} AND NOT a.tallied) usage GROUP BY project_id",
-            [key, start.date(), now, now, start, key])
+            f"WHERE j.project_id {ids_in} AND NOT a.tallied) usage GROUP BY project_id",
+            [ids, start.date(), now, now, start, ids])
         return {project_id: hours for project_id, hours in cursor.fetchall()}
 
 
@@ -121,19 +119,19 @@ def _pass_usage_sql(ids, month, now, start, half_life) -> tuple[str, list]:
     GPU-seconds (the fair-share total decayed to now and each untallied allocation decayed from
     its end), and whether a fair-share total was kept under another half-life. A sum is NULL
     where the project has no row of its kind, as _month_hours and _decayed leave it out. The ids
-    go through a sub-SELECT, as AnyOf's (portal/core/prepared.py): one generic plan, not one a pass."""
-    allocation, job = Allocation._meta.db_table, Job._meta.db_table
+    go through `any_array` (portal/core/prepared.py): one generic plan, not one a pass."""
+    allocation, job, ids_in = Allocation._meta.db_table, Job._meta.db_table, "= " + any_array("bigint")
     return (
         f"SELECT project_id, sum(used), sum(decayed), bool_or(other) FROM ("
         f"SELECT project_id, gpu_s AS used, NULL::float8 AS decayed, false AS other "
-        f"FROM {ProjectMonthUsage._meta.db_table} WHERE project_id = ANY((SELECT %s)::bigint[]) AND month = %s "
+        f"FROM {ProjectMonthUsage._meta.db_table} WHERE project_id {ids_in} AND month = %s "
         f"UNION ALL SELECT project_id, NULL, decayed_gpu_s * power(0.5, extract(epoch FROM %s - as_of)::float8 / %s), "
-        f"half_life_s <> %s FROM {ProjectFairshare._meta.db_table} WHERE project_id = ANY((SELECT %s)::bigint[]) "
+        f"half_life_s <> %s FROM {ProjectFairshare._meta.db_table} WHERE project_id {ids_in} "
         f"UNION ALL SELECT j.project_id, greatest(0, extract(epoch FROM "
         f"least(coalesce(a.released_at, %s), %s) - greatest(a.started_at, %s))::float8) * a.fraction::float8, "
         f"greatest(0, extract(epoch FROM coalesce(a.released_at, %s) - a.started_at)::float8) * a.fraction::float8 "
         f"* power(0.5, extract(epoch FROM %s - coalesce(a.released_at, %s))::float8 / %s), false "
-        f"FROM {allocation} a JOIN {job} j ON j.id = a.job_id WHERE j.project_id = ANY((SELECT %s)::bigint[]) AND NOT a.tallied"
+        f"FROM {allocation} a JOIN {job} j ON j.id = a.job_id WHERE j.project_id {ids_in} AND NOT a.tallied"
         f") usage GROUP BY project_id",
         [ids, month, now, half_life, half_life, ids, now, now, start, now, now, now, half_life, ids])
 

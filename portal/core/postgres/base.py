@@ -8,25 +8,14 @@ it, a killed one closes it. So an idle connection with nothing to read is taken 
 connection pool takes it, and only one with something waiting (that message, an end of file, a
 notice) is asked ``SELECT 1``, which the closed ones fail. A server that vanished without a word
 (its host lost) is found by the request's own statement, as ``SELECT 1`` would have found it.
-
-A connection keeps up to ``DB_PREPARED_MAX`` statements prepared (psycopg keeps 100 by default). A
-web worker runs more shapes than that (each agent request's, each page's, the same statement with
-another parameter type), and the least recently used one was deallocated to make room: the hot
-statements were prepared again and again, each time planned anew for their first five runs.
 """
 import select
 
-from django.conf import settings
 from django.db.backends.postgresql import base
 from psycopg import pq
 
 
 class DatabaseWrapper(base.DatabaseWrapper):
-    def get_new_connection(self, conn_params):
-        conn = super().get_new_connection(conn_params)
-        conn.prepared_max = settings.DB_PREPARED_MAX
-        return conn
-
     def is_usable(self):
         conn = self.connection
         if conn is None or conn.closed or conn.pgconn.status != pq.ConnStatus.OK:
