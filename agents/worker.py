@@ -60,6 +60,9 @@ LOG_REFUSALS = 3
 # launch that fails sends none, so the others wait the bound out.
 GATHER_S = 0.05
 RUNNING_GATHER_S = 0.5
+# A launch holds its `running` report this long: a job that ends meanwhile (`true`, a failed
+# import) sends it with its end report, one request for both instead of two (protocol 1.2 batches).
+RUNNING_HOLD_S = 0.05
 # How long before its deadline the lease check asks whether the portal is slow rather than gone (at most a
 # third of the lease): the probe takes up to a second, and the renewal must reach the lease file in time.
 SLOW_PROBE_AHEAD_S = 2.0
@@ -93,6 +96,11 @@ class Tracked:
     # Set when the node ended it because its lease ran out (the agent's fence, or the job's supervisor's):
     # the report says so and the portal requeues the job as a node fault, not the job's failure.
     lease_expired: bool = False
+    # Its `running` report is still to go (RUNNING_HOLD_S): whichever of the launch and the end report
+    # takes it under `running_lock` sends it, so it goes once and never after the end.
+    running_due: bool = False
+    running_lock: threading.Lock = field(default_factory=threading.Lock)
+    exited: threading.Event = field(default_factory=threading.Event)  # the driver saw the sandbox end
     # A checkpointing job's (signal, grace_s) from its spec: sent grace_s before its time limit.
     checkpoint: tuple[str, float] | None = None
     warned: bool = False  # the time-limit signal went out
@@ -151,11 +159,19 @@ class GroupSender:
                 self._busy = False
                 self._cond.notify_all()
 
+    def forgo(self) -> None:
+        """One of the ``gather``ed reports will not come (its job's end report carries it): the
+        request waits for one fewer."""
+        with self._cond:
+            if self._gather:
+                self._gather -= 1
+                self._cond.notify_all()
+
 
 class Agent:
     def __init__(self, *, name: str, client, driver, probe, stop_grace_s: float = 10.0,
                  log_chunk_bytes: int = 256 * 1024, background: bool = True, scrub_gpus: bool = True,
-                 clock=time.monotonic, wall=time.time, datasets=None):
+                 clock=time.monotonic, wall=time.time, datasets=None, running_hold_s: float = 0.0):
         self.name = name
         # The node's dataset cache (agents/datasets.DatasetCache); None: jobs naming datasets are refused.
         self.datasets = datasets
@@ -209,6 +225,7 @@ class Agent:
         self._early_ends: dict[str, float] = {}
         # Ends of several jobs go up in one request (protocol 1.2); off for a portal that speaks an older one.
         self.batch_events = True
+        self.running_hold_s = running_hold_s  # 0: each launch reports `running` at once (RUNNING_HOLD_S)
         # `starting` and `running` reports of launches that go together share requests (protocol 1.2).
         self._launch_reports = GroupSender(self._send_launch_reports)
         # Confirmations of launches that go together (a node's launches of one pass) share requests
@@ -418,7 +435,7 @@ class Agent:
         except Exception as exc:  # a driver bug (or a full disk) must still end the job once
             log.exception("job %s attempt %s: the %s driver failed unexpectedly", job_id, attempt, self.driver.name)
             return self._launch_failed(job_id, attempt, f"could not start the sandbox: {type(exc).__name__}: {exc}")
-        t = Tracked(job_id, attempt, handle)
+        t = Tracked(job_id, attempt, handle, running_due=True)
         if ls.checkpoint_signal and ls.checkpoint_grace_s:
             t.checkpoint = (ls.checkpoint_signal, float(ls.checkpoint_grace_s))
         with self._lock:
@@ -426,6 +443,8 @@ class Agent:
             if self._early_ends.pop(handle.ref, None) is not None:
                 self._ended.add(handle.ref)
                 self._wake.set()
+            if handle.ref in self._ended:
+                t.exited.set()
             self._dirty.update(handle.gpu_indexes)
             pending = self._pending_stop.pop(t.key, None)
         self._set_busy(handle.gpu_indexes, True)
@@ -441,13 +460,44 @@ class Agent:
             self._begin_stop(t, "failed", "stopped by the agent: the lease ran out while the sandbox started",
                              min(self.stop_grace_s, self.fence_grace_s), lease_expired=True)
             return "started"
+        if self._folds_running() and self.running_hold_s > 0 and t.exited.wait(self.running_hold_s):
+            self._launch_reports.forgo()
+            return "started"  # it ended at once: its end report carries `running` (_report_batch)
         try:
-            self._report_state(job_id, attempt, "running")
+            self._report_running(t)
         except StaleAttempt:
             self._begin_stop(t, "cancelled", "stale attempt", self.stop_grace_s)
         except PortalUnreachable:
             log.warning("job %s attempt %s: could not report running; the heartbeat will", job_id, attempt)
         return "started"
+
+    def _report_running(self, t: Tracked) -> None:
+        """``t``'s `running` report, unless its end report took it; the end report waits for it."""
+        with t.running_lock:
+            if not t.running_due:
+                self._launch_reports.forgo()
+                return
+            try:
+                self._report_state(t.job_id, t.attempt, "running")
+            except PortalUnreachable:
+                raise  # still due: the end report carries it
+            except Exception:
+                t.running_due = False
+                raise
+            t.running_due = False
+
+    def _folds_running(self) -> bool:
+        """Whether an end report may carry its job's `running` report (a portal taking batches)."""
+        return self.batch_events and hasattr(self.client, "event_batch")
+
+    def _take_running(self, t: Tracked) -> bool:
+        """Whether ``t``'s end report is to carry its `running` report: it was not sent (and now will
+        not be by the launch, which may still be sending it: then this waits for its answer)."""
+        if not t.running_due or not self._folds_running():
+            return False
+        with t.running_lock:
+            due, t.running_due = t.running_due, False
+        return due
 
     def expect_launches(self, n: int) -> None:
         """``n`` launches start now side by side (a node's launches of one pass, agents/tasks.py): their
@@ -790,7 +840,12 @@ class Agent:
             if t.key not in self._jobs:
                 return True
             report = self._end_report(t)
-            return report is not None and self._send_one(t, report)
+            if report is None:
+                return False
+            if t.running_due and self._folds_running():
+                self._report_batch([(t, report)])
+                return t.key not in self._jobs
+            return self._send_one(t, report)
         finally:
             t.lock.release()
 
@@ -812,17 +867,37 @@ class Agent:
                 report = self._guarded(t, "end of job", self._end_report, t)
                 if report is not None:
                     ready.append((t, report))
-            for i in range(0, len(ready), EVENTS_MAX):
-                self._report_batch(ready[i:i + EVENTS_MAX])
+            chunk, size = [], 0
+            for t, report in ready:  # at most EVENTS_MAX reports a request, a carried `running` counted
+                need = 2 if t.running_due and self._folds_running() else 1
+                if size + need > EVENTS_MAX:
+                    self._report_batch(chunk)
+                    chunk, size = [], 0
+                chunk.append((t, report))
+                size += need
+            if chunk:
+                self._report_batch(chunk)
         finally:
             for t in held:
                 t.lock.release()
 
     def _report_batch(self, batch: list[tuple[Tracked, dict]]) -> None:
-        """Send prepared end reports in one request; each job's locks are held by the caller."""
+        """Send prepared end reports in one request, each after its job's `running` report where that is
+        still to go (_take_running); each job's locks are held by the caller."""
+        items, ends, carried = [], [], []
+        for t, report in batch:
+            if self._take_running(t):
+                carried.append(t)
+                items.append({"job_id": t.job_id, "attempt": t.attempt, "state": "running"})
+            ends.append(len(items))
+            items.append({"job_id": t.job_id, "attempt": t.attempt, **report})
         try:
-            results = self.client.event_batch([{"job_id": t.job_id, "attempt": t.attempt, **report} for t, report in batch])
+            results = self.client.event_batch(items)
+            if len(results) == len(items):
+                results = [results[i] for i in ends]
         except PortalUnreachable:
+            for t in carried:
+                t.running_due = True  # it goes with the end again next pass
             return  # all kept: the next pass sends them again (each report is idempotent)
         except PortalError as exc:
             if exc.status in (404, 405):
@@ -995,6 +1070,9 @@ class Agent:
         Called from the driver's watcher thread; many ends together make one pass."""
         with self._lock:
             self._ended.add(ref)
+            for t in self._jobs.values():  # a launch holding its `running` report learns it at once
+                if t.handle.ref == ref:
+                    t.exited.set()
         self._wake.set()
 
     def _supervise(self, t: Tracked) -> bool:

@@ -6,13 +6,15 @@ same transaction: checkpointing jobs move elsewhere, jobs on a dead node are req
 `node_fail`, a draining node with nothing left becomes drained. The operator's drain, the
 reaper (jobs/tasks.py), a GPU turning unhealthy (metrics) and an agent's fault reports
 (jobs/reports.py) all come here."""
+import functools
+
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 
 from portal.core.context import Actor
 from portal.core.queue import request_schedule_pass
 from portal.nodes.models import GPU, Node, NodeState
-from portal.nodes.services import (gpus_mark_scrub_failed, node_mark_down, node_mark_drained, node_mark_draining,
+from portal.nodes.services import (gpus_mark_scrub_failed, node_mark_down, node_mark_draining,
                                    node_mark_draining_for_fault, nodes_past_deadline)
 from scheduler.dispatch import send_stop
 
@@ -32,9 +34,20 @@ def node_drain(*, actor: Actor, node: Node, reason: str = "") -> Node:
 
 
 def node_settle_drain(node_id: int) -> None:
-    """A draining node with no job left becomes drained (after a drain, and when a job ends)."""
-    if not Node.objects.filter(pk=node_id, jobs__state__in=HOLDING).exists():
-        node_mark_drained(node_id)
+    """A draining node with no job left becomes drained (after a drain, and when a job ends): one
+    statement, which changes nothing on a node that is not draining (every end asks it)."""
+    with connection.cursor() as cursor:
+        cursor.execute(_settle_drain_sql(), [NodeState.DRAINED, node_id, NodeState.DRAINING, node_id, *sorted(HOLDING)])
+
+
+@functools.cache
+def _settle_drain_sql() -> str:
+    node, job = Node._meta, Job._meta
+    q = connection.ops.quote_name
+    return (f"UPDATE {q(node.db_table)} SET {q(node.get_field('state').column)} = %s "
+            f"WHERE {q(node.pk.column)} = %s AND {q(node.get_field('state').column)} = %s AND NOT EXISTS "
+            f"(SELECT 1 FROM {q(job.db_table)} WHERE {q(job.get_field('node').column)} = %s "
+            f"AND {q(job.get_field('state').column)} IN ({', '.join(['%s'] * len(HOLDING))}))")
 
 
 def migrate_checkpointing_jobs(*, node: Node, why: str, reason_code: str) -> list[int]:

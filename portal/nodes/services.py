@@ -96,11 +96,6 @@ def node_undrain(*, actor: Actor, node: Node) -> Node:
     return node
 
 
-def node_mark_drained(node_id: int) -> bool:
-    """A draining node becomes drained (its caller found no job left on it). True if it did."""
-    return bool(Node.objects.filter(pk=node_id, state=NodeState.DRAINING).update(state=NodeState.DRAINED))
-
-
 def node_rotate_token(*, actor: Actor, node: Node) -> str:
     """A new agent token for the node (the old one stops working at once)."""
     require_operator(actor, NODES_REFUSAL)

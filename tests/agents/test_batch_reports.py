@@ -197,3 +197,70 @@ def test_a_group_announced_with_gather_goes_up_in_one_request_and_a_short_one_wa
     del sent[:]
     send_all("z")  # nothing announced: it goes at once
     assert sent == [["z"]]
+
+
+class EndingDriver(FakeDriver):
+    """A sandbox that has ended by the time its launch returns (`true`), its end seen by the watcher."""
+
+    def __init__(self):
+        super().__init__()
+        self.agent = None
+        self.ends_at_once: set[str] = set()
+
+    def launch(self, spec):
+        h = super().launch(spec)
+        if spec.job_id in self.ends_at_once:
+            self.exit(spec.job_id, 0)
+            self.agent.sandbox_ended(h.ref)
+        return h
+
+
+@pytest.fixture
+def holding():
+    clock, wall = Clock(), Clock(1000.0)
+    portal, driver = FakePortal(clock), EndingDriver()
+    agent = Agent(name="n1", client=portal, driver=driver, probe=SimProbe("4xH100-80GB", node_name="n1", clock=wall),
+                  stop_grace_s=0.0, background=False, clock=clock, wall=wall, running_hold_s=0.05)
+    driver.agent = agent
+    agent.register()
+    return type("Env", (), dict(portal=portal, driver=driver, agent=agent))
+
+
+def test_a_job_ending_while_its_launch_holds_running_sends_both_in_one_request(holding):
+    holding.driver.ends_at_once.add("a")
+    assert holding.agent.launch("a", 1, SPEC) == "started"
+    assert holding.portal.states("a") == ["starting"]  # no `running` request of its own
+    holding.agent.supervise_once()
+    assert holding.portal.batches == [[("a", 1, "running"), ("a", 1, "succeeded")]]
+    assert holding.portal.states("a") == ["starting", "running", "succeeded"]
+    assert holding.agent.jobs() == {}
+
+
+def test_a_job_still_running_after_the_hold_reports_running_then_its_end_alone(holding):
+    assert holding.agent.launch("b", 1, SPEC) == "started"
+    assert holding.portal.states("b") == ["starting", "running"] and holding.portal.batches == []
+    holding.driver.exit("b", 0)
+    holding.agent.supervise_once()
+    assert holding.portal.batches == [] and holding.portal.states("b") == ["starting", "running", "succeeded"]
+
+
+def test_a_carried_running_report_goes_again_with_its_end_after_an_outage(holding):
+    holding.driver.ends_at_once.add("a")
+    assert holding.agent.launch("a", 1, SPEC) == "started"
+    holding.portal.unreachable = True
+    holding.agent.supervise_once()
+    assert holding.portal.states("a") == ["starting"] and set(holding.agent.jobs()) == {("a", 1)}
+    holding.portal.unreachable = False
+    holding.agent.supervise_once()
+    assert holding.portal.batches[-1] == [("a", 1, "running"), ("a", 1, "succeeded")]
+    assert holding.portal.states("a") == ["starting", "running", "succeeded"] and holding.agent.jobs() == {}
+
+
+def test_many_carried_running_reports_still_fit_the_batch_limit(holding):
+    codes = {f"j{i}": 0 for i in range(EVENTS_MAX // 2 + 3)}
+    holding.driver.ends_at_once.update(codes)
+    for job_id in codes:
+        assert holding.agent.launch(job_id, 1, SPEC) == "started"
+    holding.agent.supervise_once()
+    assert [len(b) for b in holding.portal.batches] == [EVENTS_MAX, 6]
+    assert len(ends(holding)) == len(codes) and holding.agent.jobs() == {}

@@ -174,3 +174,25 @@ def test_a_batch_rolled_back_by_a_deadlock_mails_and_passes_from_its_one_by_one_
     assert [x["result"] for x in r.json()["results"]] == ["applied", "applied"]
     assert calls == [[0, 1], [0], [1]]
     assert sorted(mails) == [[a.pk, 1, "failed"], [b.pk, 1, "failed"]]
+
+
+def test_a_jobs_running_report_and_its_end_in_one_batch_apply_in_order(demo, monkeypatch):
+    """An agent whose job ended while the launch held its `running` report (agents/worker.py,
+    RUNNING_HOLD_S) sends both in one batch: the job runs, then ends, each with its event."""
+    monkeypatch.setattr("scheduler.dispatch._send", lambda *a, **k: None)
+    node = agent_client(demo)
+    assert post(node, "register", {"name": "gpu-01", "cpus": 16, "memory_mb": 65536, "sandbox": "docker",
+                                   "gpus": INVENTORY}).status_code == 200
+    job = job_submit(actor=Actor(user=demo.users["alice"]), data={
+        "project": "vision", "name": "quick", "image": "gpuportal/busybox:latest", "command": ["true"],
+        "resources": {"gpus": 1}})[0]
+    run_pass()
+    assert post(node, f"jobs/{job.pk}/confirm", {"attempt": 1}).status_code == 200
+    r = post(node, "events", {"events": [{"job_id": str(job.pk), "attempt": 1, "state": "running"},
+                                         {"job_id": str(job.pk), "attempt": 1, "state": "succeeded", "exit_code": 0}]})
+    assert [x["result"] for x in r.json()["results"]] == ["applied", "applied"]
+    job.refresh_from_db()
+    assert (job.state, job.exit_code) == ("succeeded", 0) and job.started_at <= job.ended_at
+    assert list(JobEvent.objects.filter(job=job).order_by("id").values_list("state", flat=True))[-2:] == [
+        "running", "succeeded"]
+    assert not Allocation.objects.filter(job=job, released_at__isnull=True).exists()
