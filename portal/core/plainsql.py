@@ -1,9 +1,12 @@
 """Model instances from plain SQL, for the few hot reads written by hand on PostgreSQL (a token and
 its user, the project a submit names): the ORM's compilation of a join cost more CPU than running it.
 Each such read is held to its ORM definition by a test. And the submit's INSERTs (``insert``)."""
-from django.db import DEFAULT_DB_ALIAS, connection
+import functools
+
+from django.db import DEFAULT_DB_ALIAS, connection, connections
 
 
+@functools.cache
 def columns(model, alias: str) -> str:
     """The model's concrete columns under `alias`, in the order `instance` takes them."""
     return ", ".join(f'{alias}."{f.column}"' for f in model._meta.concrete_fields)
@@ -38,11 +41,21 @@ def insert(obj) -> None:
 
 def instance(model, values):
     """A model instance from its concrete columns, converted as the ORM converts them (JSON decoded)."""
+    names, converters = _conversions(model, connection.alias)
+    converted = list(values)
+    for i, col, convert in converters:
+        converted[i] = convert(converted[i], col, connection)
+    return model.from_db(DEFAULT_DB_ALIAS, names, converted)
+
+
+@functools.cache
+def _conversions(model, alias: str) -> tuple[list[str], list]:
+    """`instance`'s field names and its (index, column, converter) steps, found once per model: looking
+    them up for each field of each row cost more than the read."""
+    conn = connections[alias]
     fields = model._meta.concrete_fields
-    converted = []
-    for field, value in zip(fields, values):
+    steps = []
+    for i, field in enumerate(fields):
         col = field.get_col(model._meta.db_table)
-        for convert in connection.ops.get_db_converters(col) + field.get_db_converters(connection):
-            value = convert(value, col, connection)
-        converted.append(value)
-    return model.from_db(DEFAULT_DB_ALIAS, [f.attname for f in fields], converted)
+        steps += [(i, col, convert) for convert in conn.ops.get_db_converters(col) + field.get_db_converters(conn)]
+    return [f.attname for f in fields], steps
