@@ -24,7 +24,7 @@ from agents.client import PortalClient, PortalError
 from agents.probe import make_probe
 from agents.protocol import DEFAULT_SANDBOX, NODE_SANDBOXES
 from agents.sandbox import SandboxError, make_driver
-from agents.worker import RUNNING_HOLD_S, Agent
+from agents.worker import END_GATHER_S, RUNNING_HOLD_S, Agent
 
 log = logging.getLogger("agents")
 
@@ -91,6 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "images it pulled, and no container uses, are removed (0: no limit)")
     ap.add_argument("--running-hold", type=float, default=RUNNING_HOLD_S,
                     help="seconds a launch holds its `running` report: a job ending meanwhile sends both in one request")
+    ap.add_argument("--end-gather", type=float, default=END_GATHER_S,
+                    help="seconds the supervisor, woken by an exit, waits for others before reporting them together")
     ap.add_argument("--stop-grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     ap.add_argument("--concurrency", type=int, default=4, help="Celery worker threads")
     ap.add_argument("--log-level", default="INFO")
@@ -188,7 +190,8 @@ def main(argv=None) -> int:
             print(f"agent: the dataset cache: {exc}", file=sys.stderr)
             return 2
     agent = Agent(name=args.name, client=client, driver=driver, probe=probe, stop_grace_s=args.stop_grace,
-                  scrub_gpus=args.gpu_scrub == "on", datasets=datasets, running_hold_s=args.running_hold)
+                  scrub_gpus=args.gpu_scrub == "on", datasets=datasets, running_hold_s=args.running_hold,
+                  end_gather_s=args.end_gather)
 
     stop = threading.Event()
     register_until_answered(agent, stop)

@@ -63,6 +63,9 @@ RUNNING_GATHER_S = 0.5
 # A launch holds its `running` report this long: a job that ends meanwhile (`true`, a failed
 # import) sends it with its end report, one request for both instead of two (protocol 1.2 batches).
 RUNNING_HOLD_S = 0.05
+# The supervisor, woken by an exit, waits this long for others before it reports: jobs of one launch
+# group that end together (within milliseconds) share one request.
+END_GATHER_S = 0.01
 # How long before its deadline the lease check asks whether the portal is slow rather than gone (at most a
 # third of the lease): the probe takes up to a second, and the renewal must reach the lease file in time.
 SLOW_PROBE_AHEAD_S = 2.0
@@ -171,7 +174,8 @@ class GroupSender:
 class Agent:
     def __init__(self, *, name: str, client, driver, probe, stop_grace_s: float = 10.0,
                  log_chunk_bytes: int = 256 * 1024, background: bool = True, scrub_gpus: bool = True,
-                 clock=time.monotonic, wall=time.time, datasets=None, running_hold_s: float = 0.0):
+                 clock=time.monotonic, wall=time.time, datasets=None, running_hold_s: float = 0.0,
+                 end_gather_s: float = 0.0):
         self.name = name
         # The node's dataset cache (agents/datasets.DatasetCache); None: jobs naming datasets are refused.
         self.datasets = datasets
@@ -226,6 +230,7 @@ class Agent:
         # Ends of several jobs go up in one request (protocol 1.2); off for a portal that speaks an older one.
         self.batch_events = True
         self.running_hold_s = running_hold_s  # 0: each launch reports `running` at once (RUNNING_HOLD_S)
+        self.end_gather_s = end_gather_s  # 0: an exit is reported as soon as it is seen (END_GATHER_S)
         # `starting` and `running` reports of launches that go together share requests (protocol 1.2).
         self._launch_reports = GroupSender(self._send_launch_reports)
         # Confirmations of launches that go together (a node's launches of one pass) share requests
@@ -1299,6 +1304,8 @@ class Agent:
         while not stop.is_set():
             self._wake.wait(max(0.0, min(interval_s, next_full - time.monotonic())))
             if stop.is_set():
+                break
+            if self.end_gather_s > 0 and stop.wait(self.end_gather_s):
                 break
             self._wake.clear()
             with self._lock:

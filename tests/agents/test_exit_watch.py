@@ -81,3 +81,24 @@ def test_a_docker_jobs_exit_is_reported_without_waiting_for_a_tick(docker_driver
         stop.set()
         agent._wake.set()
         thread.join(10)
+
+
+def test_exits_close_together_are_reported_in_one_request(tmp_path):
+    """Woken by an exit, the supervisor waits `end_gather_s` for others: two jobs ending 50 ms apart
+    share one batched report (they would go in two requests without the wait)."""
+    driver = ProcessDriver(node="gather", state_dir=str(tmp_path))
+    portal, agent, stop, thread = supervised(driver, "gather")
+    agent.end_gather_s = 1.0
+    try:
+        thread.start()
+        assert agent.launch("a", 1, {"image": "x", "command": ["sleep", "0.3"]}) == "started"
+        assert agent.launch("b", 1, {"image": "x", "command": ["sleep", "0.35"]}) == "started"
+        wait_for(lambda: ended(portal, "a") and ended(portal, "b"), 20, "both ends")
+        assert portal.batches == [[("a", 1, "succeeded"), ("b", 1, "succeeded")]]
+    finally:
+        stop.set()
+        agent._wake.set()
+        thread.join(10)
+        for _, _, handle in driver.list_own():
+            driver.stop(handle, 0)
+            driver.remove(handle)
