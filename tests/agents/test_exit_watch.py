@@ -1,6 +1,7 @@
 """The agent learns of a sandbox's exit when it happens (a pidfd per process sandbox, the Docker
 engine's die events), not at the supervisor's next tick: here the tick is an hour away, so every
 end reported below was reported because the driver woke the agent."""
+import contextlib
 import threading
 
 import pytest
@@ -27,8 +28,14 @@ def supervised(driver, name):
 
 @pytest.fixture
 def process_agent(tmp_path):
-    driver = ProcessDriver(node="exits", state_dir=str(tmp_path))
-    portal, agent, stop, thread = supervised(driver, "exits")
+    with process_supervised(tmp_path, "exits") as running:
+        yield running
+
+
+@contextlib.contextmanager
+def process_supervised(tmp_path, name):
+    driver = ProcessDriver(node=name, state_dir=str(tmp_path))
+    portal, agent, stop, thread = supervised(driver, name)
     try:
         yield portal, agent, thread
     finally:
@@ -86,19 +93,10 @@ def test_a_docker_jobs_exit_is_reported_without_waiting_for_a_tick(docker_driver
 def test_exits_close_together_are_reported_in_one_request(tmp_path):
     """Woken by an exit, the supervisor waits `end_gather_s` for others: two jobs ending 50 ms apart
     share one batched report (they would go in two requests without the wait)."""
-    driver = ProcessDriver(node="gather", state_dir=str(tmp_path))
-    portal, agent, stop, thread = supervised(driver, "gather")
-    agent.end_gather_s = 1.0
-    try:
+    with process_supervised(tmp_path, "gather") as (portal, agent, thread):
+        agent.end_gather_s = 1.0
         thread.start()
         assert agent.launch("a", 1, {"image": "x", "command": ["sleep", "0.3"]}) == "started"
         assert agent.launch("b", 1, {"image": "x", "command": ["sleep", "0.35"]}) == "started"
         wait_for(lambda: ended(portal, "a") and ended(portal, "b"), 20, "both ends")
         assert portal.batches == [[("a", 1, "succeeded"), ("b", 1, "succeeded")]]
-    finally:
-        stop.set()
-        agent._wake.set()
-        thread.join(10)
-        for _, _, handle in driver.list_own():
-            driver.stop(handle, 0)
-            driver.remove(handle)
