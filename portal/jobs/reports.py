@@ -77,7 +77,7 @@ def _read(pk: int) -> Job | None:
         return Job.objects.select_related("node").filter(pk=pk).first()
     read = getattr(_batch, "read", None)
     if read is not None and pk in read:
-        return read.pop(pk)  # taken once: a second report of the job in the batch reads it anew
+        return read.pop(pk)  # taken once: a second report of the job reads it anew, unless _read_again_as
     rows = _READ.rows(pk=pk)
     return _job_from_row(rows[0]) if rows else None
 
@@ -94,6 +94,17 @@ def _prefetch(events: list[dict], indexes: list[int]) -> dict | None:
     if not ids:
         return None
     return dict.fromkeys(ids) | {job.pk: job for job in map(_job_from_row, _READ_MANY.rows(ids=ids))}
+
+
+def _read_again_as(job: Job, **moved) -> None:
+    """In a batch read at once (_prefetch): `job`, which this transaction just moved (and holds the
+    row lock of), answers its next report in the batch as it is now, instead of a read (an agent
+    sends a job's `running` and its end together when it ended at once)."""
+    read = getattr(_batch, "read", None)
+    if read is not None:
+        for name, value in moved.items():
+            setattr(job, name, value)
+        read[job.pk] = job
 
 
 def _load(job_id, attempt: int, node, *, ended: bool = False) -> Job:
@@ -174,9 +185,10 @@ def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None 
         if job.state == JobState.RUNNING:
             return "duplicate"
         # The launch's progress ("pulling image ...") was its reason while it started: no longer.
-        transition(job.pk, to=JobState.RUNNING, from_states={JobState.ASSIGNED, JobState.STARTING}, attempt=attempt,
-                   array_parent_id=job.array_parent_id, message=message or f"Running on {node.name}",
-                   reason_code="", reason_message="")
+        if transition(job.pk, to=JobState.RUNNING, from_states={JobState.ASSIGNED, JobState.STARTING},
+                      attempt=attempt, array_parent_id=job.array_parent_id,
+                      message=message or f"Running on {node.name}", reason_code="", reason_message=""):
+            _read_again_as(job, state=JobState.RUNNING)
         return "applied"
     if state == JobState.FAILED and node_problem and job.state in (JobState.ASSIGNED, JobState.STARTING):
         # It never ran: the node failed it (GPUs it could not free or scrub), not the job itself.

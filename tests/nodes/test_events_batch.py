@@ -2,6 +2,8 @@
 together in one request, each applied as its single report would be (idempotent, fenced by its
 attempt), a stale one answered "stale" without undoing the others."""
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 
 from agents import protocol
 from portal.core.context import Actor
@@ -188,9 +190,13 @@ def test_a_jobs_running_report_and_its_end_in_one_batch_apply_in_order(demo, mon
         "resources": {"gpus": 1}})[0]
     run_pass()
     assert post(node, f"jobs/{job.pk}/confirm", {"attempt": 1}).status_code == 200
-    r = post(node, "events", {"events": [{"job_id": str(job.pk), "attempt": 1, "state": "running"},
-                                         {"job_id": str(job.pk), "attempt": 1, "state": "succeeded", "exit_code": 0}]})
+    with CaptureQueriesContext(connection) as queries:
+        r = post(node, "events", {"events": [
+            {"job_id": str(job.pk), "attempt": 1, "state": "running"},
+            {"job_id": str(job.pk), "attempt": 1, "state": "succeeded", "exit_code": 0}]})
     assert [x["result"] for x in r.json()["results"]] == ["applied", "applied"]
+    # The job is read once: its end is checked against what its `running` just wrote.
+    assert sum(q["sql"].startswith('SELECT "jobs_job"."id"') for q in queries.captured_queries) == 1
     job.refresh_from_db()
     assert (job.state, job.exit_code) == ("succeeded", 0) and job.started_at <= job.ended_at
     assert list(JobEvent.objects.filter(job=job).order_by("id").values_list("state", flat=True))[-2:] == [
