@@ -107,6 +107,26 @@ def _read_again_as(job: Job, **moved) -> None:
         read[job.pk] = job
 
 
+def _ends_next(job: Job) -> bool:
+    """Whether `job`'s report being applied is a `running` whose end comes next in this batch, and
+    both may be written by one statement (`_running_then`)."""
+    return (job.pk in (getattr(_batch, "ends_next", None) or ()) and connection.vendor == "postgresql"
+            and job.array_parent_id is None and job.state in (JobState.ASSIGNED, JobState.STARTING))
+
+
+def _running_then(job: Job, state: str, running_message: str, ends: dict) -> bool | None:
+    """`job`'s `running` (deferred by job_report) and its end `state` in one transition, both
+    events in its timeline. True when written; None when the job moved since the batch read it
+    (the end is then applied on its own, as the `running` would not have been)."""
+    if "started_at" not in ends:  # it started by its end at the latest
+        now = timezone.now()
+        ends = {**ends, "ended_at": now, "started_at": Coalesce(F("started_at"), Value(now))}
+    if transition(job.pk, to=state, from_states={JobState.ASSIGNED, JobState.STARTING},
+                  first_event=(JobState.RUNNING, running_message), **ends):
+        return True
+    return None
+
+
 def _load(job_id, attempt: int, node, *, ended: bool = False) -> Job:
     """The job `job_id` at `attempt`, or Conflict (409, stale). With `ended` (the report ends that
     attempt), a checkpointing successor waiting for it may be scheduled now (_checkpoint_saved)."""
@@ -185,9 +205,13 @@ def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None 
         if job.state == JobState.RUNNING:
             return "duplicate"
         # The launch's progress ("pulling image ...") was its reason while it started: no longer.
+        message = message or f"Running on {node.name}"
+        if _ends_next(job):  # its end follows in this batch: one statement records both (_running_then)
+            _read_again_as(job, running_first=message)
+            return "applied"
         if transition(job.pk, to=JobState.RUNNING, from_states={JobState.ASSIGNED, JobState.STARTING},
-                      attempt=attempt, array_parent_id=job.array_parent_id,
-                      message=message or f"Running on {node.name}", reason_code="", reason_message=""):
+                      attempt=attempt, array_parent_id=job.array_parent_id, message=message,
+                      reason_code="", reason_message=""):
             _read_again_as(job, state=JobState.RUNNING)
         return "applied"
     if state == JobState.FAILED and node_problem and job.state in (JobState.ASSIGNED, JobState.STARTING):
@@ -214,10 +238,22 @@ def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None 
             # it started by its end at the latest, so pages and wait times have a start.
             now = timezone.now()
             more = {"ended_at": now, "started_at": Coalesce(F("started_at"), Value(now))}
-        done = transition(job.pk, to=state, from_states=HOLDING, attempt=attempt, exit_code=exit_code,
-                          array_parent_id=job.array_parent_id, message=text,
-                          reason_code="" if state == JobState.SUCCEEDED else state,
-                          reason_message="" if state == JobState.SUCCEEDED else text[:300], **more)
+        ends = dict(attempt=attempt, exit_code=exit_code, array_parent_id=job.array_parent_id, message=text,
+                    reason_code="" if state == JobState.SUCCEEDED else state,
+                    reason_message="" if state == JobState.SUCCEEDED else text[:300], **more)
+        running_first = getattr(job, "running_first", None)
+        if running_first is not None:
+            done = _running_then(job, state, running_first, ends)
+            if done is not None:
+                if done:
+                    _after_end(job)
+                return "applied" if done else "duplicate"
+            job = _load(job_id, attempt, node, ended=True)  # it moved since the batch read it: as if apart
+            if job.state in TERMINAL:
+                return "duplicate"
+            if job.state not in HOLDING or node.name not in job_nodes(job):
+                raise Conflict(f"Job {job_id} attempt {attempt} is not running on {node.name}.", code="stale")
+        done = transition(job.pk, to=state, from_states=HOLDING, **ends)
         if done:
             _after_end(job)
         return "applied" if done else "duplicate"
@@ -272,11 +308,26 @@ def _apply(node, events: list[dict], indexes: list[int], one) -> dict[int, dict]
     _batch.ended_on = ended_on = set()
     try:
         _batch.read = _prefetch(events, indexes)
+        _batch.ends_next = _running_then_ends(events, indexes) if _batch.read is not None else None
         results = {i: one(node, events[i]) for i in indexes}
     finally:
-        _batch.ended_on = _batch.read = None
+        _batch.ended_on = _batch.read = _batch.ends_next = None
     _ended(ended_on)
     return results
+
+
+def _running_then_ends(events: list[dict], indexes: list[int]) -> set[int]:
+    """The jobs whose `running` report is followed, next in `indexes`, by a plain end of the same
+    attempt (an exit code and a message, nothing for the node): an agent whose job ended at once."""
+    found = set()
+    for i, j in zip(indexes, indexes[1:]):
+        a, b = events[i], events[j]
+        if (a.get("state") == JobState.RUNNING and b.get("state") in AGENT_TERMINAL
+                and a["job_id"] == b["job_id"] and a.get("attempt") == b.get("attempt")
+                and not any(b.get(k) for k in ("scrub_failures", "node_problem", "lease_expired", "not_startable"))
+                and (pk := parse_int(a["job_id"])) is not None):
+            found.add(pk)
+    return found
 
 
 def _report_one(node, event: dict) -> dict:

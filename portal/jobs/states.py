@@ -16,7 +16,7 @@ _UNREAD = object()
 
 
 def transition(job_id: int, *, to: str, from_states, attempt: int | None = None, message: str = "",
-               array_parent_id=_UNREAD, **fields) -> bool:
+               array_parent_id=_UNREAD, first_event: tuple[str, str] | None = None, **fields) -> bool:
     """Move job `job_id` to `to` if it is in one of `from_states` (and at `attempt`, when given).
 
     One `UPDATE ... WHERE id=%s AND state IN (...) [AND attempt=%s]`; a row count of 0 means
@@ -27,6 +27,10 @@ def transition(job_id: int, *, to: str, from_states, attempt: int | None = None,
 
     A caller that has read the job (an agent's report) passes `attempt` and `array_parent_id`
     (which never changes): the job is then not read again after its UPDATE.
+
+    `first_event` (state, message): a step the job took on its way, recorded before this one in
+    the same statement (an agent's `running` and its end in one batch: reports.job_report). Only
+    on PostgreSQL, for a job that is not an array task.
     """
     now = timezone.now()
     values = {"state": to, "state_changed_at": now, **fields}
@@ -39,12 +43,14 @@ def transition(job_id: int, *, to: str, from_states, attempt: int | None = None,
     if connection.vendor == "postgresql" and (to in HOLDING or array_parent_id is None):
         # Not an array task (its parent is refreshed in the transaction below): the row, its event
         # and the release of its GPUs in one statement, atomic on its own, instead of a transaction.
-        moved_attempt = _update_with_event(_update(job_id, from_states, attempt, values), to, message[:300], now)
+        moved_attempt = _update_with_event(_update(job_id, from_states, attempt, values), to, message[:300], now,
+                                           first_event)
         if moved_attempt is None:
             return False
         if kind := notification_kind(to, fields.get("reason_code", "")):
             notify_on_commit(job_id, moved_attempt, kind)
         return True
+    assert first_event is None, "first_event: PostgreSQL, not an array task"
     with transaction.atomic():
         if _moving(job_id, from_states, attempt).update(**values) != 1:
             return False
@@ -116,10 +122,16 @@ def _update_params(job_id: int, from_states, attempt: int | None, values: dict) 
     return params + ([int(attempt)] if attempt is not None else [])
 
 
-def _update_with_event(update: tuple[str, list], to: str, message: str, now) -> int | None:
-    """The job's UPDATE (`_update`) and, when it moved the job, its timeline event and (leaving the
-    holding states) the release of its GPUs, in one statement; the attempt it moved, or None."""
+def _update_with_event(update: tuple[str, list], to: str, message: str, now,
+                       first_event: tuple[str, str] | None = None) -> int | None:
+    """The job's UPDATE (`_update`) and, when it moved the job, its timeline event (after
+    `first_event`'s, if given) and (leaving the holding states) the release of its GPUs, in one
+    statement; the attempt it moved, or None."""
     sql, params = update
+    first, first_params = "", []
+    if first_event is not None:
+        first = "SELECT id, attempt, %s, %s, %s, %s FROM moved UNION ALL "
+        first_params = [first_event[0], first_event[0] in TERMINAL, first_event[1][:300], now]
     job, event, allocation = Job._meta.db_table, JobEvent._meta.db_table, Allocation._meta.db_table
     release = "" if to in HOLDING else (
         f", released AS (UPDATE {allocation} SET released_at = %s "
@@ -128,8 +140,8 @@ def _update_with_event(update: tuple[str, list], to: str, message: str, now) -> 
         cursor.execute(
             f"WITH moved AS ({sql} RETURNING {job}.id, {job}.attempt), "
             f"event AS (INSERT INTO {event} (job_id, attempt, state, terminal, message, at) "
-            f"SELECT id, attempt, %s, %s, %s, %s FROM moved){release} SELECT attempt FROM moved",
-            [*params, to, to in TERMINAL, message, now, *([now] if release else [])])
+            f"{first}SELECT id, attempt, %s, %s, %s, %s FROM moved){release} SELECT attempt FROM moved",
+            [*params, *first_params, to, to in TERMINAL, message, now, *([now] if release else [])])
         row = cursor.fetchone()
     return row[0] if row else None
 

@@ -195,10 +195,42 @@ def test_a_jobs_running_report_and_its_end_in_one_batch_apply_in_order(demo, mon
             {"job_id": str(job.pk), "attempt": 1, "state": "running"},
             {"job_id": str(job.pk), "attempt": 1, "state": "succeeded", "exit_code": 0}]})
     assert [x["result"] for x in r.json()["results"]] == ["applied", "applied"]
-    # The job is read once: its end is checked against what its `running` just wrote.
+    # The job is read once, and one statement writes its start, its end and both events.
     assert sum(q["sql"].startswith('SELECT "jobs_job"."id"') for q in queries.captured_queries) == 1
+    assert sum(q["sql"].startswith("WITH moved AS (UPDATE") for q in queries.captured_queries) == 1
     job.refresh_from_db()
     assert (job.state, job.exit_code) == ("succeeded", 0) and job.started_at <= job.ended_at
     assert list(JobEvent.objects.filter(job=job).order_by("id").values_list("state", flat=True))[-2:] == [
         "running", "succeeded"]
     assert not Allocation.objects.filter(job=job, released_at__isnull=True).exists()
+
+
+def test_a_job_cancelled_after_the_batch_read_it_keeps_its_cancel(demo, monkeypatch):
+    """The user's cancel lands between the batch's read and its write: the running-and-end statement
+    moves nothing, and the end, applied on its own, is a duplicate of the job's end, as it would be
+    sent apart."""
+    from portal.jobs import reports
+
+    monkeypatch.setattr("scheduler.dispatch._send", lambda *a, **k: None)
+    node = agent_client(demo)
+    assert post(node, "register", {"name": "gpu-01", "cpus": 16, "memory_mb": 65536, "sandbox": "docker",
+                                   "gpus": INVENTORY}).status_code == 200
+    job = job_submit(actor=Actor(user=demo.users["alice"]), data={
+        "project": "vision", "name": "quick", "image": "gpuportal/busybox:latest", "command": ["true"],
+        "resources": {"gpus": 1}})[0]
+    run_pass()
+    assert post(node, f"jobs/{job.pk}/confirm", {"attempt": 1}).status_code == 200
+    real = reports._prefetch
+
+    def read_then_cancelled(events, indexes):
+        read = real(events, indexes)
+        Job.objects.filter(pk=job.pk).update(state="cancelled")
+        return read
+
+    monkeypatch.setattr(reports, "_prefetch", read_then_cancelled)
+    r = post(node, "events", {"events": [{"job_id": str(job.pk), "attempt": 1, "state": "running"},
+                                         {"job_id": str(job.pk), "attempt": 1, "state": "succeeded", "exit_code": 0}]})
+    assert [x["result"] for x in r.json()["results"]] == ["applied", "duplicate"]
+    job.refresh_from_db()
+    assert job.state == "cancelled" and job.exit_code is None
+    assert not JobEvent.objects.filter(job=job, state__in=["running", "succeeded"]).exists()
