@@ -178,9 +178,9 @@ def test_a_batch_rolled_back_by_a_deadlock_mails_and_passes_from_its_one_by_one_
     assert sorted(mails) == [[a.pk, 1, "failed"], [b.pk, 1, "failed"]]
 
 
-def test_a_jobs_running_report_and_its_end_in_one_batch_apply_in_order(demo, monkeypatch):
-    """An agent whose job ended while the launch held its `running` report (agents/worker.py,
-    RUNNING_HOLD_S) sends both in one batch: the job runs, then ends, each with its event."""
+@pytest.fixture
+def confirmed(demo, monkeypatch):
+    """Node gpu-01's agent client and a 1-GPU job it has just confirmed (starting)."""
     monkeypatch.setattr("scheduler.dispatch._send", lambda *a, **k: None)
     node = agent_client(demo)
     assert post(node, "register", {"name": "gpu-01", "cpus": 16, "memory_mb": 65536, "sandbox": "docker",
@@ -190,6 +190,13 @@ def test_a_jobs_running_report_and_its_end_in_one_batch_apply_in_order(demo, mon
         "resources": {"gpus": 1}})[0]
     run_pass()
     assert post(node, f"jobs/{job.pk}/confirm", {"attempt": 1}).status_code == 200
+    return node, job
+
+
+def test_a_jobs_running_report_and_its_end_in_one_batch_apply_in_order(confirmed):
+    """An agent whose job ended while the launch held its `running` report (agents/worker.py,
+    RUNNING_HOLD_S) sends both in one batch: the job runs, then ends, each with its event."""
+    node, job = confirmed
     with CaptureQueriesContext(connection) as queries:
         r = post(node, "events", {"events": [
             {"job_id": str(job.pk), "attempt": 1, "state": "running"},
@@ -205,21 +212,13 @@ def test_a_jobs_running_report_and_its_end_in_one_batch_apply_in_order(demo, mon
     assert not Allocation.objects.filter(job=job, released_at__isnull=True).exists()
 
 
-def test_a_job_cancelled_after_the_batch_read_it_keeps_its_cancel(demo, monkeypatch):
+def test_a_job_cancelled_after_the_batch_read_it_keeps_its_cancel(confirmed, monkeypatch):
     """The user's cancel lands between the batch's read and its write: the running-and-end statement
     moves nothing, and the end, applied on its own, is a duplicate of the job's end, as it would be
     sent apart."""
     from portal.jobs import reports
 
-    monkeypatch.setattr("scheduler.dispatch._send", lambda *a, **k: None)
-    node = agent_client(demo)
-    assert post(node, "register", {"name": "gpu-01", "cpus": 16, "memory_mb": 65536, "sandbox": "docker",
-                                   "gpus": INVENTORY}).status_code == 200
-    job = job_submit(actor=Actor(user=demo.users["alice"]), data={
-        "project": "vision", "name": "quick", "image": "gpuportal/busybox:latest", "command": ["true"],
-        "resources": {"gpus": 1}})[0]
-    run_pass()
-    assert post(node, f"jobs/{job.pk}/confirm", {"attempt": 1}).status_code == 200
+    node, job = confirmed
     real = reports._prefetch
 
     def read_then_cancelled(events, indexes):
