@@ -7,11 +7,14 @@ submits --jobs one-GPU jobs and assigns them with one pass (not measured), then 
 each node's agent sends for each job with Django's test client (the handler gunicorn calls):
 confirm (its launch spec in the answer), the `running` event, one log chunk, and the end, as
 single events or, with --batch N, in POST /api/agent/v1/events of N jobs (protocol 1.2, what
-an agent sends when many jobs end together). Celery messages are counted, not sent; pass
+an agent sends when many jobs end together). With --at-once, what an agent sends for jobs that end
+at once (`true`): the confirmations of each node's launches in one request (protocol 1.7), and
+each job's `running` with its end (the agent's running hold), N jobs a request; no log chunk.
+Celery messages are counted, not sent; pass
 requests go through portal/core/passes.py's coalescing on the Redis REDIS_URL names.
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/x REDIS_URL=redis://127.0.0.1:6379/14 \\
-        .venv/bin/python bench/report_cpu.py [--jobs 256] [--batch 32] [--profile]
+        .venv/bin/python bench/report_cpu.py [--jobs 256] [--batch 32] [--at-once] [--profile]
 
 It prints the load average before and after (`os.getloadavg`, what `uptime` shows): on a shared
 machine the CPU figures are the ones to compare, wall time follows the load.
@@ -35,6 +38,8 @@ def main():
     ap.add_argument("--nodes", type=int, default=32)
     ap.add_argument("--jobs", type=int, default=256, help="one-GPU jobs (at most 8 per node)")
     ap.add_argument("--batch", type=int, default=32, help="end reports per request; 1: single events")
+    ap.add_argument("--at-once", action="store_true",
+                    help="jobs that end at once: batched confirmations, each running with its end")
     ap.add_argument("--profile", nargs="?", const="end", choices=["confirm", "running", "log", "end"],
                     help="print the top functions by cumulative time of one step (default: end)")
     ap.add_argument("--sql", action="store_true", help="print the statements of each step's first request")
@@ -139,46 +144,65 @@ def main():
                 for q in head:
                     print("  ", q["sql"][:200])
 
-        step("confirm (launch spec)", [lambda pk=pk, a=a, n=n: post(f"jobs/{pk}/confirm", {"attempt": a}, agents[n])
-                                               for pk, a, n in jobs], "confirm")
-        step("running event", [lambda pk=pk, a=a, n=n: post(f"jobs/{pk}/events", {"attempt": a, "state": "running"},
-                                                          agents[n]) for pk, a, n in jobs], "running")
-        step("one log chunk", [lambda pk=pk, a=a, n=n: post(f"jobs/{pk}/logs", {"attempt": a, "offset": 0,
-                                                                               "data": "done\n"}, agents[n])
-                               for pk, a, n in jobs], "log")
-        if args.batch <= 1:
-            ends = [lambda pk=pk, a=a, n=n: post(f"jobs/{pk}/events", {"attempt": a, "state": "succeeded",
-                                                                      "exit_code": 0}, agents[n])
-                    for pk, a, n in jobs]
+        by_node = {}
+        for pk, a, n in jobs:
+            by_node.setdefault(n, []).append((pk, a))
+        if args.at_once:
+            step(f"confirms (batches of up to {args.batch})", [
+                lambda cs=cs[i:i + args.batch], n=n: post(
+                    "confirms", {"confirms": [{"job_id": str(pk), "attempt": a} for pk, a in cs]}, agents[n])
+                for n, cs in by_node.items() for i in range(0, len(cs), args.batch)], "confirm")
+            ends = [lambda cs=cs[i:i + args.batch], n=n: post("events", {"events": [
+                e for pk, a in cs for e in ({"job_id": str(pk), "attempt": a, "state": "running"},
+                                            {"job_id": str(pk), "attempt": a, "state": "succeeded", "exit_code": 0})]},
+                agents[n]) for n, cs in by_node.items() for i in range(0, len(cs), args.batch)]
+            step(f"running with its end (batches of up to {args.batch} jobs)", ends, "end")
         else:
-            by_node = {}
-            for pk, a, n in jobs:
-                by_node.setdefault(n, []).append({"job_id": str(pk), "attempt": a, "state": "succeeded",
-                                                  "exit_code": 0})
-            ends = [lambda evs=evs[i:i + args.batch], n=n: post("events", {"events": evs}, agents[n])
-                    for n, evs in by_node.items() for i in range(0, len(evs), args.batch)]
-        step(f"end ({'single events' if args.batch <= 1 else f'batches of up to {args.batch}'}, {len(ends)} requests)",
-             ends, "end")
+            _steps_apart(args, jobs, by_node, post, step, agents)
         left = Job.objects.filter(pk__in=[pk for pk, _, _ in jobs]).exclude(state="succeeded").count()
         if left:
             raise SystemExit(f"{left} jobs did not succeed")
+        _print(args, jobs, steps, messages, profiles)
 
-        n = len(jobs)
-        print(f"{n} one-GPU jobs on {args.nodes} x 8 GPUs; per job:")
-        print(f"  {'step':46} {'queries':>7} {'msgs':>5} {'CPU ms':>7} {'(web':>6} {'+ PG)':>6} {'wall ms':>8}")
-        total = Counter()
-        for name, s in steps.items():
-            total.update(s)
-            print(f"  {name:46} {s['queries'] / n:7.2f} {s['messages'] / n:5.2f} {(s['cpu'] + s['db']) * 1e3 / n:7.2f} "
-                  f"{s['cpu'] * 1e3 / n:6.2f} {s['db'] * 1e3 / n:6.2f} {s['wall'] * 1e3 / n:8.2f}")
-        print(f"  {'all':46} {total['queries'] / n:7.2f} {total['messages'] / n:5.2f} "
-              f"{(total['cpu'] + total['db']) * 1e3 / n:7.2f} {total['cpu'] * 1e3 / n:6.2f} "
-              f"{total['db'] * 1e3 / n:6.2f} {total['wall'] * 1e3 / n:8.2f}")
-        print(f"  Celery messages: {dict(messages) or 'none'}")
-        for profiler in profiles:
-            import pstats
 
-            pstats.Stats(profiler).sort_stats("cumulative").print_stats(45)
+def _steps_apart(args, jobs, by_node, post, step, agents):
+    """confirm, running, a log chunk and the end, each in requests of its own."""
+    step("confirm (launch spec)", [lambda pk=pk, a=a, n=n: post(f"jobs/{pk}/confirm", {"attempt": a}, agents[n])
+                                           for pk, a, n in jobs], "confirm")
+    step("running event", [lambda pk=pk, a=a, n=n: post(f"jobs/{pk}/events", {"attempt": a, "state": "running"},
+                                                      agents[n]) for pk, a, n in jobs], "running")
+    step("one log chunk", [lambda pk=pk, a=a, n=n: post(f"jobs/{pk}/logs", {"attempt": a, "offset": 0,
+                                                                           "data": "done\n"}, agents[n])
+                           for pk, a, n in jobs], "log")
+    if args.batch <= 1:
+        ends = [lambda pk=pk, a=a, n=n: post(f"jobs/{pk}/events", {"attempt": a, "state": "succeeded",
+                                                                  "exit_code": 0}, agents[n])
+                for pk, a, n in jobs]
+    else:
+        ends = [lambda cs=cs[i:i + args.batch], n=n: post("events", {"events": [
+            {"job_id": str(pk), "attempt": a, "state": "succeeded", "exit_code": 0} for pk, a in cs]}, agents[n])
+            for n, cs in by_node.items() for i in range(0, len(cs), args.batch)]
+    step(f"end ({'single events' if args.batch <= 1 else f'batches of up to {args.batch}'}, {len(ends)} requests)",
+         ends, "end")
+
+
+def _print(args, jobs, steps, messages, profiles):
+    n = len(jobs)
+    print(f"{n} one-GPU jobs on {args.nodes} x 8 GPUs; per job:")
+    print(f"  {'step':46} {'queries':>7} {'msgs':>5} {'CPU ms':>7} {'(web':>6} {'+ PG)':>6} {'wall ms':>8}")
+    total = Counter()
+    for name, s in steps.items():
+        total.update(s)
+        print(f"  {name:46} {s['queries'] / n:7.2f} {s['messages'] / n:5.2f} {(s['cpu'] + s['db']) * 1e3 / n:7.2f} "
+              f"{s['cpu'] * 1e3 / n:6.2f} {s['db'] * 1e3 / n:6.2f} {s['wall'] * 1e3 / n:8.2f}")
+    print(f"  {'all':46} {total['queries'] / n:7.2f} {total['messages'] / n:5.2f} "
+          f"{(total['cpu'] + total['db']) * 1e3 / n:7.2f} {total['cpu'] * 1e3 / n:6.2f} "
+          f"{total['db'] * 1e3 / n:6.2f} {total['wall'] * 1e3 / n:8.2f}")
+    print(f"  Celery messages: {dict(messages) or 'none'}")
+    for profiler in profiles:
+        import pstats
+
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(45)
 
 
 if __name__ == "__main__":
