@@ -25,7 +25,7 @@ from .models import HOLDING, TERMINAL, Allocation, Job, JobLogChunk, JobState
 from .notifications import notifications_batched
 from .node_effects import gpus_scrub_failed, job_requeue_after_node_fault, node_drain_for_fault, node_settle_drain
 from .selectors import log_end, utf8_whole_len
-from .states import transition
+from .states import start_many, transition
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +153,12 @@ def job_confirm(*, node, job_id, attempt: int) -> Job:
     """The agent asks before starting anything: the job turns starting, or Conflict (409). The agent
     API answers with its launch spec (portal.launch, which composes it above jobs)."""
     job = held_job(node=node, job_id=job_id, attempt=attempt)
-    transition(job.pk, to=JobState.STARTING, from_states={JobState.ASSIGNED}, attempt=attempt,
-               array_parent_id=job.array_parent_id, message=f"Confirmed by {node.name}")
+    starts = getattr(_batch, "starts", None)
+    if starts is not None:  # a batch of confirmations: all written in one statement (job_confirm_many)
+        starts[job.pk] = attempt
+    else:
+        transition(job.pk, to=JobState.STARTING, from_states={JobState.ASSIGNED}, attempt=attempt,
+                   array_parent_id=job.array_parent_id, message=f"Confirmed by {node.name}")
     return job
 
 
@@ -309,9 +313,13 @@ def _apply(node, events: list[dict], indexes: list[int], one) -> dict[int, dict]
     try:
         _batch.read = _prefetch(events, indexes)
         _batch.ends_next = _running_then_ends(events, indexes) if _batch.read is not None else None
+        # A batch's confirmations turn their jobs starting together (states.start_many).
+        _batch.starts = {} if one is _confirm_one and _batch.read is not None else None
         results = {i: one(node, events[i]) for i in indexes}
+        if _batch.starts:
+            start_many(_batch.starts, message=f"Confirmed by {node.name}")
     finally:
-        _batch.ended_on = _batch.read = _batch.ends_next = None
+        _batch.ended_on = _batch.read = _batch.ends_next = _batch.starts = None
     _ended(ended_on)
     return results
 

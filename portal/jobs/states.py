@@ -177,6 +177,26 @@ def assign_many(assignments: dict[int, tuple[int, str]], *, message_for) -> dict
     return moved
 
 
+def start_many(attempts: dict[int, int], *, message: str) -> set[int]:
+    """`transition(to=STARTING, from_states={ASSIGNED})` for several jobs of one node at once (its
+    launches' confirmations): job id -> attempt, one statement for their UPDATE and their events.
+    Returns the ids that moved (one moved or cancelled meanwhile does not). PostgreSQL only."""
+    if not attempts:
+        return set()
+    now = timezone.now()
+    job, event = Job._meta.db_table, JobEvent._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"WITH moved AS (UPDATE {job} AS j SET state = %s, state_changed_at = %s "
+            f"FROM unnest(%s::bigint[], %s::integer[]) AS v(id, attempt) "
+            f"WHERE j.id = v.id AND j.attempt = v.attempt AND j.state = %s RETURNING j.id, j.attempt), "
+            f"event AS (INSERT INTO {event} (job_id, attempt, state, terminal, message, at) "
+            f"SELECT id, attempt, %s, false, %s, %s FROM moved) SELECT id FROM moved",
+            [JobState.STARTING, now, list(attempts), list(attempts.values()), JobState.ASSIGNED,
+             JobState.STARTING, message[:300], now])
+        return {row[0] for row in cursor.fetchall()}
+
+
 def allocate_whole_gpus(rows: list[tuple[int, int, int, bool, object]]) -> None:
     """Insert whole-GPU allocations (job id, attempt, GPU id, borrowed, started_at) in one
     statement from arrays (a pass that starts thousands). The partial unique index still refuses

@@ -5,6 +5,8 @@ its launches confirming together in one request against the live portal."""
 import threading
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 
 from agents import protocol
 from portal.core.context import Actor
@@ -54,6 +56,21 @@ def test_a_batch_confirms_each_launch_with_its_spec_and_a_retry_confirms_again(a
     again = post(assigned, "confirms", body)  # the agent did not hear the answer and asks again
     assert [x["result"] for x in again.json()["results"]] == ["confirmed", "confirmed", "stale"]
     assert JobEvent.objects.filter(job_id__in=[a.pk, c.pk], state="starting").count() == 2
+
+
+def test_a_batchs_confirmations_turn_their_jobs_starting_in_one_statement(assigned):
+    """However many launches a batch confirms, one statement moves them and writes their events; a job
+    cancelled meanwhile is not moved (nor given a starting event)."""
+    a, b, c = assigned.jobs
+    Job.objects.filter(pk=b.pk).update(state="cancelled")
+    with CaptureQueriesContext(connection) as queries:
+        r = post(assigned, "confirms", {"confirms": [{"job_id": str(j.pk), "attempt": 1} for j in (a, b, c)]})
+    assert [x["result"] for x in r.json()["results"]] == ["confirmed", "stale", "confirmed"]
+    assert sum("UPDATE" in q["sql"] and "jobs_job" in q["sql"] for q in queries.captured_queries) == 1
+    assert dict(Job.objects.filter(pk__in=[a.pk, b.pk, c.pk]).values_list("pk", "state")) == {
+        a.pk: "starting", b.pk: "cancelled", c.pk: "starting"}
+    assert sorted(JobEvent.objects.filter(state="starting").values_list("job_id", "message")) == [
+        (a.pk, "Confirmed by gpu-01"), (c.pk, "Confirmed by gpu-01")]
 
 
 def test_a_batch_says_stale_for_another_nodes_an_unknown_or_an_ended_job(assigned, demo):
