@@ -103,6 +103,7 @@ class Tracked:
     # takes it under `running_lock` sends it, so it goes once and never after the end.
     running_due: bool = False
     running_lock: threading.Lock = field(default_factory=threading.Lock)
+    end_waits: bool = False  # its end report waited for the `running` report in flight
     exited: threading.Event = field(default_factory=threading.Event)  # the driver saw the sandbox end
     # A checkpointing job's (signal, grace_s) from its spec: sent grace_s before its time limit.
     checkpoint: tuple[str, float] | None = None
@@ -477,31 +478,43 @@ class Agent:
         return "started"
 
     def _report_running(self, t: Tracked) -> None:
-        """``t``'s `running` report, unless its end report took it; the end report waits for it."""
-        with t.running_lock:
-            if not t.running_due:
-                self._launch_reports.forgo()
-                return
-            try:
-                self._report_state(t.job_id, t.attempt, "running")
-            except PortalUnreachable:
-                raise  # still due: the end report carries it
-            except Exception:
+        """``t``'s `running` report, unless its end report took it. An end report meanwhile waits for
+        this one's answer (_take_running), and is woken once it is in."""
+        try:
+            with t.running_lock:
+                if not t.running_due:
+                    self._launch_reports.forgo()
+                    return
+                try:
+                    self._report_state(t.job_id, t.attempt, "running")
+                except PortalUnreachable:
+                    raise  # still due: the end report carries it
+                except Exception:
+                    t.running_due = False
+                    raise
                 t.running_due = False
-                raise
-            t.running_due = False
+        finally:
+            if t.end_waits:
+                t.end_waits = False
+                self.sandbox_ended(t.handle.ref)
 
     def _folds_running(self) -> bool:
         """Whether an end report may carry its job's `running` report (a portal taking batches)."""
         return self.batch_events and hasattr(self.client, "event_batch")
 
-    def _take_running(self, t: Tracked) -> bool:
-        """Whether ``t``'s end report is to carry its `running` report: it was not sent (and now will
-        not be by the launch, which may still be sending it: then this waits for its answer)."""
+    def _take_running(self, t: Tracked) -> bool | None:
+        """Whether ``t``'s end report is to carry its `running` report (it was not sent, and now will not
+        be by the launch); None while the launch is sending it: the end waits for its answer (the
+        launch then wakes the supervisor), never the supervisor, whom a slow portal would hold up."""
         if not t.running_due or not self._folds_running():
             return False
-        with t.running_lock:
+        if not t.running_lock.acquire(blocking=False):
+            t.end_waits = True
+            return None
+        try:
             due, t.running_due = t.running_due, False
+        finally:
+            t.running_lock.release()
         return due
 
     def expect_launches(self, n: int) -> None:
@@ -889,13 +902,20 @@ class Agent:
     def _report_batch(self, batch: list[tuple[Tracked, dict]]) -> None:
         """Send prepared end reports in one request, each after its job's `running` report where that is
         still to go (_take_running); each job's locks are held by the caller."""
-        items, ends, carried = [], [], []
+        items, ends, carried, ready = [], [], [], []
         for t, report in batch:
-            if self._take_running(t):
+            running = self._take_running(t)
+            if running is None:
+                continue  # its `running` is on its way: the end follows it
+            if running:
                 carried.append(t)
                 items.append({"job_id": t.job_id, "attempt": t.attempt, "state": "running"})
             ends.append(len(items))
             items.append({"job_id": t.job_id, "attempt": t.attempt, **report})
+            ready.append((t, report))
+        if not ready:
+            return
+        batch = ready
         try:
             results = self.client.event_batch(items)
             if len(results) == len(items):

@@ -2,6 +2,8 @@
 reported once, after its log tail, and dropped when the portal calls it stale; a portal before 1.2,
 or one that refuses the batch, gets them one by one."""
 
+import threading
+
 import pytest
 
 from agents.client import PortalError
@@ -264,3 +266,34 @@ def test_many_carried_running_reports_still_fit_the_batch_limit(holding):
     holding.agent.supervise_once()
     assert [len(b) for b in holding.portal.batches] == [EVENTS_MAX, 6]
     assert len(ends(holding)) == len(codes) and holding.agent.jobs() == {}
+
+
+def test_an_end_seen_while_running_is_in_flight_waits_for_it_without_holding_up_the_supervisor(holding):
+    """The launch is still sending `running` (a slow portal) when the job ends: the supervisor's pass
+    neither blocks on it nor reports the end before it; once `running` is in, the end follows."""
+    entered, release = threading.Event(), threading.Event()
+    event = holding.portal.event
+
+    def slow_running(job_id, attempt, state, **kw):
+        if state == "running":
+            entered.set()
+            assert release.wait(10)
+        return event(job_id, attempt, state, **kw)
+
+    holding.portal.event = slow_running
+    launching = threading.Thread(target=holding.agent.launch, args=("a", 1, SPEC))
+    launching.start()
+    try:
+        assert entered.wait(10)
+        holding.driver.exit("a", 0)
+        passed = threading.Thread(target=holding.agent.supervise_once)
+        passed.start()
+        passed.join(5)
+        assert not passed.is_alive()  # the pass did not wait for the `running` request
+        assert holding.portal.states("a") == ["starting"] and set(holding.agent.jobs()) == {("a", 1)}
+    finally:
+        release.set()
+        launching.join(10)
+    assert "sbx-1" in holding.agent._ended  # the launch woke the supervisor for the end it held up
+    holding.agent.supervise_once()
+    assert holding.portal.states("a") == ["starting", "running", "succeeded"] and holding.agent.jobs() == {}
