@@ -502,11 +502,15 @@ class Agent:
         """Whether an end report may carry its job's `running` report (a portal taking batches)."""
         return self.batch_events and hasattr(self.client, "event_batch")
 
+    def _carries_running(self, t: Tracked) -> bool:
+        """Whether ``t``'s end report goes with its `running` report, as things stand (_take_running)."""
+        return t.running_due and self._folds_running()
+
     def _take_running(self, t: Tracked) -> bool | None:
         """Whether ``t``'s end report is to carry its `running` report (it was not sent, and now will not
         be by the launch); None while the launch is sending it: the end waits for its answer (the
         launch then wakes the supervisor), never the supervisor, whom a slow portal would hold up."""
-        if not t.running_due or not self._folds_running():
+        if not self._carries_running(t):
             return False
         if not t.running_lock.acquire(blocking=False):
             t.end_waits = True
@@ -860,7 +864,7 @@ class Agent:
             report = self._end_report(t)
             if report is None:
                 return False
-            if t.running_due and self._folds_running():
+            if self._carries_running(t):
                 self._report_batch([(t, report)])
                 return t.key not in self._jobs
             return self._send_one(t, report)
@@ -887,7 +891,7 @@ class Agent:
                     ready.append((t, report))
             chunk, size = [], 0
             for t, report in ready:  # at most EVENTS_MAX reports a request, a carried `running` counted
-                need = 2 if t.running_due and self._folds_running() else 1
+                need = 2 if self._carries_running(t) else 1
                 if size + need > EVENTS_MAX:
                     self._report_batch(chunk)
                     chunk, size = [], 0
@@ -1095,9 +1099,10 @@ class Agent:
         Called from the driver's watcher thread; many ends together make one pass."""
         with self._lock:
             self._ended.add(ref)
-            for t in self._jobs.values():  # a launch holding its `running` report learns it at once
-                if t.handle.ref == ref:
-                    t.exited.set()
+            if self.running_hold_s > 0:  # a launch holding its `running` report learns of the end at once
+                for t in self._jobs.values():
+                    if t.handle.ref == ref:
+                        t.exited.set()
         self._wake.set()
 
     def _supervise(self, t: Tracked) -> bool:

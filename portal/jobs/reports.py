@@ -114,17 +114,14 @@ def _ends_next(job: Job) -> bool:
             and job.array_parent_id is None and job.state in (JobState.ASSIGNED, JobState.STARTING))
 
 
-def _running_then(job: Job, state: str, running_message: str, ends: dict) -> bool | None:
+def _running_then(job: Job, state: str, running_message: str, ends: dict) -> bool:
     """`job`'s `running` (deferred by job_report) and its end `state` in one transition, both
-    events in its timeline. True when written; None when the job moved since the batch read it
-    (the end is then applied on its own, as the `running` would not have been)."""
+    events in its timeline. False when the job moved since the batch read it (nothing written)."""
     if "started_at" not in ends:  # it started by its end at the latest
         now = timezone.now()
         ends = {**ends, "ended_at": now, "started_at": Coalesce(F("started_at"), Value(now))}
-    if transition(job.pk, to=state, from_states={JobState.ASSIGNED, JobState.STARTING},
-                  first_event=(JobState.RUNNING, running_message), **ends):
-        return True
-    return None
+    return transition(job.pk, to=state, from_states={JobState.ASSIGNED, JobState.STARTING},
+                      first_event=(JobState.RUNNING, running_message), **ends)
 
 
 def _load(job_id, attempt: int, node, *, ended: bool = False) -> Job:
@@ -247,16 +244,12 @@ def job_report(*, node, job_id, attempt: int, state: str, exit_code: int | None 
                     reason_message="" if state == JobState.SUCCEEDED else text[:300], **more)
         running_first = getattr(job, "running_first", None)
         if running_first is not None:
-            done = _running_then(job, state, running_first, ends)
-            if done is not None:
-                if done:
-                    _after_end(job)
-                return "applied" if done else "duplicate"
-            job = _load(job_id, attempt, node, ended=True)  # it moved since the batch read it: as if apart
-            if job.state in TERMINAL:
-                return "duplicate"
-            if job.state not in HOLDING or node.name not in job_nodes(job):
-                raise Conflict(f"Job {job_id} attempt {attempt} is not running on {node.name}.", code="stale")
+            if _running_then(job, state, running_first, ends):
+                _after_end(job)
+                return "applied"
+            # It moved since the batch read it: the end as if sent apart (read again, checked again).
+            return job_report(node=node, job_id=job_id, attempt=attempt, state=state, exit_code=exit_code,
+                              message=message)
         done = transition(job.pk, to=state, from_states=HOLDING, **ends)
         if done:
             _after_end(job)

@@ -14,7 +14,7 @@ from portal.jobs.models import Job, JobEvent
 from portal.jobs.services import job_submit
 from scheduler.adapter import run_pass
 from tests.conftest import agent_client
-from tests.nodes.test_events_batch import INVENTORY, post
+from tests.nodes.test_events_batch import post, registered_with_jobs
 from tests.procs import wait_for
 
 
@@ -27,11 +27,7 @@ def submit(demo, n, name="c"):
 @pytest.fixture
 def assigned(demo, monkeypatch):
     """Node gpu-01's agent client and three 1-GPU jobs assigned to it, not yet confirmed."""
-    monkeypatch.setattr("scheduler.dispatch._send", lambda *a, **k: None)
-    node = agent_client(demo)
-    assert post(node, "register", {"name": "gpu-01", "cpus": 16, "memory_mb": 65536, "sandbox": "docker",
-                                   "gpus": INVENTORY}).status_code == 200
-    node.jobs = submit(demo, 3)
+    node, node.jobs = registered_with_jobs(demo, monkeypatch, 3, "c")
     assert run_pass()["started"] == 3
     return node
 

@@ -20,16 +20,22 @@ def post(client, path, body):
     return client.post(f"/api/agent/v1/{path}", data=body, format="json")
 
 
-@pytest.fixture
-def running(demo, monkeypatch):
-    """Node gpu-01's agent client and three 1-GPU jobs running on it."""
+def registered_with_jobs(demo, monkeypatch, n: int, name: str = "j"):
+    """Node gpu-01's agent client, registered (launches are not sent), and `n` 1-GPU `true` jobs
+    alice submitted to vision, not yet scheduled."""
     monkeypatch.setattr("scheduler.dispatch._send", lambda *a, **k: None)
     node = agent_client(demo)
     assert post(node, "register", {"name": "gpu-01", "cpus": 16, "memory_mb": 65536, "sandbox": "docker",
                                    "gpus": INVENTORY}).status_code == 200
-    jobs = [job_submit(actor=Actor(user=demo.users["alice"]), data={
-        "project": "vision", "name": f"j{i}", "image": "gpuportal/busybox:latest", "command": ["true"],
-        "resources": {"gpus": 1}})[0] for i in range(3)]
+    return node, [job_submit(actor=Actor(user=demo.users["alice"]), data={
+        "project": "vision", "name": f"{name}{i}", "image": "gpuportal/busybox:latest", "command": ["true"],
+        "resources": {"gpus": 1}})[0] for i in range(n)]
+
+
+@pytest.fixture
+def running(demo, monkeypatch):
+    """Node gpu-01's agent client and three 1-GPU jobs running on it."""
+    node, jobs = registered_with_jobs(demo, monkeypatch, 3)
     run_pass()
     for job in jobs:
         assert post(node, f"jobs/{job.pk}/confirm", {"attempt": 1}).status_code == 200
@@ -181,13 +187,7 @@ def test_a_batch_rolled_back_by_a_deadlock_mails_and_passes_from_its_one_by_one_
 @pytest.fixture
 def confirmed(demo, monkeypatch):
     """Node gpu-01's agent client and a 1-GPU job it has just confirmed (starting)."""
-    monkeypatch.setattr("scheduler.dispatch._send", lambda *a, **k: None)
-    node = agent_client(demo)
-    assert post(node, "register", {"name": "gpu-01", "cpus": 16, "memory_mb": 65536, "sandbox": "docker",
-                                   "gpus": INVENTORY}).status_code == 200
-    job = job_submit(actor=Actor(user=demo.users["alice"]), data={
-        "project": "vision", "name": "quick", "image": "gpuportal/busybox:latest", "command": ["true"],
-        "resources": {"gpus": 1}})[0]
+    node, (job,) = registered_with_jobs(demo, monkeypatch, 1, "quick")
     run_pass()
     assert post(node, f"jobs/{job.pk}/confirm", {"attempt": 1}).status_code == 200
     return node, job
