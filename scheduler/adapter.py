@@ -601,10 +601,11 @@ def _plan_record(digest: str | None, now, plan: core.Plan, context, queued: int)
             "fragmented": len(plan.fragmented), "queued": queued}
 
 
-def run_pass(*, wait: bool = False) -> dict:
+def run_pass(*, wait: bool = False, task_id: str | None = None) -> dict:
     """One scheduling pass (see the module docstring for the steps). With `wait` (the task), a
     pass that finds another running waits for it instead of returning: a requested pass is never
-    dropped, and requests coalesce before they are queued (portal/core/passes.py)."""
+    dropped, and requests coalesce before they are queued (portal/core/passes.py); `task_id`: the
+    task's, which tells a requested pass from beat's."""
     t0 = time.perf_counter()
     launches: list[tuple[str, int, int]] = []
     stops: list[tuple[str, int, int, int, str | None]] = []
@@ -622,7 +623,7 @@ def run_pass(*, wait: bool = False) -> dict:
             locks.xact_lock(locks.SCHEDULE_PASS)
         elif not locks.try_xact_lock(locks.SCHEDULE_PASS):
             return {"skipped": "another scheduling pass is running"}
-        pass_begins()  # requests from now on ask for the next pass
+        pass_begins(task_id)  # requests from now on ask for the next pass
         now = timezone.now()
         cancelled = _cancel_failed_dependents()
         _usage_fold_when_due()

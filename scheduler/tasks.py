@@ -4,6 +4,7 @@ from celery import shared_task
 from .adapter import run_pass
 
 
-@shared_task(name="scheduler.schedule_pass", ignore_result=True)
-def schedule_pass() -> dict:
-    return run_pass(wait=True)
+@shared_task(name="scheduler.schedule_pass", ignore_result=True, bind=True)
+def schedule_pass(self) -> dict:
+    # Its id tells the pass whether it is the one a request queued (portal/core/passes.py).
+    return run_pass(wait=True, task_id=self.request.id)

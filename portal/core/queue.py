@@ -17,12 +17,12 @@ log = logging.getLogger(__name__)
 SCHEDULE_PASS = "scheduler.schedule_pass"  # scheduler/tasks.py
 
 
-def send(name: str, *, args=(), queue: str, countdown: float = 0.0) -> bool:
-    """Publish the task `name` (to run after `countdown` seconds); False (and a warning) when the
-    broker cannot be reached."""
+def send(name: str, *, args=(), queue: str, countdown: float = 0.0, task_id: str | None = None) -> bool:
+    """Publish the task `name` (to run after `countdown` seconds; with this id, else a new one);
+    False (and a warning) when the broker cannot be reached."""
     try:
         # No retries: a broker hiccup must not hang or fail the request that asked.
-        app.send_task(name, args=list(args), queue=queue, retry=False, countdown=countdown or None)
+        app.send_task(name, args=list(args), queue=queue, retry=False, countdown=countdown or None, task_id=task_id)
     except Exception as exc:  # kombu raises several types for an unreachable broker
         log.warning("could not queue %s%s: %s", name, list(args), exc)
         return False
@@ -36,6 +36,6 @@ def request_schedule_pass() -> None:
 
 def _publish_schedule_pass() -> None:
     # Coalesced: nothing is queued while a requested pass has not begun (portal/core/passes.py).
-    countdown = passes.pass_request()
-    if countdown is not None and not send(SCHEDULE_PASS, queue="scheduler", countdown=countdown):
+    wanted = passes.pass_request()
+    if wanted is not None and not send(SCHEDULE_PASS, queue="scheduler", countdown=wanted[0], task_id=wanted[1]):
         passes.pass_request_failed()

@@ -22,6 +22,7 @@ def test_an_eager_task_leaves_its_callers_connection_alone():
 
 @pytest.mark.django_db(transaction=True)
 def test_a_worker_task_closes_a_connection_past_its_age(monkeypatch):
+    connection.close()  # a young one: this process's may be older than CONN_MAX_AGE by now
     connection.ensure_connection()
     worker_task = SimpleNamespace(request=SimpleNamespace(is_eager=False))
     _reuse_connections(task=worker_task)  # young and usable: kept

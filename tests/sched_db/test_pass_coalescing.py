@@ -1,6 +1,7 @@
 """Passes coalesce (portal/core/passes.py): a burst of submits queues one pass until that pass
-begins, the task waits for a running pass instead of being dropped, and no notification task is
-queued for an end nobody asked to hear about."""
+begins, a pass nobody requested (beat's) leaves the request to the pass it queued, the task waits
+for a running pass instead of being dropped, and no notification task is queued for an end nobody
+asked to hear about."""
 import threading
 
 import pytest
@@ -20,11 +21,12 @@ from tests.conftest import submit as submit_job
 
 @pytest.fixture
 def published(monkeypatch):
-    """What the portal queues (task name, countdown), instead of the broker."""
+    """What the portal queues (task name, countdown, task id), instead of the broker."""
     assert passes.shared_cache(), "these tests need the Redis cache: set REDIS_URL (make test does)"
     calls = []
     monkeypatch.setattr("portal.core.queue.app.send_task",
-                        lambda name, args=(), queue=None, countdown=None, **kw: calls.append((name, countdown)))
+                        lambda name, args=(), queue=None, countdown=None, task_id=None, **kw:
+                        calls.append((name, countdown, task_id)))
     monkeypatch.setattr("scheduler.dispatch._send", lambda *a, **k: None)
     cache.delete(passes.FLAG)
     yield calls
@@ -37,24 +39,60 @@ def submit(demo, n, **over):
 
 
 def passes_queued(calls) -> list:
-    return [countdown for name, countdown in calls if name == "scheduler.schedule_pass"]
+    return [countdown for name, countdown, _ in calls if name == "scheduler.schedule_pass"]
+
+
+def queued_pass(calls) -> str:
+    """The id of the one pass queued in `calls`, as the worker runs it."""
+    (task_id,) = [task_id for name, _, task_id in calls if name == "scheduler.schedule_pass"]
+    assert task_id
+    return task_id
 
 
 @pytest.mark.django_db(transaction=True)
 def test_a_burst_of_submits_queues_one_pass_until_it_begins(demo, published):
     node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="8xH100-80GB")
-    assert len(passes_queued(published)) == 1  # the new node asked for one
-    run_pass()  # it begins
+    run_pass(task_id=queued_pass(published))  # the new node asked for one; it begins
     published.clear()
     submit(demo, 40)
     assert len(passes_queued(published)) == 1
     with override_settings(SCHEDULER_PASS_INTERVAL_S=60):
-        result = run_pass()  # the queued pass begins: the next request queues the next pass
+        result = run_pass(task_id=queued_pass(published))  # it begins: the next request queues the next pass
         assert result["started"] == 8 and result["queued"] == 40
         submit(demo, 20)
     (_, later) = passes_queued(published)
     # Passes start SCHEDULER_PASS_INTERVAL_S apart: the one queued right after a pass waits the rest.
     assert 50 < later <= 60
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_pass_nobody_requested_leaves_the_request_to_its_pass(demo, published):
+    """Beat's pass (or a direct call) while a requested one waits: requests made after it still
+    coalesce into the waiting pass, so beat never adds a second task that would keep re-queueing."""
+    node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="8xH100-80GB")
+    requested = queued_pass(published)
+    published.clear()
+    for _ in range(3):
+        run_pass(task_id="beat-" + requested)  # beat's, and others not requested
+        submit(demo, 5)
+        assert passes_queued(published) == []  # the requested pass will see them
+    assert "skipped" not in run_pass(task_id=requested)
+    submit(demo, 2)
+    assert len(passes_queued(published)) == 1  # the requested pass began: the next is queued
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_request_whose_pass_was_lost_is_cleared_by_the_next_pass(demo, published, monkeypatch):
+    node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="8xH100-80GB")
+    queued_pass(published)  # never runs: its message was lost
+    published.clear()
+    run_pass()
+    submit(demo, 1)
+    assert passes_queued(published) == []  # not stale yet: it may still come
+    monkeypatch.setattr(passes, "STALE_S", -1.0)  # now it is
+    run_pass()
+    submit(demo, 1)
+    assert len(passes_queued(published)) == 1
 
 
 @pytest.mark.django_db(transaction=True)
@@ -110,9 +148,9 @@ def test_a_notification_task_is_queued_only_when_the_submitter_wants_the_mail(de
     # Defaults: success is not mailed, failure is.
     assert transition(jobs[0].pk, to=JobState.SUCCEEDED, from_states=HOLDING, attempt=jobs[0].attempt)
     assert transition(jobs[1].pk, to=JobState.FAILED, from_states=HOLDING, attempt=jobs[1].attempt)
-    assert [name for name, _ in published if name == "jobs.notify"] == ["jobs.notify"]
+    assert [name for name, *_ in published if name == "jobs.notify"] == ["jobs.notify"]
     NotificationPreference.objects.update_or_create(user=demo.users["alice"], defaults={"job_succeeded": True})
     published.clear()
     assert transition(jobs[2].pk, to=JobState.SUCCEEDED, from_states=HOLDING, attempt=jobs[2].attempt)
-    assert [name for name, _ in published if name == "jobs.notify"] == ["jobs.notify"]
+    assert [name for name, *_ in published if name == "jobs.notify"] == ["jobs.notify"]
 
