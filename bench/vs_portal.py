@@ -7,6 +7,8 @@ every job has ended, and prints one JSON line:
 
 - submit_rate_jobs_s: N / the client's wall time;
 - makespan_s: first submit to last end (the database's submitted_at and ended_at);
+- passes: the scheduling passes that ran meanwhile and found something changed (the worker's log;
+  one that finds nothing changed logs at debug level only);
 - cpu_s: CPU seconds during the run of the control plane (gunicorn, the worker, beat, Redis,
   PostgreSQL) and of the agents (their process groups; jobs run in sessions of their own);
   jobs: what the agents' reaped children took, each job's supervisor (the process
@@ -31,6 +33,7 @@ import tests.faults.cluster as fc  # noqa: E402
 from tests.procs import wait_for  # noqa: E402
 
 NODES, GPUS_PER_NODE = 16, 8
+PASS_LINE = "scheduling pass: "  # the worker's line for each pass that found something changed
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -95,8 +98,11 @@ TIMERS = {"NODE_HEARTBEAT_INTERVAL_S": "5", "AGENT_LEASE_S": "15", "AGENT_FENCE_
 
 def production(c: fc.Cluster) -> None:
     """Production settings (the fault suite runs with DEBUG on, whose query log costs CPU of its own),
-    over plain HTTP on loopback as gunicorn behind nginx sees it."""
-    c.env.update({"GUNICORN_WORKERS": "4", "GUNICORN_THREADS": "1", "LOG_LEVEL": "WARNING", "DEBUG": "0",
+    over plain HTTP on loopback as gunicorn behind nginx sees it: 4 workers of deploy/gunicorn.conf.py's
+    default 2 threads, which keep a client's connection open between requests (as nginx's upstream
+    keepalive does), where one thread (a sync worker) closed it after each."""
+    c.env.pop("GUNICORN_THREADS", None)
+    c.env.update({"GUNICORN_WORKERS": "4", "LOG_LEVEL": "WARNING", "DEBUG": "0",
                   "SECRET_KEY": "vs-slurm-" + "abcdefghij" * 6, "ALLOWED_HOSTS": "127.0.0.1,localhost",
                   "SECURE_SSL_REDIRECT": "0", "SESSION_COOKIE_SECURE": "0", "CSRF_COOKIE_SECURE": "0"})
 
@@ -145,6 +151,7 @@ def main() -> int:
         before = {k: cpu_of(v, reaped) for k, v in groups(c).items()}
         # The agents' groups hold each agent and its process spawner, which reaps the jobs' supervisors.
         jobs_before = children_cpu(groups(c)["agents"])
+        passes_before = c.log("worker").count(PASS_LINE)
         t0 = time.perf_counter()
         submit_all(c, args.jobs)
         submit_s = time.perf_counter() - t0
@@ -167,7 +174,8 @@ def main() -> int:
             "bench": "gpuportal", "nodes": NODES, "gpus_per_node": GPUS_PER_NODE, "jobs": args.jobs,
             "succeeded": succeeded, "submit_s": round(submit_s, 2),
             "submit_rate_jobs_s": round(args.jobs / submit_s, 1), "makespan_s": round(float(makespan), 2),
-            "wall_until_done_s": round(wall_s, 2), "cpu_s": cpu,
+            "wall_until_done_s": round(wall_s, 2), "passes": c.log("worker").count(PASS_LINE) - passes_before,
+            "cpu_s": cpu,
             "p50_p95_s": {name: [round(float(v), 3) for v in values] for name, values in zip(
                 ("submit_to_assigned", "assigned_to_running", "running_to_end"), phases)},
             "cpu_ms_per_job": {k: round(v * 1000 / args.jobs, 1) for k, v in cpu.items()},
