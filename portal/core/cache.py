@@ -91,24 +91,24 @@ def _window_uncount(self, key: str, window: int) -> None:
 
 def _flag_and_get(self, flag: str, ttl_s: int, other: str, value: str):
     """Set ``flag`` to ``value`` unless it is set (as ``add``) and read ``other``, in one round trip:
-    (whether the flag was set now, ``other``'s value or None). Both are plain strings, not the
+    (whether the flag was set now, ``other``'s bytes or None). Both are plain strings, not the
     cache's serialized values: ``flag_clear`` compares them in Redis."""
     flag_key, other_key = self.make_key(flag), self.make_key(other)
     pipeline = self._cache.get_client(flag_key, write=True).pipeline(transaction=False)
     pipeline.set(flag_key, value, nx=True, ex=ttl_s)
     pipeline.get(other_key)
     added, raw = pipeline.execute()
-    return bool(added), None if raw is None else raw.decode()
+    return bool(added), raw
 
 
 # Set KEYS[2] to ARGV[3] (for ARGV[4] s), then delete the flag KEYS[1] ("<set at> <owner>") if
-# ARGV[1] owns it or it was set before ARGV[2].
+# ARGV[1] owns it, it was set before ARGV[2], or it is in no such form (an older portal's "1").
 _FLAG_CLEAR = """
 redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[4])
 local v = redis.call('GET', KEYS[1])
 if not v then return 0 end
 local at, owner = string.match(v, '^(%S+) (%S+)$')
-if owner == ARGV[1] or (at and tonumber(at) < tonumber(ARGV[2])) then
+if owner == ARGV[1] or not tonumber(at) or tonumber(at) < tonumber(ARGV[2]) then
   return redis.call('DEL', KEYS[1])
 end
 return 0
@@ -117,8 +117,8 @@ return 0
 
 def _flag_clear(self, flag: str, owner: str, set_before: float, other: str, other_value: str, ttl_s: int) -> bool:
     """In one round trip: set ``other`` to ``other_value`` (a plain string, for ``ttl_s``), and delete
-    ``flag`` (as ``flag_and_get`` set it: "<set at> <owner>") if ``owner`` set it or it was set
-    before ``set_before``. Whether the flag was deleted."""
+    ``flag`` (as ``flag_and_get`` set it: "<set at> <owner>") if ``owner`` set it, it was set
+    before ``set_before``, or it is not in that form. Whether the flag was deleted."""
     flag_key, other_key = self.make_key(flag), self.make_key(other)
     client = self._cache.get_client(flag_key, write=True)
     return bool(client.eval(_FLAG_CLEAR, 2, flag_key, other_key, owner, repr(set_before), other_value, ttl_s))

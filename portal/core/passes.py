@@ -27,7 +27,10 @@ from django.conf import settings
 from django.core.cache import cache
 
 FLAG = "scheduler:pass-requested"
-LAST_START = "scheduler:pass-started-at"
+# A plain number (the epoch seconds), read and written outside the cache's serializer. The key
+# before the flag named its task held the serializer's pickled float; a portal of either version
+# reads only its own key, so neither meets the other's form during an upgrade.
+LAST_START = "scheduler:pass-started"
 FLAG_TTL_S = 60
 STALE_S = 10.0  # a requested pass not begun by then was lost: any pass clears its flag
 
@@ -48,7 +51,11 @@ def pass_request() -> tuple[float, str | None] | None:
     added, last = cache.flag_and_get(FLAG, FLAG_TTL_S, LAST_START, f"{now!r} {task_id}")
     if not added:
         return None
-    return (max(0.0, float(last) + settings.SCHEDULER_PASS_INTERVAL_S - now) if last else 0.0), task_id
+    try:
+        last = float(last) if last else None
+    except ValueError:  # not a number (written by hand?): as if none
+        last = None
+    return (max(0.0, last + settings.SCHEDULER_PASS_INTERVAL_S - now) if last else 0.0), task_id
 
 
 def pass_request_failed() -> None:

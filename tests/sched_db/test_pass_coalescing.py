@@ -154,3 +154,26 @@ def test_a_notification_task_is_queued_only_when_the_submitter_wants_the_mail(de
     assert transition(jobs[2].pk, to=JobState.SUCCEEDED, from_states=HOLDING, attempt=jobs[2].attempt)
     assert [name for name, *_ in published if name == "jobs.notify"] == ["jobs.notify"]
 
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_last_start_that_is_not_a_number_does_not_fail_a_request(demo, published):
+    """The last start is read outside the cache's serializer: a value in another form (here the
+    serializer's pickled float) counts as none (a pass at once), not a 500."""
+    cache.set(passes.LAST_START, 1.5e9, timeout=60)
+    try:
+        node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="8xH100-80GB")
+    finally:
+        cache.delete(passes.LAST_START)
+    assert passes_queued(published) == [None]  # published at once: no countdown
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_flag_in_another_form_is_cleared_by_the_next_pass(demo, published):
+    """An older portal set the flag to "1": no pass names it, so the next pass clears it."""
+    node_add(actor=Actor(user=demo.users["admin"]), name="gpu-01", gpus="8xH100-80GB")
+    cache.set(passes.FLAG, 1, timeout=60)
+    published.clear()
+    run_pass()
+    submit(demo, 1)
+    assert len(passes_queued(published)) == 1
