@@ -56,7 +56,9 @@ def rows(portal, slurm):
             ("node-side CPU per job (ms)", portal["cpu_ms_per_job"]["agents"],
              slurm and round(slurm["cpu_s"]["slurmd_all"] * 1000 / jobs, 1)),
             # Each job's supervisor and the job; Slurm's bench counts no slurmstepd.
-            ("job supervisor + job CPU per job (ms)", portal["cpu_ms_per_job"].get("jobs"), None)]
+            ("job supervisor + job CPU per job (ms)", portal["cpu_ms_per_job"].get("jobs"), None),
+            # About makespan / SCHEDULER_PASS_INTERVAL_S when passes coalesce (docs/design.md section 10).
+            ("scheduling passes that changed something", portal.get("passes"), None)]
 
 
 ratios: dict[str, list[float]] = {}
