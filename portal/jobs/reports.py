@@ -116,10 +116,8 @@ def _ends_next(job: Job) -> bool:
 
 def _running_then(job: Job, state: str, running_message: str, ends: dict) -> bool:
     """`job`'s `running` (deferred by job_report) and its end `state` in one transition, both
-    events in its timeline. False when the job moved since the batch read it (nothing written)."""
-    if "started_at" not in ends:  # it started by its end at the latest
-        now = timezone.now()
-        ends = {**ends, "ended_at": now, "started_at": Coalesce(F("started_at"), Value(now))}
+    events in its timeline (transition gives it a start with its `running`). False when the job
+    moved since the batch read it (nothing written)."""
     return transition(job.pk, to=state, from_states={JobState.ASSIGNED, JobState.STARTING},
                       first_event=(JobState.RUNNING, running_message), **ends)
 

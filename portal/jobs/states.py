@@ -37,7 +37,7 @@ def transition(job_id: int, *, to: str, from_states, attempt: int | None = None,
     if to in TERMINAL:
         values.setdefault("ended_at", now)
         values.setdefault("queue_position", None)
-    if to == JobState.RUNNING:
+    if to == JobState.RUNNING or (first_event is not None and first_event[0] == JobState.RUNNING):
         # First start only: a requeued job keeps its original start for wait-time metrics.
         values.setdefault("started_at", Coalesce(F("started_at"), Value(now)))
     if connection.vendor == "postgresql" and (to in HOLDING or array_parent_id is None):
